@@ -1,0 +1,44 @@
+"""What every model adapter shares: the hook name and the records of what was patched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+HOOK_NAME = "toma"
+
+
+@dataclass(frozen=True)
+class Patched:
+    """One merged sub-module.
+
+    Attributes:
+        name: its qualified name inside the denoiser.
+        module: the module itself.
+        where: a short human description (resolution level, stream).
+        downsample: token-grid downsample factor relative to the model's input grid.
+    """
+
+    name: str
+    module: torch.nn.Module
+    where: str
+    downsample: int = 1
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A block that could have been merged but was not, and why."""
+
+    name: str
+    reason: str
+
+
+def timestep_value(timestep: Any) -> float | None:
+    """The denoising timestep as a Python float (first batch element), or None if absent."""
+    if timestep is None:
+        return None
+    if isinstance(timestep, torch.Tensor):
+        return float(timestep.reshape(-1)[0]) if timestep.numel() else None
+    return float(timestep)

@@ -1,0 +1,247 @@
+"""Adapter for ``FluxTransformer2DModel`` (Flux.1 dev/schnell and relatives).
+
+Only image tokens are merged; the text tokens always pass at full length. A merged token
+takes the rotary position of its destination.
+
+* Double-stream blocks: the attention processor is swapped for one that merges the image
+  stream before the Q/K/V projections and unmerges it after the output projection (rows of
+  the unmerge matrix sum to 1, so unmerging after the affine projection equals unmerging
+  before it, on fewer tokens). The MLPs run at full resolution.
+* Single-stream blocks: a hook on the block's norm merges the image part of its output, so
+  that attention and the parallel MLP both run on ``[text; merged image]``; the processor
+  applies per-batch rotary embeddings; a hook on ``proj_out`` unmerges the image part
+  before the gated residual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxTransformer2DModel
+
+from toma.adapters.base import HOOK_NAME, Patched, Skipped, timestep_value
+from toma.config import ToMAConfig
+from toma.plan import Plan, PlanCache
+
+DEFAULT_SKIP = 5  # the authors leave the first 5 double and 5 single blocks unmerged
+
+
+def matches(model: torch.nn.Module) -> bool:
+    """Whether the model is a Flux transformer."""
+    return isinstance(model, FluxTransformer2DModel)
+
+
+def default_blocks(count: int) -> tuple[int, ...]:
+    """Blocks merged by default: all but the first ``min(5, count // 2)``."""
+    return tuple(range(min(DEFAULT_SKIP, count // 2), count))
+
+
+def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
+    """List the blocks to merge (and those skipped, with why). Touches nothing."""
+    targets: list[Patched] = []
+    skipped: list[Skipped] = []
+    streams = [
+        ("transformer_blocks", "flux_double_blocks", config.flux_double_blocks, "double"),
+        ("single_transformer_blocks", "flux_single_blocks", config.flux_single_blocks, "single"),
+    ]
+    for attr, option, chosen, stream in streams:
+        blocks = getattr(model, attr)
+        if chosen is None:
+            chosen = default_blocks(len(blocks))
+        bad = [i for i in chosen if i >= len(blocks)]
+        if bad:
+            raise ValueError(f"{option} must hold indices in [0, {len(blocks) - 1}]; got {bad}")
+        for i, block in enumerate(blocks):
+            name = f"{attr}.{i}"
+            if i not in chosen:
+                skipped.append(Skipped(name, f"not in {option}"))
+            elif type(block.attn.processor) is not FluxAttnProcessor:
+                kind = type(block.attn.processor).__name__
+                skipped.append(Skipped(name, f"attention processor {kind} is not FluxAttnProcessor"))
+            else:
+                targets.append(Patched(name, block, f"{stream}-stream"))
+    return targets, skipped
+
+
+def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
+    """Register hooks and processors; returns every module that got a hook (for removal)."""
+    hooked = [model]
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(_FluxStepHook(cache), HOOK_NAME)
+    for target in targets:
+        block = target.module
+        if target.where.startswith("double"):
+            block.attn.set_processor(_MergedFluxProcessor(cache, block.attn.processor, None))
+            continue
+        state = _SingleBlockState()
+        block.attn.set_processor(_MergedFluxProcessor(cache, block.attn.processor, state))
+        for module, hook in ((block.norm, _SingleMergeHook(cache, state)), (block.proj_out, _SingleUnmergeHook(state))):
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
+            hooked.append(module)
+    return hooked
+
+
+def detach(targets: list[Patched]) -> None:
+    """Put back the attention processors that :func:`attach` replaced."""
+    for target in targets:
+        processor = target.module.attn.processor
+        if isinstance(processor, _MergedFluxProcessor):
+            target.module.attn.set_processor(processor.original)
+
+
+def image_grid(img_ids: torch.Tensor) -> tuple[int, int]:
+    """Token grid ``(h, w)`` of raster-ordered Flux image ids ``(N, 3)`` (or ``(B, N, 3)``)."""
+    ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+    first, last = ids[0, 1:].tolist(), ids[-1, 1:].tolist()
+    return int(last[0] - first[0]) + 1, int(last[1] - first[1]) + 1
+
+
+class _FluxStepHook(ModelHook):
+    """Records the image token grid (from ``img_ids``) and the timestep at each forward."""
+
+    def __init__(self, cache: PlanCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        img_ids = kwargs.get("img_ids")
+        grid = image_grid(img_ids) if img_ids is not None else (0, 0)
+        # grids we cannot read (extra conditioning tokens, odd ids) simply get no merging
+        if grid[0] * grid[1] != hidden.shape[1]:
+            grid = (0, 0)
+        self.cache.begin_forward(grid, timestep_value(kwargs.get("timestep")))
+        return args, kwargs
+
+
+class _SingleBlockState:
+    """The plan one single-stream block is using between its norm and its ``proj_out``."""
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.text_len = 0
+
+
+class _SingleMergeHook(ModelHook):
+    """On the single-stream norm: merges the image part of the normalised tokens."""
+
+    def __init__(self, cache: PlanCache, state: _SingleBlockState) -> None:
+        super().__init__()
+        self.cache = cache
+        self.state = state
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        normed, gate = output
+        grid = self.cache.grid_at(1)
+        self.state.plan = None
+        if grid is None or grid[0] * grid[1] == 0 or normed.shape[1] <= grid[0] * grid[1]:
+            return output
+        text_len = normed.shape[1] - grid[0] * grid[1]
+        plan = self.cache.get(normed[:, text_len:], grid, group="single")
+        if plan is None:
+            return output
+        self.state.plan, self.state.text_len = plan, text_len
+        merged = torch.cat([normed[:, :text_len], plan.merge(normed[:, text_len:])], dim=1)
+        return merged, gate
+
+
+class _SingleUnmergeHook(ModelHook):
+    """On the single-stream ``proj_out``: unmerges the image part of its output."""
+
+    def __init__(self, state: _SingleBlockState) -> None:
+        super().__init__()
+        self.state = state
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        plan, self.state.plan = self.state.plan, None
+        if plan is None:
+            return output
+        t = self.state.text_len
+        return torch.cat([output[:, :t], plan.unmerge(output[:, t:])], dim=1)
+
+
+class _MergedFluxProcessor:
+    """Flux attention on merged image tokens, with per-batch rotary embeddings.
+
+    Falls back to the original processor whenever no plan applies (ratio 0, unknown grid,
+    an attention mask).
+    """
+
+    def __init__(self, cache: PlanCache, original: Any, single: _SingleBlockState | None) -> None:
+        self.cache = cache
+        self.original = original
+        self.single = single
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        args = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        if self.single is not None:
+            plan, text_len = self.single.plan, self.single.text_len
+        else:
+            grid = self.cache.grid_at(1)
+            plan = None if grid is None else self.cache.get(hidden_states, grid, group="double")
+            text_len = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
+        if plan is None or attention_mask is not None or image_rotary_emb is None:
+            if self.single is not None and plan is not None:
+                raise RuntimeError("ToMA merged a single-stream block whose attention cannot run merged")
+            return self.original(*args)
+        if self.single is None:
+            hidden_states = plan.merge(hidden_states)
+        query, key, value = _projections(attn, hidden_states, "to_qkv", ("to_q", "to_k", "to_v"))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
+            eq, ek, ev = _projections(attn, encoder_hidden_states, "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
+            query = torch.cat([attn.norm_added_q(eq), query], dim=1)
+            key = torch.cat([attn.norm_added_k(ek), key], dim=1)
+            value = torch.cat([ev, value], dim=1)
+        cos, sin = (_merged_rotary(t, text_len, plan) for t in image_rotary_emb)
+        query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
+        out = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            backend=getattr(self.original, "_attention_backend", None),
+            parallel_config=getattr(self.original, "_parallel_config", None),
+        )
+        out = out.flatten(2, 3).to(query.dtype)
+        if self.single is not None:
+            return out  # proj_out's hook unmerges after the block's own projection
+        text, image = out[:, :text_len], out[:, text_len:]
+        image = plan.unmerge(attn.to_out[1](attn.to_out[0](image.contiguous())))
+        return image, attn.to_add_out(text.contiguous())
+
+
+def _projections(attn: torch.nn.Module, x: torch.Tensor, fused: str, separate: tuple[str, str, str]) -> list:
+    """Q, K, V as ``(B, S, heads, head_dim)``, from fused or separate projections."""
+    if getattr(attn, "fused_projections", False) and hasattr(attn, fused):
+        qkv = getattr(attn, fused)(x).chunk(3, dim=-1)
+    else:
+        qkv = [getattr(attn, name)(x) for name in separate]
+    return [t.unflatten(-1, (-1, attn.head_dim)) for t in qkv]
+
+
+def _merged_rotary(table: torch.Tensor, text_len: int, plan: Plan) -> torch.Tensor:
+    """Rotary table ``(text + N, D)`` for ``[text; merged image]``: ``(Bp, text + K, D)``."""
+    image = table[text_len:][plan.dest_tokens]
+    text = table[:text_len].expand(image.shape[0], -1, -1)
+    return torch.cat([text, image], dim=1)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Flux's interleaved rotary embedding with a per-batch table.
+
+    Args:
+        x: ``(B, S, heads, D)``.
+        cos, sin: ``(Bp, S, D)`` with ``Bp`` 1 or B.
+    """
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (x.float() * cos[:, :, None, :] + rotated.float() * sin[:, :, None, :]).to(x.dtype)

@@ -1,0 +1,124 @@
+"""Adapter for diffusers UNets whose attention is ``BasicTransformerBlock`` (SD 1.x/2.x, SDXL).
+
+Each merged sub-module of a transformer block (self-attention, optionally cross-attention
+and the MLP) computes ``F(norm(x))`` on a residual stream. A diffusers hook on the
+sub-module merges its input tokens and unmerges its output, so ``x + U F(M norm(x))``
+replaces ``x + F(norm(x))`` and the residual stays at full resolution. A hook on the UNet
+itself records the latent size and counts denoising steps for plan reuse.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.models.attention import BasicTransformerBlock
+
+from toma.adapters.base import HOOK_NAME, Patched, Skipped, timestep_value
+from toma.config import ToMAConfig
+from toma.plan import Plan, PlanCache
+
+_LEVEL = re.compile(r"^(down_blocks|up_blocks)\.(\d+)\.|^(mid_block)\.")
+
+
+def matches(model: torch.nn.Module) -> bool:
+    """Whether the model is a UNet with ``down_blocks``/``up_blocks`` and transformer blocks."""
+    return (
+        hasattr(model, "down_blocks")
+        and hasattr(model, "up_blocks")
+        and any(isinstance(m, BasicTransformerBlock) for m in model.modules())
+    )
+
+
+def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
+    """List the sub-modules to merge (and the transformer blocks skipped, with why).
+
+    Touches nothing: this runs before any patching so that errors leave the model as is.
+    """
+    levels = len(model.down_blocks)
+    blocks: list[tuple[str, BasicTransformerBlock, int]] = []
+    skipped: list[Skipped] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, BasicTransformerBlock):
+            continue
+        found = _LEVEL.match(name)
+        if found is None:
+            skipped.append(Skipped(name, "not inside down_blocks, mid_block or up_blocks"))
+            continue
+        if found.group(3):
+            downsample = 2 ** (levels - 1)
+        elif found.group(1) == "down_blocks":
+            downsample = 2 ** int(found.group(2))
+        else:
+            downsample = 2 ** (len(model.up_blocks) - 1 - int(found.group(2)))
+        blocks.append((name, module, downsample))
+    attention_levels = sorted({ds for _, _, ds in blocks})
+    merged_levels = set(attention_levels[: config.levels])
+    targets: list[Patched] = []
+    for name, block, ds in blocks:
+        if ds not in merged_levels:
+            skipped.append(Skipped(name, f"downsample {ds} is not among the merged levels {sorted(merged_levels)}"))
+            continue
+        parts = [("attn1", config.merge_attn), ("attn2", config.merge_crossattn), ("ff", config.merge_mlp)]
+        for part, wanted in parts:
+            sub = getattr(block, part, None)
+            if wanted and sub is not None:
+                targets.append(Patched(f"{name}.{part}", sub, f"downsample {ds}", ds))
+    return targets, skipped
+
+
+def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
+    """Register the hooks; returns every module that got one (for removal)."""
+    hooked = [model]
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(_UNetStepHook(cache), HOOK_NAME)
+    for target in targets:
+        registry = HookRegistry.check_if_exists_or_initialize(target.module)
+        registry.register_hook(_TokenMergeHook(cache, target.downsample), HOOK_NAME)
+        hooked.append(target.module)
+    return hooked
+
+
+class _UNetStepHook(ModelHook):
+    """Records the latent grid and the timestep at each UNet forward."""
+
+    def __init__(self, cache: PlanCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        sample = args[0] if args else kwargs["sample"]
+        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        self.cache.begin_forward(tuple(sample.shape[-2:]), timestep_value(timestep))
+        return args, kwargs
+
+
+class _TokenMergeHook(ModelHook):
+    """Merges the first input ``(B, N, C)`` of a sub-module and unmerges its output."""
+
+    def __init__(self, cache: PlanCache, downsample: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.downsample = downsample
+        self._plan: Plan | None = None
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        self._plan = None
+        x = args[0] if args else kwargs.get("hidden_states")
+        grid = self.cache.grid_at(self.downsample)
+        # a mask over the full sequence would not fit the merged one: leave such calls alone
+        if x is None or x.ndim != 3 or grid is None or kwargs.get("attention_mask") is not None:
+            return args, kwargs
+        plan = self.cache.get(x, grid, group=grid)
+        if plan is None:
+            return args, kwargs
+        self._plan = plan
+        merged = plan.merge(x)
+        if args:
+            return (merged, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": merged}
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        plan, self._plan = self._plan, None
+        return output if plan is None else plan.unmerge(output)

@@ -1,0 +1,150 @@
+"""Public entry points: :func:`apply_toma`, :func:`remove_toma` and :func:`get_toma`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry
+
+from toma.adapters import adapter_for
+from toma.adapters import flux as flux_adapter
+from toma.adapters.base import HOOK_NAME, Patched, Skipped
+from toma.config import ToMAConfig, make_config
+from toma.plan import PlanCache
+
+_ATTR = "_toma_patch"
+_DENOISER_ATTRS = ("unet", "transformer")
+
+
+@dataclass
+class ToMAPatch:
+    """What :func:`apply_toma` did to one denoiser; ``print()`` it for a summary.
+
+    Attributes:
+        config: the settings in force.
+        adapter: the model family adapter used (``"unet"`` or ``"flux"``).
+        patched: the merged sub-modules.
+        skipped: blocks left unmerged, with why.
+        cache: the plan cache shared by the merged sub-modules.
+    """
+
+    config: ToMAConfig
+    adapter: str
+    patched: list[Patched]
+    skipped: list[Skipped]
+    cache: PlanCache = field(repr=False)
+    _hooked: list[torch.nn.Module] = field(default_factory=list, repr=False)
+
+    def summary(self) -> str:
+        """A readable list of merged and skipped blocks and the settings."""
+        settings = ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())
+        lines = [f"ToMA ({self.adapter} adapter): {len(self.patched)} merged, {len(self.skipped)} skipped", f"  settings: {settings}"]
+        lines += [f"  merged  {p.name}  [{p.where}]" for p in self.patched]
+        lines += [f"  skipped {s.name}  ({s.reason})" for s in self.skipped]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def apply_toma(
+    pipe_or_model: Any,
+    ratio: float | ToMAConfig | None = None,
+    *,
+    config: ToMAConfig | None = None,
+    **options: Any,
+) -> ToMAPatch:
+    """Make a diffusers pipeline or denoiser merge tokens with ToMA.
+
+    Args:
+        pipe_or_model: a pipeline with a ``unet`` or ``transformer``, or the denoiser itself
+            (a ``UNet2DConditionModel``-like UNet or a ``FluxTransformer2DModel``).
+        ratio: fraction of image tokens merged away, in [0, 1); default 0.5. A
+            :class:`ToMAConfig` may be passed here instead of ``config``.
+        config: all settings at once; ``ratio`` and ``options`` override its fields.
+        **options: any other :class:`ToMAConfig` field (``tile_size``, ``selection``, ...).
+
+    Returns:
+        The :class:`ToMAPatch` describing what was merged (also kept on the denoiser).
+
+    Raises:
+        TypeError, ValueError: bad settings or an unsupported model. Checks run before
+            anything is patched, so on error the model is left exactly as it was.
+
+    Applying again replaces the previous settings. Undo with :func:`remove_toma`.
+    """
+    if isinstance(ratio, ToMAConfig):
+        if config is not None:
+            raise TypeError("pass the ToMAConfig either as ratio's position or as config=, not both")
+        ratio, config = None, ratio
+    if ratio is not None:
+        options["ratio"] = ratio
+    cfg = make_config(config, **options)
+    model = denoiser_of(pipe_or_model)
+    found = adapter_for(model)
+    if found is None:
+        raise ValueError(
+            f"{type(model).__name__} has no blocks ToMA supports: expected a diffusers UNet with "
+            "BasicTransformerBlock attention (SD 1.x/2.x, SDXL) or a FluxTransformer2DModel"
+        )
+    name, adapter = found
+    targets, skipped = adapter.find_targets(model, cfg)
+    if not targets:
+        reasons = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4]) or "no candidate blocks"
+        raise ValueError(f"no blocks of {type(model).__name__} would be merged with these settings ({reasons})")
+    remove_toma(model)
+    patch = ToMAPatch(cfg, name, targets, skipped, PlanCache(cfg))
+    setattr(model, _ATTR, patch)
+    try:
+        patch._hooked = adapter.attach(model, targets, patch.cache)
+    except BaseException:
+        _detach(model, patch, everything=True)
+        raise
+    return patch
+
+
+def remove_toma(pipe_or_model: Any) -> bool:
+    """Undo :func:`apply_toma` exactly; returns whether anything was patched.
+
+    After removal the denoiser computes bitwise what it computed before patching.
+    """
+    model = denoiser_of(pipe_or_model)
+    patch = getattr(model, _ATTR, None)
+    if patch is None:
+        return False
+    _detach(model, patch, everything=False)
+    return True
+
+
+def get_toma(pipe_or_model: Any) -> ToMAPatch | None:
+    """The :class:`ToMAPatch` in force on a pipeline or denoiser, or None."""
+    return getattr(denoiser_of(pipe_or_model), _ATTR, None)
+
+
+def denoiser_of(pipe_or_model: Any) -> torch.nn.Module:
+    """The denoiser module of a pipeline (its ``unet`` or ``transformer``), or the module itself."""
+    if isinstance(pipe_or_model, torch.nn.Module):
+        return pipe_or_model
+    for attr in _DENOISER_ATTRS:
+        module = getattr(pipe_or_model, attr, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise TypeError(
+        f"pipe_or_model must be a diffusers pipeline with a unet or transformer, or a torch.nn.Module; "
+        f"got {type(pipe_or_model).__name__}"
+    )
+
+
+def _detach(model: torch.nn.Module, patch: ToMAPatch, everything: bool) -> None:
+    modules = [m for _, m in model.named_modules()] if everything else [model, *patch._hooked]
+    for module in modules:
+        registry = getattr(module, "_diffusers_hook", None)
+        if isinstance(registry, HookRegistry) and registry.get_hook(HOOK_NAME) is not None:
+            registry.remove_hook(HOOK_NAME, recurse=False)
+    if patch.adapter == "flux":
+        flux_adapter.detach(patch.patched)
+    patch.cache.reset()
+    if getattr(model, _ATTR, None) is patch:
+        delattr(model, _ATTR)

@@ -1,0 +1,85 @@
+"""Merge and unmerge operators as attention-like dense matrices.
+
+Inside one tile with ``n`` token slots and ``k`` destinations:
+
+* ``A = softmax_over_destinations(sim[dest, :] / temperature)``, shape ``(k, n)``: every
+  token spreads a unit of mass over the destinations (each column sums to 1);
+* merge weights ``M = A / rowsum(A)``: each destination becomes the weighted mean of the
+  tokens it absorbs (each row sums to 1);
+* unmerge weights ``U = A^T``, shape ``(n, k)``: each token gets a convex mix of the
+  destination outputs. For a hard 0/1 assignment ``U`` is the pseudo-inverse of ``M``.
+
+Everything here is batched matmul and softmax over leading dimensions; no sort or scatter.
+Weights are computed in float32 and cast to the activations' dtype by the caller, so a
+small temperature cannot overflow fp16/bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def cosine_similarity(tiles: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of the tokens inside each tile.
+
+    Args:
+        tiles: ``(..., n, C)`` tokens (any float dtype; zero rows are allowed).
+
+    Returns:
+        ``(..., n, n)`` float32 similarities in ``[-1, 1]``.
+    """
+    unit = F.normalize(tiles.float(), dim=-1)
+    return unit @ unit.transpose(-1, -2)
+
+
+def assignment(
+    sim: torch.Tensor,
+    dest: torch.Tensor,
+    temperature: float,
+    token_mask: torch.Tensor | None = None,
+    slot_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Soft assignment of tokens to destinations.
+
+    Args:
+        sim: ``(..., n, n)`` float32 token similarities.
+        dest: ``(..., k)`` destination slot indices.
+        temperature: softmax temperature on cosine similarities; 0 gives a hard one-hot
+            assignment to the most similar destination.
+        token_mask: optional ``(..., n)`` bool, False for padded slots (they get no mass).
+        slot_mask: optional ``(..., k)`` bool, False for unused destination slots (they
+            receive no tokens).
+
+    Returns:
+        ``(..., k, n)`` float32 ``A``; every real token's column sums to 1.
+    """
+    n = sim.shape[-1]
+    logits = sim.gather(-2, dest.unsqueeze(-1).expand(*dest.shape, n))
+    if slot_mask is not None:
+        logits = logits.masked_fill(~slot_mask.unsqueeze(-1), float("-inf"))
+    if temperature == 0:
+        a = F.one_hot(logits.argmax(-2), dest.shape[-1]).transpose(-1, -2).to(sim.dtype)
+    else:
+        a = torch.softmax(logits / temperature, dim=-2)
+    if token_mask is not None:
+        a = a * token_mask.unsqueeze(-2).to(a.dtype)
+    return a
+
+
+def merge_weights(a: torch.Tensor) -> torch.Tensor:
+    """Row-normalise an assignment ``(..., k, n)`` into merge weights ``(..., k, n)``.
+
+    Rows of unused slots (all zeros) stay zero.
+    """
+    return a / a.sum(-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
+
+
+def merge(tiles: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Merge tokens: ``(..., n, C)`` with weights ``(..., k, n)`` gives ``(..., k, C)``."""
+    return weights @ tiles
+
+
+def unmerge(merged: torch.Tensor, weights_t: torch.Tensor) -> torch.Tensor:
+    """Unmerge: ``(..., k, C)`` with unmerge weights ``A^T`` ``(..., n, k)`` gives ``(..., n, C)``."""
+    return weights_t @ merged

@@ -1,0 +1,223 @@
+"""Merge plans and their reuse across blocks and denoising steps.
+
+A :class:`Plan` holds everything needed to merge and unmerge the tokens of one token
+grid: the tile layout, the chosen destinations and the merge/unmerge weights. Computing
+one costs a selection; applying one is two batched matmuls. :class:`PlanCache` computes a
+plan at the first merged block of a group (blocks sharing a token grid) in a denoising
+step and hands the same plan to the rest of the group, recomputing every
+``recompute_every`` steps, and never across a change of grid, batch, dtype or device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Hashable
+
+import torch
+
+from toma.config import ToMAConfig
+from toma.merge import assignment, cosine_similarity, merge, merge_weights, unmerge
+from toma.selection import facility_location, grid_selection, random_selection
+from toma.tiling import TileLayout, from_tiles, make_layout, slot_mask, to_tiles, token_mask
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to merge the ``N`` tokens of one grid into ``K`` and back.
+
+    Attributes:
+        layout: the tile layout (``T`` tiles of ``n`` slots, ``k`` destination slots each).
+        dest: ``(Bp, T, k)`` destination slot of each destination, local to its tile.
+        merge_w: ``(Bp, T, k, n)`` merge weights (rows sum to 1), in the activations' dtype.
+        unmerge_w: ``(Bp, T, n, k)`` unmerge weights ``A^T`` (rows of real tokens sum to 1).
+        keep_index: ``(K,)`` used slots among the ``T*k``, or None when every slot is used.
+        spread_index: ``(T*k,)`` position among the ``K`` of each slot (unused slots point
+            at 0, which their zero unmerge weight ignores), or None.
+
+    ``Bp`` is the batch size, or 1 when the plan is shared by the whole batch.
+    """
+
+    layout: TileLayout
+    dest: torch.Tensor
+    merge_w: torch.Tensor
+    unmerge_w: torch.Tensor
+    keep_index: torch.Tensor | None
+    spread_index: torch.Tensor | None
+
+    @property
+    def num_merged(self) -> int:
+        """K, the tokens left after merging."""
+        return self.layout.num_merged
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        """Merge raster tokens ``(B, N, C)`` into ``(B, K, C)`` (tile-major order)."""
+        return self.merge_tiles(to_tiles(x, self.layout))
+
+    def merge_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
+        """Merge tokens already in tile layout ``(B, T, n, C)`` into ``(B, K, C)``."""
+        merged = merge(tiles, self.merge_w.to(tiles.dtype))
+        merged = merged.reshape(merged.shape[0], -1, merged.shape[-1])
+        return merged if self.keep_index is None else merged.index_select(1, self.keep_index)
+
+    def unmerge(self, y: torch.Tensor) -> torch.Tensor:
+        """Unmerge ``(B, K, C)`` back to raster tokens ``(B, N, C)``."""
+        if self.spread_index is not None:
+            y = y.index_select(1, self.spread_index)
+        b, c = y.shape[0], y.shape[-1]
+        y = y.reshape(b, self.layout.num_tiles, self.layout.slots, c)
+        return from_tiles(unmerge(y, self.unmerge_w.to(y.dtype)), self.layout)
+
+    @cached_property
+    def dest_tokens(self) -> torch.Tensor:
+        """Raster index of each merged token's destination: ``(Bp, K)`` int64.
+
+        Used to give a merged token its destination's position (e.g. rotary embeddings).
+        Computed on first use and kept with the plan.
+        """
+        lay = self.layout
+        # raster index of every tile slot; padded slots clamp to a real token (never used)
+        rows = torch.arange(lay.gh * lay.th, device=self.dest.device).clamp_max(lay.h - 1)
+        cols = torch.arange(lay.gw * lay.tw, device=self.dest.device).clamp_max(lay.w - 1)
+        raster = (rows[:, None] * lay.w + cols[None, :])[None, :, :, None]
+        table = to_tiles(raster.reshape(1, -1, 1), _full_layout(lay))[0, :, :, 0]  # (T, n)
+        idx = table.expand(self.dest.shape[0], -1, -1).gather(-1, self.dest).flatten(1)
+        return idx if self.keep_index is None else idx.index_select(1, self.keep_index)
+
+
+def build_plan(
+    tiles: torch.Tensor,
+    layout: TileLayout,
+    config: ToMAConfig,
+    dtype: torch.dtype,
+    generator: torch.Generator | None = None,
+) -> Plan:
+    """Select destinations and compute merge weights for tokens in tile layout.
+
+    Args:
+        tiles: ``(Bp, T, n, C)`` tokens (from :func:`toma.tiling.to_tiles`).
+        layout: their layout, with the per-tile keep counts.
+        config: selection method and temperature.
+        dtype: dtype of the activations the plan will be applied to.
+        generator: random source for ``selection="random"``.
+    """
+    device = tiles.device
+    k = layout.slots
+    tmask, smask = token_mask(layout, device), slot_mask(layout, device)
+    sim = cosine_similarity(tiles)
+    if config.selection == "facility":
+        dest = facility_location(sim, k, tmask)
+    elif config.selection == "random":
+        mask = None if tmask is None else tmask.expand(sim.shape[:-1])
+        dest = random_selection(sim.shape[:-1], k, mask, generator=generator, device=device)
+    else:
+        dest = grid_selection(layout, device).expand(tiles.shape[0], -1, -1)
+    a = assignment(sim, dest, config.temperature, tmask, smask)
+    keep_index = spread_index = None
+    if smask is not None:
+        flat = smask.flatten()
+        keep_index = flat.nonzero().squeeze(1)
+        spread_index = (flat.cumsum(0) - 1).clamp_min(0)
+    return Plan(
+        layout=layout,
+        dest=dest,
+        merge_w=merge_weights(a).to(dtype),
+        unmerge_w=a.transpose(-1, -2).contiguous().to(dtype),
+        keep_index=keep_index,
+        spread_index=spread_index,
+    )
+
+
+class PlanCache:
+    """Computes plans at the first merged block of each group and reuses them.
+
+    One cache belongs to one patched model. The model's own forward calls
+    :meth:`begin_forward` (one call = one denoising step); merged blocks call :meth:`get`.
+
+    Args:
+        config: the ToMA settings.
+    """
+
+    def __init__(self, config: ToMAConfig) -> None:
+        self.config = config
+        self.step = -1
+        self.base_grid: tuple[int, int] | None = None
+        self._last_timestep: float | None = None
+        self._plans: dict[Hashable, tuple[int, Plan]] = {}
+        self._layouts: dict[tuple[int, int], TileLayout] = {}
+        self._generator: torch.Generator | None = None
+
+    def begin_forward(self, base_grid: tuple[int, int], timestep: float | None) -> None:
+        """Start a denoiser forward on a token grid of ``base_grid = (h, w)`` at downsample 1.
+
+        A timestep that does not decrease starts a new denoising run: plans from the
+        previous run are dropped so that they never carry over to another image.
+        """
+        new_run = timestep is None or self._last_timestep is None or timestep >= self._last_timestep
+        if new_run or base_grid != self.base_grid:
+            self._plans.clear()
+            self.step = 0
+        else:
+            self.step += 1
+        self.base_grid = base_grid
+        self._last_timestep = timestep
+
+    def reset(self) -> None:
+        """Forget every plan and the step count."""
+        self._plans.clear()
+        self.step = -1
+        self.base_grid = None
+        self._last_timestep = None
+
+    def grid_at(self, downsample: int) -> tuple[int, int] | None:
+        """Token grid at a downsample factor of the base grid (conv strides round up)."""
+        if self.base_grid is None:
+            return None
+        h, w = self.base_grid
+        return math.ceil(h / downsample), math.ceil(w / downsample)
+
+    def layout(self, h: int, w: int) -> TileLayout:
+        """Tile layout of an ``h x w`` grid under this cache's ratio and tile size."""
+        if (h, w) not in self._layouts:
+            self._layouts[(h, w)] = make_layout(h, w, self.config.tile, self.config.ratio)
+        return self._layouts[(h, w)]
+
+    def get(self, x: torch.Tensor, grid: tuple[int, int], group: Hashable) -> Plan | None:
+        """The plan for tokens ``x`` ``(B, N, C)`` on ``grid``, computed or reused.
+
+        Returns None when nothing should be merged (ratio 0, or ``x`` not on ``grid``).
+        """
+        h, w = grid
+        if self.config.ratio == 0 or x.shape[1] != h * w:
+            return None
+        share = self.config.share_batch_plan
+        key = (group, h, w, 1 if share else x.shape[0], x.dtype, x.device)
+        cached = self._plans.get(key)
+        if cached is not None and self.step - cached[0] < self.config.recompute_every:
+            return cached[1]
+        layout = self.layout(h, w)
+        src = x[:1] if share else x
+        plan = build_plan(to_tiles(src, layout), layout, self.config, x.dtype, self._random(x.device))
+        self._plans[key] = (self.step, plan)
+        return plan
+
+    def _random(self, device: torch.device) -> torch.Generator | None:
+        if self.config.selection != "random":
+            return None
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
+        return self._generator
+
+
+def _full_layout(layout: TileLayout) -> TileLayout:
+    """The same tiling over the padded grid, so that no slot is padding."""
+    return TileLayout(
+        h=layout.gh * layout.th,
+        w=layout.gw * layout.tw,
+        th=layout.th,
+        tw=layout.tw,
+        gh=layout.gh,
+        gw=layout.gw,
+        keep=layout.keep,
+    )
