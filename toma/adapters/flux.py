@@ -58,8 +58,8 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
             name = f"{attr}.{i}"
             if i not in chosen:
                 skipped.append(Skipped(name, f"not in {option}"))
-            elif type(block.attn.processor) is not FluxAttnProcessor:
-                kind = type(block.attn.processor).__name__
+            elif type(_original_processor(block)) is not FluxAttnProcessor:
+                kind = type(_original_processor(block)).__name__
                 skipped.append(Skipped(name, f"attention processor {kind} is not FluxAttnProcessor"))
             else:
                 targets.append(Patched(name, block, f"{stream}-stream"))
@@ -89,6 +89,12 @@ def detach(targets: list[Patched]) -> None:
         processor = target.module.attn.processor
         if isinstance(processor, _MergedFluxProcessor):
             target.module.attn.set_processor(processor.original)
+
+
+def _original_processor(block: torch.nn.Module) -> Any:
+    """The block's attention processor, seen through a ToMA processor left by an earlier apply."""
+    processor = block.attn.processor
+    return processor.original if isinstance(processor, _MergedFluxProcessor) else processor
 
 
 def image_grid(img_ids: torch.Tensor) -> tuple[int, int]:

@@ -1,0 +1,107 @@
+"""Tiny diffusers models built from config with random weights (the real code paths)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel, UNet2DConditionModel
+
+CROSS_DIM = 32
+
+
+def make_sdxl_unet(seed: int = 0) -> UNet2DConditionModel:
+    """SDXL-like: no attention at full latent resolution, text_time added conditioning."""
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        cross_attention_dim=CROSS_DIM,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=8 * 6 + CROSS_DIM,
+        norm_num_groups=8,
+    ).eval()
+
+
+def make_sd15_unet(seed: int = 0) -> UNet2DConditionModel:
+    """SD-1.5-like: attention from the full latent resolution down."""
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=4,
+        cross_attention_dim=CROSS_DIM,
+        norm_num_groups=8,
+    ).eval()
+
+
+def make_flux(seed: int = 0, double: int = 2, single: int = 2) -> FluxTransformer2DModel:
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=double,
+        num_single_layers=single,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=CROSS_DIM,
+        pooled_projection_dim=CROSS_DIM,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()
+
+
+def unet_inputs(batch: int, h: int, w: int, sdxl: bool, dtype=torch.float32, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    kwargs = {
+        "sample": torch.randn(batch, 4, h, w, generator=g).to(dtype),
+        "timestep": torch.tensor(500),
+        "encoder_hidden_states": torch.randn(batch, 7, CROSS_DIM, generator=g).to(dtype),
+    }
+    if sdxl:
+        kwargs["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(batch, CROSS_DIM, generator=g).to(dtype),
+            "time_ids": torch.tensor([[h * 8, w * 8, 0, 0, h * 8, w * 8]], dtype=dtype).repeat(batch, 1),
+        }
+    return kwargs
+
+
+def flux_inputs(batch: int, h: int, w: int, text: int = 5, dtype=torch.float32, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    return {
+        "hidden_states": torch.randn(batch, h * w, 16, generator=g).to(dtype),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g).to(dtype),
+        "pooled_projections": torch.randn(batch, CROSS_DIM, generator=g).to(dtype),
+        "timestep": torch.full((batch,), 0.7, dtype=dtype),
+        "img_ids": img_ids,
+        "txt_ids": torch.zeros(text, 3),
+    }
+
+
+@pytest.fixture
+def sdxl_unet() -> UNet2DConditionModel:
+    return make_sdxl_unet()
+
+
+@pytest.fixture
+def sd15_unet() -> UNet2DConditionModel:
+    return make_sd15_unet()
+
+
+@pytest.fixture
+def flux() -> FluxTransformer2DModel:
+    return make_flux()

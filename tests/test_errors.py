@@ -1,0 +1,125 @@
+"""Bad input raises a clear error before anything is patched."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+
+import toma
+from tests.conftest import make_flux, make_sd15_unet, unet_inputs
+
+
+def hooked_modules(model):
+    return [m for m in model.modules() if getattr(m, "_diffusers_hook", None) and m._diffusers_hook.get_hook("toma")]
+
+
+BAD = [
+    ({"ratio": 1.0}, ValueError, "ratio"),
+    ({"ratio": -0.1}, ValueError, "ratio"),
+    ({"ratio": math.nan}, ValueError, r"\[0, 1\)"),
+    ({"ratio": "half"}, TypeError, "ratio"),
+    ({"tile_size": 0}, ValueError, "tile_size"),
+    ({"tile_size": (4, -1)}, ValueError, "tile_size"),
+    ({"tile_size": 2.5}, TypeError, "tile_size"),
+    ({"selection": "bipartite"}, ValueError, "'facility', 'random', 'grid'"),
+    ({"temperature": -1.0}, ValueError, "temperature"),
+    ({"recompute_every": 0}, ValueError, "recompute_every"),
+    ({"levels": 0}, ValueError, "levels"),
+    ({"merge_mlp": "yes"}, TypeError, "merge_mlp"),
+    ({"max_downsample": 2}, TypeError, "unknown ToMA option"),
+]
+
+
+@pytest.mark.parametrize("options,error,message", BAD)
+def test_bad_options_raise_and_leave_model_unpatched(options, error, message):
+    unet = make_sd15_unet()
+    kw = unet_inputs(1, 16, 16, False)
+    with torch.no_grad():
+        ref = unet(**kw).sample
+    with pytest.raises(error, match=message):
+        toma.apply_toma(unet, **options)
+    assert toma.get_toma(unet) is None and not hooked_modules(unet)
+    with torch.no_grad():
+        assert torch.equal(unet(**kw).sample, ref)
+
+
+def test_bad_options_keep_previous_patch():
+    unet = make_sd15_unet()
+    patch = toma.apply_toma(unet, ratio=0.5)
+    count = len(hooked_modules(unet))
+    with pytest.raises(ValueError, match="ratio"):
+        toma.apply_toma(unet, ratio=2.0)
+    assert toma.get_toma(unet) is patch and len(hooked_modules(unet)) == count
+
+
+def test_config_object_accepted_and_validated():
+    unet = make_sd15_unet()
+    cfg = toma.ToMAConfig(ratio=0.25, tile_size=(2, 4))
+    assert toma.apply_toma(unet, cfg).config == cfg
+    assert toma.apply_toma(unet, config=cfg, ratio=0.5).config.ratio == 0.5
+    with pytest.raises(ValueError, match="tile_size"):
+        toma.ToMAConfig(tile_size=(0, 4))
+    with pytest.raises(TypeError, match="ToMAConfig"):
+        toma.apply_toma(unet, config={"ratio": 0.5})
+
+
+def test_models_without_supported_blocks():
+    with pytest.raises(ValueError, match="no blocks ToMA supports"):
+        toma.apply_toma(torch.nn.Linear(4, 4), ratio=0.5)
+    no_attention = UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        mid_block_type=None,
+        norm_num_groups=8,
+        cross_attention_dim=32,
+    )
+    with pytest.raises(ValueError, match="no blocks ToMA supports"):
+        toma.apply_toma(no_attention)
+    assert not hooked_modules(no_attention)
+    with pytest.raises(TypeError, match="pipe_or_model"):
+        toma.apply_toma("not a model")
+
+
+def test_options_that_select_nothing_raise():
+    unet = make_sd15_unet()
+    with pytest.raises(ValueError, match="no blocks"):
+        toma.apply_toma(unet, merge_attn=False)
+    assert not hooked_modules(unet)
+
+
+def test_flux_bad_block_indices_and_unsupported_processor():
+    model = make_flux(double=3, single=3)
+    with pytest.raises(ValueError, match=r"flux_single_blocks must hold indices in \[0, 2\]"):
+        toma.apply_toma(model, flux_single_blocks=(1, 7))
+    assert not hooked_modules(model)
+
+    class OtherProcessor:
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+            raise AssertionError("not expected to run")
+
+    model.transformer_blocks[2].attn.processor = OtherProcessor()
+    patch = toma.apply_toma(model, flux_double_blocks=(1, 2))
+    names = [p.name for p in patch.patched]
+    assert "transformer_blocks.1" in names and "transformer_blocks.2" not in names
+    assert any(s.name == "transformer_blocks.2" and "OtherProcessor" in s.reason for s in patch.skipped)
+
+
+def test_failure_while_attaching_rolls_back(monkeypatch):
+    unet = make_sd15_unet()
+    from toma.adapters import unet as unet_adapter
+
+    original = unet_adapter.attach
+
+    def failing_attach(model, targets, cache):
+        original(model, targets[:1], cache)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(unet_adapter, "attach", failing_attach)
+    with pytest.raises(RuntimeError, match="boom"):
+        toma.apply_toma(unet)
+    assert toma.get_toma(unet) is None and not hooked_modules(unet)

@@ -1,0 +1,104 @@
+"""Tiling, merge and unmerge operators."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toma.config import ToMAConfig
+from toma.merge import assignment, cosine_similarity, merge, merge_weights, unmerge
+from toma.plan import build_plan
+from toma.selection import facility_location
+from toma.tiling import from_tiles, make_layout, to_tiles
+
+
+@pytest.mark.parametrize("h,w,tile", [(8, 8, (4, 4)), (6, 10, (4, 4)), (7, 5, (2, 3)), (3, 3, (4, 4)), (1, 9, (1, 4))])
+def test_tiles_round_trip(h, w, tile):
+    layout = make_layout(h, w, tile, 0.5)
+    x = torch.randn(2, h * w, 3)
+    tiles = to_tiles(x, layout)
+    assert tiles.shape == (2, layout.num_tiles, layout.tile_area, 3)
+    assert torch.equal(from_tiles(tiles, layout), x)
+
+
+def test_tile_holds_a_spatial_window():
+    layout = make_layout(8, 8, (4, 4), 0.5)
+    x = torch.arange(64.0).reshape(1, 64, 1)
+    tiles = to_tiles(x, layout)
+    assert tiles[0, 1, :, 0].tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]
+
+
+def test_keep_counts():
+    assert make_layout(64, 64, (4, 4), 0.5).num_merged == 2048
+    layout = make_layout(6, 5, (4, 4), 0.5)  # tiles with 16, 4, 8 and 2 real tokens
+    assert layout.keep == (8, 2, 4, 1)
+    assert make_layout(4, 4, (4, 4), 0.99).keep == (1,)
+
+
+def hard_plan(x: torch.Tensor, h: int, w: int, tile=(4, 4), ratio=0.5):
+    layout = make_layout(h, w, tile, ratio)
+    cfg = ToMAConfig(ratio=ratio, tile_size=tile, temperature=0)
+    return build_plan(to_tiles(x, layout), layout, cfg, x.dtype)
+
+
+@pytest.mark.parametrize("h,w", [(8, 8), (6, 10), (5, 7)])
+def test_hard_assignment_unmerge_returns_destinations_exactly(h, w):
+    x = torch.randn(2, h * w, 16, dtype=torch.float64)
+    plan = hard_plan(x, h, w)
+    merged = plan.merge(x)
+    assert merged.shape == (2, plan.num_merged, 16)
+    back = plan.unmerge(merged)
+    # each token receives exactly its destination's merged value
+    assert back.shape == x.shape
+    for b in range(2):
+        dest = plan.dest_tokens[b]
+        assert torch.equal(back[b, dest], merged[b])
+    # merge after unmerge is the identity (unmerge is the pseudo-inverse of merge)
+    y = torch.randn_like(merged)
+    assert torch.allclose(plan.merge(plan.unmerge(y)), y, atol=1e-12)
+
+
+def test_hard_assignment_exact_on_piecewise_constant_tokens():
+    # tokens that equal their destination are reproduced exactly by unmerge(merge(x))
+    h = w = 8
+    x = torch.randn(1, h * w, 4, dtype=torch.float64)
+    plan = hard_plan(x, h, w)
+    dest = plan.dest_tokens[0]
+    x_dest = x[:, dest]
+    assert torch.equal(plan.unmerge(plan.merge(x))[:, dest], plan.merge(x))
+    clustered = plan.unmerge(x_dest)  # every token replaced by its destination
+    assert torch.allclose(plan.unmerge(plan.merge(clustered)), clustered, atol=1e-12)
+
+
+def test_merge_rows_and_unmerge_rows_sum_to_one():
+    x = torch.randn(3, 6 * 10, 8)
+    layout = make_layout(6, 10, (4, 4), 0.5)
+    plan = build_plan(to_tiles(x, layout), layout, ToMAConfig(), x.dtype)
+    valid = plan.merge_w.sum(-1)
+    used = torch.tensor(layout.keep)[None, :, None] > torch.arange(layout.slots)[None, None, :]
+    assert torch.allclose(valid[used.expand_as(valid)], torch.ones(1), atol=1e-5)
+    assert torch.all(valid[~used.expand_as(valid)] == 0)
+    real = to_tiles(torch.ones(1, 60, 1), layout)[0, :, :, 0].bool()
+    rows = plan.unmerge_w.sum(-1)
+    assert torch.allclose(rows[real.expand_as(rows)], torch.ones(1), atol=1e-5)
+
+
+def test_soft_assignment_is_softmax_over_destinations():
+    tiles = torch.randn(2, 3, 16, 8)
+    sim = cosine_similarity(tiles)
+    dest = facility_location(sim, 8)
+    a = assignment(sim, dest, 0.1)
+    logits = torch.stack([sim[i, j][dest[i, j]] for i in range(2) for j in range(3)]).reshape(2, 3, 8, 16)
+    assert torch.allclose(a, torch.softmax(logits / 0.1, dim=-2), atol=1e-6)
+    assert torch.allclose(merge(tiles, merge_weights(a)).sum(-2), (merge_weights(a) @ tiles).sum(-2))
+    assert unmerge(torch.ones(2, 3, 8, 1), a.transpose(-1, -2)).allclose(torch.ones(2, 3, 16, 1), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_weights_finite(dtype):
+    x = (torch.randn(1, 64, 8) * 300).to(dtype)  # large activations, tiny temperature
+    layout = make_layout(8, 8, (4, 4), 0.5)
+    plan = build_plan(to_tiles(x, layout), layout, ToMAConfig(temperature=1e-4), dtype)
+    out = plan.unmerge(plan.merge(x))
+    assert plan.merge_w.dtype == dtype and out.dtype == dtype
+    assert torch.isfinite(plan.merge_w).all() and torch.isfinite(out).all()
