@@ -1,0 +1,103 @@
+"""A whole diffusers pipeline, saved and loaded back, runs with ToMA applied."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusionXLPipeline
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel
+
+import toma
+from tests.conftest import make_flux, make_sdxl_unet
+
+
+def tiny_clip_tokenizer(folder) -> CLIPTokenizer:
+    """A CLIP tokenizer with a one-letter-per-token vocabulary (no download needed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for ch in "abcdefghijklmnopqrstuvwxyz":
+        vocab[ch] = len(vocab)
+        vocab[ch + "</w>"] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=16)
+
+
+def clip_config(**overrides) -> CLIPTextConfig:
+    settings = dict(
+        vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    return CLIPTextConfig(**{**settings, **overrides})
+
+
+def tiny_vae() -> AutoencoderKL:
+    torch.manual_seed(0)
+    return AutoencoderKL(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+        shift_factor=0.0,
+    )
+
+
+def test_sdxl_pipeline_round_trip(tmp_path):
+    torch.manual_seed(0)
+    pipe = StableDiffusionXLPipeline(
+        vae=tiny_vae(),
+        text_encoder=CLIPTextModel(clip_config()),
+        text_encoder_2=CLIPTextModelWithProjection(clip_config(projection_dim=32)),
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+        tokenizer_2=tiny_clip_tokenizer(tmp_path / "tok2"),
+        unet=make_sdxl_unet(),
+        scheduler=EulerDiscreteScheduler(),
+    )
+    pipe.save_pretrained(tmp_path / "pipe")
+    pipe = StableDiffusionXLPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
+
+    def generate():
+        g = torch.Generator().manual_seed(0)
+        return pipe("a red fox", height=40, width=32, num_inference_steps=3, generator=g, output_type="np").images
+
+    ref = generate()
+    patch = toma.apply_toma(pipe, ratio=0.5)
+    calls = []
+    handle = patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[:2]))
+    merged = generate()
+    handle.remove()
+    # 40x32 px -> 20x16 latent -> 10x8 tokens at downsample 2, half kept; one CFG batch of 2 per step
+    assert calls == [(2, patch.cache.layout(10, 8).num_merged)] * 3
+    assert patch.cache.layout(10, 8).num_merged == 40
+    assert merged.shape == ref.shape and np.isfinite(merged).all()
+    assert not np.array_equal(merged, ref)
+    toma.remove_toma(pipe)
+    assert np.array_equal(generate(), ref)
+
+
+def test_flux_pipeline_round_trip(tmp_path):
+    torch.manual_seed(0)
+    t5 = T5EncoderModel(T5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2))
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_vae(),
+        text_encoder=CLIPTextModel(clip_config(projection_dim=32, hidden_size=32)),
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+        text_encoder_2=t5,
+        tokenizer_2=tiny_clip_tokenizer(tmp_path / "tok2"),
+        transformer=make_flux(),
+    )
+    pipe.save_pretrained(tmp_path / "pipe")
+    pipe = FluxPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
+    kw = dict(height=32, width=48, num_inference_steps=3, max_sequence_length=16, output_type="np")
+    ref = pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images
+    toma.apply_toma(pipe, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
+    merged = pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images
+    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
+    toma.remove_toma(pipe)
+    assert np.array_equal(pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images, ref)
