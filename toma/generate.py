@@ -1,0 +1,290 @@
+"""``toma generate``: generate images with and without ToMA and compare their speed.
+
+Without ``--model`` it uses the built-in digits model shipped in the package, so it runs
+offline right after install. With ``--model ID_OR_PATH`` it loads a diffusers pipeline
+(SD 1.x/2.x, SDXL, Flux, ...) from the local Hugging Face cache or a local folder; it
+never downloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+BUILTIN_UPSCALE = 4  # 32x32 digits are shown at 128x128
+
+
+class PipelineUnavailableError(RuntimeError):
+    """A ``--model`` pipeline cannot be loaded offline."""
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``generate`` subcommand to the CLI."""
+    p = subparsers.add_parser(
+        "generate",
+        help="generate images with and without ToMA (built-in model by default)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=None, help="diffusers pipeline id or local folder (default: the built-in digits model)")
+    p.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="prompt for --model pipelines")
+    p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="built-in model: comma-separated digits to draw")
+    p.add_argument("--ratio", type=float, default=0.5, help="ToMA merge ratio in [0, 1) (default 0.5)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: 20 built-in, 30 pipelines)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("toma_generate.png"), help="output PNG (default toma_generate.png)")
+    p.add_argument("--compare", action="store_true", help="write the baseline and ToMA images side by side with timings")
+    add_toma_options(p)
+    p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (default: model's)")
+    p.add_argument("--height", type=int, default=None, help="pipelines: image height")
+    p.add_argument("--width", type=int, default=None, help="pipelines: image width")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="pipelines: weights dtype (auto: float16 on cuda, float32 on cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--builtin-path", type=Path, default=None,
+                   help="folder written by scripts/train_builtin.py (default: the copy in the package)")
+    p.set_defaults(func=run)
+
+
+def add_toma_options(p: argparse.ArgumentParser) -> None:
+    """The ToMA settings shared by ``generate`` and ``eval``."""
+    p.add_argument("--selection", default="facility", choices=["facility", "random", "grid"], help="ToMA destination selection")
+    p.add_argument("--tile-size", type=int, default=4, help="ToMA tile side in tokens (default 4)")
+    p.add_argument("--levels", type=int, default=1, help="UNet attention levels to merge, from the highest resolution (default 1)")
+    p.add_argument("--temperature", type=float, default=None, help="ToMA assignment temperature (default: ToMA's)")
+
+
+def toma_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ToMA keyword options from parsed CLI arguments (only those the user set)."""
+    opts: dict[str, Any] = {"tile_size": args.tile_size, "levels": args.levels}
+    if args.temperature is not None:
+        opts["temperature"] = args.temperature
+    return opts
+
+
+def parse_labels(text: str) -> list[int]:
+    """``"0,1,7"`` -> ``[0, 1, 7]``; raises ``ValueError`` naming ``--labels`` on bad input."""
+    try:
+        labels = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--labels must be comma-separated digits 0-9; got {text!r}") from None
+    if not labels or any(not 0 <= v <= 9 for v in labels):
+        raise ValueError(f"--labels must be comma-separated digits 0-9; got {text!r}")
+    return labels
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """Run ``fn`` and return its result and wall-clock seconds."""
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- images
+
+
+def make_grid(images: torch.Tensor, ncols: int | None = None, upscale: int = 1, pad: int = 2) -> Any:
+    """Tile images ``(B, C, H, W)`` in ``[0, 1]`` (C = 1 or 3) into one ``PIL.Image``."""
+    import math
+
+    from PIL import Image
+
+    if images.dim() != 4 or images.shape[1] not in (1, 3):
+        raise ValueError(f"images must be (B, 1 or 3, H, W); got {tuple(images.shape)}")
+    b, c, h, w = images.shape
+    if upscale > 1:
+        images = torch.nn.functional.interpolate(images, scale_factor=upscale, mode="nearest")
+        h, w = h * upscale, w * upscale
+    ncols = ncols or min(b, 10)
+    nrows = math.ceil(b / ncols)
+    canvas = torch.ones(c, nrows * (h + pad) + pad, ncols * (w + pad) + pad)
+    for i, img in enumerate(images):
+        r, col = divmod(i, ncols)
+        y, x = pad + r * (h + pad), pad + col * (w + pad)
+        canvas[:, y : y + h, x : x + w] = img
+    arr = (canvas.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    return Image.fromarray(arr[..., 0] if c == 1 else arr).convert("RGB")
+
+
+def side_by_side(panels: Sequence[tuple[str, Any]]) -> Any:
+    """Place labelled ``PIL`` images left to right, each with its caption above it."""
+    from PIL import Image, ImageDraw
+
+    caption_h = 18
+    width = sum(img.width for _, img in panels) + 10 * (len(panels) + 1)
+    height = max(img.height for _, img in panels) + caption_h + 20
+    out = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(out)
+    x = 10
+    for caption, img in panels:
+        draw.text((x, 6), caption, fill="black")
+        out.paste(img, (x, caption_h + 10))
+        x += img.width + 10
+    return out
+
+
+# ---------------------------------------------------------------------------- built-in
+
+
+def run_builtin(args: argparse.Namespace) -> int:
+    """Generate digits with the built-in model, unmerged and with ToMA."""
+    from toma import apply_toma, remove_toma
+    from toma.builtin import load_builtin, sample
+
+    labels = parse_labels(args.labels)
+    steps = args.steps or 20
+    model = load_builtin() if args.builtin_path is None else load_builtin(args.builtin_path)
+    opts = dict(toma_options(args), selection=args.selection)
+
+    def generate(progress: bool) -> torch.Tensor:
+        return sample(model, labels, args.seed, steps=steps, guidance_scale=args.guidance_scale, progress=progress)
+
+    # the first calls pay one-off kernel set-up; keep that out of both timings
+    sample(model, labels[:1], args.seed, steps=1, guidance_scale=args.guidance_scale, progress=False)
+    print(f"built-in digits model: {len(labels)} images, {steps} steps, seed {args.seed}")
+    baseline, t_base = timed(lambda: generate(True))
+    apply_toma(model.unet, ratio=args.ratio, **opts)
+    try:
+        sample(model, labels[:1], args.seed, steps=1, guidance_scale=args.guidance_scale, progress=False)
+        merged, t_toma = timed(lambda: generate(True))
+    finally:
+        remove_toma(model.unet)
+    report_and_save(args, baseline, merged, t_base, t_toma, len(labels), upscale=BUILTIN_UPSCALE)
+    return 0
+
+
+def report_and_save(
+    args: argparse.Namespace,
+    baseline: torch.Tensor,
+    merged: torch.Tensor,
+    t_base: float,
+    t_toma: float,
+    n: int,
+    upscale: int = 1,
+) -> None:
+    """Print per-image timings and write the PNG (ToMA grid, or both with ``--compare``)."""
+    per_base, per_toma = t_base / n, t_toma / n
+    print(f"time per image: unmerged {per_base:.3f} s, ToMA (ratio {args.ratio}) {per_toma:.3f} s, "
+          f"speedup {per_base / per_toma:.2f}x")
+    ncols = min(n, 5 if args.compare else 10)
+    grid = make_grid(merged, ncols=ncols, upscale=upscale)
+    if args.compare:
+        grid = side_by_side([
+            (f"unmerged: {per_base:.3f} s/image", make_grid(baseline, ncols=ncols, upscale=upscale)),
+            (f"ToMA ratio {args.ratio}: {per_toma:.3f} s/image ({per_base / per_toma:.2f}x)", grid),
+        ])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(args.out)
+    print(f"wrote {args.out}")
+
+
+# ---------------------------------------------------------------------------- pipelines
+
+
+def resolve_device_dtype(device: str | None, dtype: str) -> tuple[str, torch.dtype]:
+    """Default device (cuda if available) and dtype (float16 on cuda, float32 on cpu)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype == "auto":
+        return device, (torch.float16 if device.startswith("cuda") else torch.float32)
+    return device, getattr(torch, dtype)
+
+
+def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
+    """Load a diffusers pipeline from the local cache or a folder, never downloading.
+
+    Raises:
+        PipelineUnavailableError: the weights are not available offline, with how to get them.
+    """
+    from diffusers import DiffusionPipeline
+
+    try:
+        pipe = DiffusionPipeline.from_pretrained(model_id, torch_dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, EnvironmentError) as err:
+        where = "local folder" if Path(model_id).exists() else "Hugging Face cache"
+        raise PipelineUnavailableError(
+            f"could not load the diffusers pipeline {model_id!r} from the {where} "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}).\n"
+            "toma never downloads weights. Fetch them once with network access, e.g.\n"
+            f"    huggingface-cli download {model_id}\n"
+            "(gated models such as Flux.1-dev or SD 3 need `huggingface-cli login` and accepting the "
+            "licence on the model page first), or pass --model /path/to/a/save_pretrained/folder."
+        ) from err
+    return pipe.to(device)
+
+
+def pipeline_call(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], steps: int, args: argparse.Namespace,
+                  device: str, progress: bool = True) -> torch.Tensor:
+    """Run a pipeline once per prompt/seed pair; returns images ``(B, 3, H, W)`` in ``[0, 1]``."""
+    pipe.set_progress_bar_config(disable=not progress, leave=False)
+    kwargs: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt"}
+    if args.guidance_scale is not None:
+        kwargs["guidance_scale"] = args.guidance_scale
+    if args.height is not None:
+        kwargs["height"] = args.height
+    if args.width is not None:
+        kwargs["width"] = args.width
+    gen_device = device if device.startswith("cuda") else "cpu"
+    images = []
+    for prompt, seed in zip(prompts, seeds):
+        gen = torch.Generator(gen_device).manual_seed(int(seed))
+        out = pipe(prompt=prompt, generator=gen, **kwargs).images
+        images.append(torch.as_tensor(out).float().cpu())
+    return torch.cat(images)
+
+
+def sync(device: str) -> None:
+    """Wait for queued GPU work so timings are honest."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    """Generate one image from a diffusers pipeline, unmerged and with ToMA."""
+    from toma import apply_toma, remove_toma
+
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    pipe = load_pipeline(args.model, device, dtype)
+    steps = args.steps or 30
+
+    def generate() -> torch.Tensor:
+        images = pipeline_call(pipe, [args.prompt], [args.seed], steps, args, device)
+        sync(device)
+        return images
+
+    def warm_up() -> None:
+        # one short call pays the one-off kernel set-up outside the timings
+        pipeline_call(pipe, [args.prompt], [args.seed], 1, args, device, progress=False)
+
+    warm_up()
+    baseline, t_base = timed(generate)
+    apply_toma(pipe, ratio=args.ratio, selection=args.selection, **toma_options(args))
+    try:
+        warm_up()
+        merged, t_toma = timed(generate)
+    finally:
+        remove_toma(pipe)
+    report_and_save(args, baseline, merged, t_base, t_toma, 1)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``toma generate``; returns the exit code."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.steps is not None and args.steps < 1:
+        print(f"error: --steps must be >= 1; got {args.steps}", file=sys.stderr)
+        return 2
+    try:
+        return run_pipeline(args) if args.model else run_builtin(args)
+    except PipelineUnavailableError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
