@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Hashable
 
 import torch
@@ -69,13 +68,22 @@ class Plan:
         y = y.reshape(b, self.layout.num_tiles, self.layout.slots, c)
         return from_tiles(unmerge(y, self.unmerge_w.to(y.dtype)), self.layout)
 
-    @cached_property
+    @property
     def dest_tokens(self) -> torch.Tensor:
         """Raster index of each merged token's destination: ``(Bp, K)`` int64.
 
         Used to give a merged token its destination's position (e.g. rotary embeddings).
         Computed on first use and kept with the plan.
         """
+        # A hand-rolled cache rather than functools.cached_property, whose lock is a
+        # context manager torch.compile cannot trace (a graph break in Flux's merge path).
+        known = self.__dict__.get("_dest_tokens")
+        if known is None:
+            known = self._raster_dest()
+            object.__setattr__(self, "_dest_tokens", known)
+        return known
+
+    def _raster_dest(self) -> torch.Tensor:
         lay = self.layout
         # raster index of every tile slot; padded slots clamp to a real token (never used)
         rows = torch.arange(lay.gh * lay.th, device=self.dest.device).clamp_max(lay.h - 1)
@@ -144,10 +152,11 @@ class PlanCache:
         self.step = -1
         self.base_grid: tuple[int, int] | None = None
         self._last_timestep: float | None = None
-        self._plans: dict[Hashable, tuple[int, Plan]] = {}
+        self._plans: dict[Hashable, tuple[int, Plan]] = {}  # key -> (age in steps, plan)
         self._layouts: dict[tuple[int, int], TileLayout] = {}
         self._generator: torch.Generator | None = None
 
+    @torch.compiler.disable
     def begin_forward(self, base_grid: tuple[int, int], timestep: float | None) -> None:
         """Start a denoiser forward on a token grid of ``base_grid = (h, w)`` at downsample 1.
 
@@ -160,6 +169,11 @@ class PlanCache:
             self.step = 0
         else:
             self.step += 1
+            # Plans age here rather than being compared with the step count in get(): under
+            # torch.compile, get() then never reads the step, so the merge path is not
+            # specialised on it and does not recompile every step.
+            every = self.config.recompute_every
+            self._plans = {k: (age + 1, p) for k, (age, p) in self._plans.items() if age + 1 < every}
         self.base_grid = base_grid
         self._last_timestep = timestep
 
@@ -194,12 +208,12 @@ class PlanCache:
         share = self.config.share_batch_plan
         key = (group, h, w, 1 if share else x.shape[0], x.dtype, x.device)
         cached = self._plans.get(key)
-        if cached is not None and self.step - cached[0] < self.config.recompute_every:
+        if cached is not None:
             return cached[1]
         layout = self.layout(h, w)
         src = x[:1] if share else x
         plan = build_plan(to_tiles(src, layout), layout, self.config, x.dtype, self._random(x.device))
-        self._plans[key] = (self.step, plan)
+        self._plans[key] = (0, plan)  # (age in steps, plan)
         return plan
 
     def _random(self, device: torch.device) -> torch.Generator | None:
