@@ -254,6 +254,8 @@ def sample(
 @torch.no_grad()
 def classify(classifier: DigitClassifier, images: torch.Tensor, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Predicted labels ``(B,)`` and features ``(B, 64)`` for images ``(B, 1, 32, 32)`` in ``[0, 1]``."""
+    if images.shape[0] == 0:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, FEATURE_DIM)
     preds, feats = [], []
     for chunk in images.split(batch_size):
         f = classifier.features(chunk.float())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -30,6 +31,7 @@ import torch
 
 from toma.generate import (
     BUILTIN_UPSCALE,
+    validate_toma_options,
     PipelineUnavailableError,
     add_toma_options,
     load_pipeline,
@@ -376,7 +378,7 @@ def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[s
                 bar.update(1)
         finally:
             remove()
-        images = torch.cat(chunks)
+        images = torch.cat(chunks) if chunks else torch.empty(0, 3, 64, 64)  # a process may get no prompts
         if reference is None:
             reference = images
         rec: dict[str, Any] = {
@@ -387,9 +389,9 @@ def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[s
             "count": len(items),
             "preview": make_preview(images) if procs.is_main else None,
         }
-        if clip is not None:
+        if clip is not None and len(items):
             rec["clip_t"] = clip(images, [b[1] for b in items]).tolist()
-        if dino is not None:
+        if dino is not None and len(items):
             feats = dino(images)
             if ref_dino is None:
                 ref_dino = feats
@@ -417,7 +419,7 @@ def summarise_pipeline(gathered: list[dict[str, Any]], runs: list[tuple[str, flo
         parts = [g[key(method, ratio)] for g in gathered]
 
         def cat(name: str) -> torch.Tensor:
-            return torch.tensor(sum((p[name] for p in parts), []), dtype=torch.float64)
+            return torch.tensor(sum((p.get(name, []) for p in parts), []), dtype=torch.float64)
 
         count = sum(p["count"] for p in parts)
         row: dict[str, Any] = {
@@ -428,9 +430,9 @@ def summarise_pipeline(gathered: list[dict[str, Any]], runs: list[tuple[str, flo
             "ssim": float(cat("ssim").mean()),
             "latency_s": sum(p["seconds"] for p in parts) / max(count, 1),
         }
-        if "clip_t" in parts[0]:
+        if any("clip_t" in p for p in parts):
             row["clip_t"] = float(cat("clip_t").mean())
-        if "dino" in parts[0]:
+        if any("dino" in p for p in parts):
             row["dino_similarity"] = float(cat("dino").mean())
             row["dino_delta"] = 1.0 - row["dino_similarity"]
         if ref_stats is not None:
@@ -457,6 +459,17 @@ COLUMNS = [
     ("latency_s", "latency (s/image)", "{:.3f}"),
     ("speedup", "speedup", "{:.2f}x"),
 ]
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with non-finite floats replaced by ``None``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -542,7 +555,8 @@ def write_outputs(args: argparse.Namespace, rows: list[dict[str, Any]], meta: di
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.json", "w", encoding="utf-8") as fh:
-        json.dump({**meta, "results": rows}, fh, indent=2)
+        # JSON has no inf/nan: the unmerged reference's PSNR (inf) becomes null
+        json.dump(json_safe({**meta, "results": rows}), fh, indent=2)
     table = markdown_table(rows)
     header = (f"# toma eval: {meta['model']}\n\n{meta['num_images']} images per variant, {meta['steps']} steps, "
               f"seeds {meta['seed']}..{meta['seed'] + meta['num_images'] - 1}; {meta['machine']['processes']} process(es), "
@@ -568,10 +582,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--steps must be >= 1; got {args.steps}")
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1; got {args.batch_size}")
+        validate_toma_options(args, ratios)
         if args.model is None and (args.clip or args.dino or args.fid_reference):
             raise ValueError("--clip, --dino and --fid-reference apply to --model pipelines; "
                              "the built-in model reports classifier accuracy and FD instead")
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if "tomesd" in methods and not tomesd_available():

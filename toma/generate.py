@@ -68,6 +68,14 @@ def toma_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+def validate_toma_options(args: argparse.Namespace, ratios: Sequence[float]) -> None:
+    """Check the ToMA settings before any generation; raises ``ValueError``/``TypeError``."""
+    from toma import ToMAConfig
+
+    for ratio in ratios:
+        ToMAConfig(ratio=ratio, selection=args.selection, **toma_options(args))
+
+
 def parse_labels(text: str) -> list[int]:
     """``"0,1,7"`` -> ``[0, 1, 7]``; raises ``ValueError`` naming ``--labels`` on bad input."""
     try:
@@ -195,6 +203,23 @@ def resolve_device_dtype(device: str | None, dtype: str) -> tuple[str, torch.dty
     return device, getattr(torch, dtype)
 
 
+def dtype_kwargs(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype keyword ``from_pretrained`` expects: recent diffusers renamed ``torch_dtype`` to ``dtype``."""
+    try:
+        from diffusers.utils.deprecation_utils import _resolve_dtype  # noqa: F401  (present since the rename)
+    except ImportError:
+        return {"torch_dtype": dtype}
+    return {"dtype": dtype}
+
+
+def first_sentence(err: BaseException, limit: int = 200) -> str:
+    """The first sentence of an error message, for one-line reports."""
+    text = " ".join(str(err).split())
+    cut = text.find(". ")
+    text = text[: cut + 1] if cut >= 0 else text
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
     """Load a diffusers pipeline from the local cache or a folder, never downloading.
 
@@ -204,16 +229,21 @@ def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
     from diffusers import DiffusionPipeline
 
     try:
-        pipe = DiffusionPipeline.from_pretrained(model_id, torch_dtype=dtype, local_files_only=True)
-    except (OSError, ValueError, EnvironmentError) as err:
-        where = "local folder" if Path(model_id).exists() else "Hugging Face cache"
+        pipe = DiffusionPipeline.from_pretrained(model_id, local_files_only=True, **dtype_kwargs(dtype))
+    except (OSError, ValueError) as err:  # hub "not cached" errors subclass these
+        reason = f"{type(err).__name__}: {first_sentence(err)}"
+        if Path(model_id).exists():
+            raise PipelineUnavailableError(
+                f"{model_id!r} is not a loadable diffusers pipeline folder ({reason}). "
+                "Pass a folder written by `pipe.save_pretrained(...)` (it contains model_index.json) "
+                "or a Hugging Face model id that is in the local cache."
+            ) from err
         raise PipelineUnavailableError(
-            f"could not load the diffusers pipeline {model_id!r} from the {where} "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}).\n"
-            "toma never downloads weights. Fetch them once with network access, e.g.\n"
-            f"    huggingface-cli download {model_id}\n"
-            "(gated models such as Flux.1-dev or SD 3 need `huggingface-cli login` and accepting the "
-            "licence on the model page first), or pass --model /path/to/a/save_pretrained/folder."
+            f"the weights of {model_id!r} are not in the local Hugging Face cache ({reason}).\n"
+            "toma never downloads weights. Fetch them once with network access:\n"
+            f"    hf download {model_id}        (older huggingface_hub: huggingface-cli download {model_id})\n"
+            "Gated models (e.g. black-forest-labs/FLUX.1-dev) need `hf auth login` and accepting the "
+            "licence on the model page first. Or pass --model /path/to/a/save_pretrained/folder."
         ) from err
     return pipe.to(device)
 
@@ -281,10 +311,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --steps must be >= 1; got {args.steps}", file=sys.stderr)
         return 2
     try:
+        validate_toma_options(args, [args.ratio])
         return run_pipeline(args) if args.model else run_builtin(args)
     except PipelineUnavailableError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        # bad settings (ToMAConfig names the parameter) or missing built-in files
         print(f"error: {err}", file=sys.stderr)
         return 2

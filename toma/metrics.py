@@ -168,10 +168,9 @@ def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _missing(what: str, model_id: str, err: Exception) -> MissingWeightsError:
     return MissingWeightsError(
-        f"the {what} weights '{model_id}' are not available offline ({type(err).__name__}). "
-        f"Fetch them once with network access: `huggingface-cli download {model_id}` "
-        f"(or `python -c \"from huggingface_hub import snapshot_download; snapshot_download('{model_id}')\"`), "
-        "or pass a local folder instead of the model id."
+        f"the {what} weights {model_id!r} are not available offline ({type(err).__name__}). "
+        f"Fetch them once with network access: `hf download {model_id}` (older huggingface_hub: "
+        f"`huggingface-cli download {model_id}`), or pass a local folder instead of the model id."
     )
 
 
