@@ -1,0 +1,117 @@
+"""``toma eval``: output files with sane values, pipelines, errors, and 2-process data parallel."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toma.cli import main
+
+TINY = ["--num-images", "4", "--steps", "2", "--batch-size", "4", "--threads", "1"]
+
+
+def read_results(out: Path) -> dict:
+    for name in ("results.json", "results.md", "quality_vs_speedup.png", "samples.png"):
+        assert (out / name).is_file(), name
+    return json.loads((out / "results.json").read_text())
+
+
+def test_eval_builtin_writes_sane_results(tmp_path):
+    out = tmp_path / "ev"
+    assert main(["eval", *TINY, "--out-dir", str(out)]) == 0
+    data = read_results(out)
+    rows = {r["method"]: r for r in data["results"]}
+    assert list(rows) == ["none", "toma", "toma-random", "toma-grid", "tomesd"]
+    assert rows["none"]["psnr"] is None  # inf against itself, stored as null
+    assert rows["none"]["ssim"] == pytest.approx(1.0) and rows["none"]["speedup"] == pytest.approx(1.0)
+    for name, row in rows.items():
+        assert row["n_images"] == 4 and row["latency_s"] > 0 and 0 <= row["accuracy"] <= 1
+        assert math.isfinite(row["fd_real"]) and row["fd_real"] >= 0
+        if name != "none":
+            assert 10 < row["psnr"] < 80 and -1 <= row["ssim"] < 1 and row["ratio"] == 0.5
+    table = (out / "results.md").read_text()
+    assert "| toma | 0.5 | 4 |" in table and "classifier acc." in table
+    assert data["machine"]["processes"] == 1
+
+
+def test_eval_rejects_bad_options(tmp_path, capsys):
+    assert main(["eval", "--methods", "toma,tome", "--out-dir", str(tmp_path)]) == 2
+    assert "--methods" in capsys.readouterr().err
+    assert main(["eval", "--ratios", "0.5,1.2", "--out-dir", str(tmp_path)]) == 2
+    assert "--ratios" in capsys.readouterr().err
+    assert main(["eval", "--clip", "--out-dir", str(tmp_path)]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_sd_folder(tmp_path_factory):
+    """A tiny random-weight SD 1.x-style pipeline saved with save_pretrained (no download)."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from transformers import CLIPTextModel
+
+    from tests.conftest import CROSS_DIM, make_sd15_unet
+    from tests.test_pipeline import clip_config, tiny_clip_tokenizer, tiny_vae
+
+    root = tmp_path_factory.mktemp("tiny-sd")
+    pipe = StableDiffusionPipeline(
+        vae=tiny_vae(),
+        text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
+        tokenizer=tiny_clip_tokenizer(root / "tok"),
+        unet=make_sd15_unet(),
+        scheduler=DDIMScheduler(clip_sample=False),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(root / "pipe")
+    return root / "pipe"
+
+
+def test_eval_and_generate_on_a_local_pipeline(tiny_sd_folder, tmp_path):
+    out = tmp_path / "ev"
+    args = ["--model", str(tiny_sd_folder), "--height", "32", "--width", "32", "--threads", "1"]
+    code = main(["eval", *args, "--num-images", "2", "--steps", "2", "--methods", "toma,tomesd", "--out-dir", str(out)])
+    assert code == 0
+    rows = read_results(out)["results"]
+    assert [r["method"] for r in rows] == ["none", "toma", "tomesd"]
+    assert all(r["n_images"] == 2 and r["latency_s"] > 0 for r in rows)
+    assert 0 < rows[1]["psnr"] < 100 and rows[1]["ssim"] <= 1
+    assert main(["generate", *args, "--steps", "2", "--prompt", "a fox", "--out", str(tmp_path / "g.png")]) == 0
+    assert (tmp_path / "g.png").is_file()
+
+
+def test_eval_metric_weights_missing_fail_before_generating(tiny_sd_folder, tmp_path, capsys):
+    code = main(["eval", "--model", str(tiny_sd_folder), "--clip", "--clip-model", "toma-tests/no-such-clip",
+                 "--out-dir", str(tmp_path / "ev")])
+    err = capsys.readouterr().err
+    assert code == 2 and "hf download toma-tests/no-such-clip" in err and "Traceback" not in err
+    code = main(["eval", "--model", "toma-tests/no-such-pipeline", "--out-dir", str(tmp_path / "ev")])
+    assert code == 2 and "hf download toma-tests/no-such-pipeline" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate is not installed")
+def test_eval_data_parallel_two_cpu_processes(tmp_path):
+    single, double = tmp_path / "one", tmp_path / "two"
+    common = ["eval", "--num-images", "4", "--steps", "2", "--batch-size", "2", "--methods", "toma"]
+    assert main([*common, "--threads", "1", "--out-dir", str(single)]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = ["accelerate", "launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "toma.cli", *common, "--out-dir", str(double)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    one, two = read_results(single), read_results(double)
+    assert two["machine"]["processes"] == 2
+    for a, b in zip(one["results"], two["results"]):
+        assert (a["method"], b["n_images"]) == (b["method"], 4)
+        # same seeds per image, so the merged results agree across the split
+        if a["psnr"] is not None:
+            assert b["psnr"] == pytest.approx(a["psnr"], abs=0.05)
+        assert b["accuracy"] == a["accuracy"]
