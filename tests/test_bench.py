@@ -1,0 +1,223 @@
+"""``toma bench`` end to end on tiny architectures, and the ideal / ToDo baselines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import toma
+from toma import bench
+from toma.archs import ARCHS, build_model, call_denoiser, flux_merged_blocks, make_inputs, reduced_flux_config
+from toma.baselines import (
+    IdealPlan,
+    apply_ideal,
+    apply_todo,
+    apply_tomesd,
+    get_baseline,
+    remove_baseline,
+    tomesd_available,
+    todo_pool,
+)
+from toma.cli import main
+from toma.plan import PlanCache
+from toma.tiling import make_layout
+
+
+@pytest.fixture(scope="module")
+def tiny_unet():
+    return build_model(ARCHS["tiny-unet"])
+
+
+@pytest.fixture(scope="module")
+def tiny_flux():
+    return build_model(ARCHS["tiny-flux"])
+
+
+def forward(arch_name, model, **kw):
+    arch = ARCHS[arch_name]
+    with torch.no_grad():
+        return call_denoiser(arch, model, make_inputs(arch, 64, **kw))[0]
+
+
+def recorder(seen, key):
+    """A forward pre-hook storing the token count of the first call's input under ``key``."""
+
+    def hook(module, args):
+        seen.setdefault(key, args[0].shape[1])
+
+    return hook
+
+
+def token_counts(model, names):
+    """Tokens reaching the first projection of each named attention (after any merge)."""
+    seen = {}
+    handles = []
+    for name in names:
+        module = model.get_submodule(name)
+        first = module.to_q if hasattr(module, "to_q") else module.net[0]
+        handles.append(first.register_forward_pre_hook(recorder(seen, name)))
+    return seen, handles
+
+
+def test_bench_cli_tiny_unet_writes_json_and_png(tmp_path, capsys):
+    rc = main([
+        "bench", "--arch", "tiny-unet", "--resolution", "64", "--ratios", "0.5",
+        "--methods", "none,toma,tomesd,ideal,todo", "--repeats", "1", "--warmup", "0",
+        "--batch", "1,2", "--out", str(tmp_path), "--name", "t", "--no-progress",
+    ])
+    assert rc == 0
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    rows = {(r["method"], r["batch"]): r for r in report["results"]}
+    methods = {"none", "toma", "ideal", "todo"} | ({"tomesd"} if tomesd_available() else set())
+    assert {m for m, _ in rows} == methods
+    assert report["threads"] == torch.get_num_threads()
+    # None when timing noise makes the tiny ideal no faster than unpatched
+    assert rows[("ideal", 1)]["efficiency"] in (None, pytest.approx(1.0))
+    assert set(rows[("toma", 1)]["overhead"]) == {"select", "weights", "merge", "unmerge", "total"}
+    assert rows[("toma", 1)]["overhead"]["merge"] > 0
+    assert "vs_batch1" in rows[("toma", 2)]
+    out = capsys.readouterr().out
+    assert "speedup" in out and "efficiency" in out
+
+
+def test_bench_flux_reduced_depth_says_so_and_skips_unet_peers(tmp_path, capsys):
+    rc = main([
+        "bench", "--arch", "tiny-flux", "--depth", "2", "--resolution", "64", "--ratios", "0.5",
+        "--methods", "none,toma,tomesd,ideal", "--repeats", "1", "--warmup", "0", "--no-profile",
+        "--out", str(tmp_path), "--name", "f", "--no-progress",
+    ])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "skipping tomesd" in out and "reduced depth" in out
+    report = json.loads((tmp_path / "f.json").read_text())
+    assert report["blocks"] == {"double": 1, "single": 1}
+    assert {r["method"] for r in report["results"]} == {"none", "toma", "ideal"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "none,fast"], "--methods"),
+        (["--ratios", "0.5,1.5"], "--ratios"),
+        (["--depth", "2"], "--depth applies to Flux only"),
+        (["--dtype", "float8"], "--dtype"),
+    ],
+)
+def test_bench_rejects_bad_arguments(argv, message, capsys):
+    assert main(["bench", "--arch", "tiny-unet", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_interrupt_reports_partial_results(monkeypatch):
+    calls = {"n": 0}
+    real = bench._time_sample
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_time_sample", flaky)
+    report = bench.benchmark(ARCHS["tiny-unet"], 64, ["none", "toma", "ideal"], [0.5], repeats=2, warmup=0)
+    assert report["interrupted"]
+    assert [r["method"] for r in report["results"]] == ["none", "toma", "ideal"]
+    # round 1 timed none, toma, ideal; round 2 (rotated: toma first) was cut at its first sample
+    assert [len(r["times_s"]) for r in report["results"]] == [1, 1, 1]
+    assert all(r["overhead"] is None for r in report["results"])  # no profiling after Ctrl-C
+
+
+def test_ideal_plan_keeps_every_kth_token_and_repeats_back():
+    x = torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(2, 8, 3)
+    plan = IdealPlan(8, 4, x.device)
+    merged = plan.merge(x)
+    assert torch.equal(merged, x[:, ::2])
+    assert torch.equal(plan.unmerge(merged), x[:, ::2].repeat_interleave(2, dim=1))
+    assert torch.equal(plan.dest_tokens, torch.tensor([[0, 2, 4, 6]]))
+    odd = IdealPlan(10, 4, x.device)  # no whole stride: gather kept tokens, owners at or before
+    y = torch.arange(10, dtype=torch.float32).reshape(1, 10, 1)
+    assert odd.merge(y).flatten().tolist() == [0.0, 2.0, 5.0, 7.0]
+    assert odd.unmerge(odd.merge(y)).flatten().tolist() == [0, 0, 2, 2, 2, 5, 5, 7, 7, 7]
+
+
+@pytest.mark.parametrize("options", [{"levels": 1}, {"levels": 2, "merge_mlp": True}, {"levels": 1, "tile_size": 3}])
+def test_ideal_matches_toma_placement_and_token_count(tiny_unet, options):
+    patch = toma.apply_toma(tiny_unet, ratio=0.5, **options)
+    names = [p.name for p in patch.patched]
+    seen_toma, handles = token_counts(tiny_unet, names)
+    forward("tiny-unet", tiny_unet)
+    toma.remove_toma(tiny_unet)
+    for h in handles:
+        h.remove()
+    ideal = apply_ideal(tiny_unet, 0.5, **options)
+    assert [p.name for p in ideal.patched] == names
+    seen_ideal, handles = token_counts(tiny_unet, names)
+    forward("tiny-unet", tiny_unet)
+    remove_baseline(tiny_unet)
+    for h in handles:
+        h.remove()
+    assert seen_ideal == seen_toma and len(seen_toma) == len(names)
+    # K is ToMA's: the layout's kept count on the 8x8 token grid of a 64px image
+    tile = options.get("tile_size", 4)
+    assert seen_ideal[names[0]] == make_layout(8, 8, (tile, tile), 0.5).num_merged
+
+
+def test_ideal_flux_matches_toma_blocks_and_counts(tiny_flux):
+    patch = toma.apply_toma(tiny_flux, ratio=0.5)
+    names = [p.name for p in patch.patched]
+    toma.remove_toma(tiny_flux)
+    ideal = apply_ideal(tiny_flux, 0.5)
+    assert [p.name for p in ideal.patched] == names
+    seen, handles = token_counts(tiny_flux, [f"{n}.attn" for n in names])
+    forward("tiny-flux", tiny_flux)
+    remove_baseline(tiny_flux)
+    for h in handles:
+        h.remove()
+    text = ARCHS["tiny-flux"].text_tokens
+    grid = 64 // 16
+    kept = make_layout(grid, grid, (4, 4), 0.5).num_merged
+    for name in names:  # double blocks project image tokens alone; single blocks [text; image]
+        assert seen[f"{name}.attn"] == (kept if name.startswith("transformer_blocks") else text + kept)
+
+
+def test_baselines_remove_exactly_and_refuse_to_stack(tiny_unet):
+    ref = forward("tiny-unet", tiny_unet)
+    appliers = [apply_ideal, apply_todo] + ([apply_tomesd] if tomesd_available() else [])
+    for apply in appliers:
+        apply(tiny_unet, 0.5)
+        assert get_baseline(tiny_unet).method in ("ideal", "todo", "tomesd")
+        with pytest.raises(RuntimeError, match="already"):
+            apply_ideal(tiny_unet, 0.5)
+        assert not torch.equal(forward("tiny-unet", tiny_unet), ref)
+        assert remove_baseline(tiny_unet)
+        assert torch.equal(forward("tiny-unet", tiny_unet), ref)
+    assert not remove_baseline(tiny_unet)
+
+
+def test_todo_pools_keys_values_only(tiny_unet):
+    assert todo_pool(0.5) == (1, 2) and todo_pool(0.75) == (2, 2) and todo_pool(0.2) == (1, 1)
+    apply_todo(tiny_unet, 0.75)
+    attn = tiny_unet.get_submodule("down_blocks.0.attentions.0.transformer_blocks.0.attn1")
+    shapes = {}
+    hq = attn.to_q.register_forward_pre_hook(recorder(shapes, "q"))
+    hk = attn.to_k.register_forward_pre_hook(recorder(shapes, "k"))
+    forward("tiny-unet", tiny_unet)
+    hq.remove(), hk.remove()
+    remove_baseline(tiny_unet)
+    assert shapes == {"q": 64, "k": 16}
+    with pytest.raises(ValueError, match="UNets only"):
+        apply_todo(build_model(ARCHS["tiny-flux"]), 0.5)
+
+
+def test_reduced_flux_depth_and_scaled_skip_rule():
+    cfg = reduced_flux_config(ARCHS["flux"].config, 10)
+    assert (cfg["num_layers"], cfg["num_single_layers"]) == (2, 4)
+    assert cfg["num_attention_heads"] * cfg["attention_head_dim"] == 3072  # full width
+    assert flux_merged_blocks(19, 19) == tuple(range(5, 19))  # the authors' default at full depth
+    assert flux_merged_blocks(38, 38) == tuple(range(5, 38))
+    assert flux_merged_blocks(2, 19) == (1,) and flux_merged_blocks(4, 38) == (1, 2, 3)
+    with pytest.raises(ValueError, match="depth"):
+        reduced_flux_config(ARCHS["flux"].config, 0)

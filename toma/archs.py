@@ -1,0 +1,284 @@
+"""Denoiser architectures for benchmarking, built from config with random weights.
+
+Speed does not depend on the weights, so a full-size SDXL, SD 1.5 or Flux.1-dev denoiser
+built from its published config times like the real one, and nothing is downloaded. The
+``tiny-*`` architectures exist for tests. :func:`make_inputs` builds one denoiser call's
+keyword arguments at a given image resolution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Published configs of the denoisers (only the fields that differ from diffusers' defaults
+# or that define the architecture).
+SDXL_UNET: dict[str, Any] = {
+    "sample_size": 128,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    "block_out_channels": (320, 640, 1280),
+    "layers_per_block": 2,
+    "transformer_layers_per_block": (1, 2, 10),
+    "attention_head_dim": (5, 10, 20),
+    "cross_attention_dim": 2048,
+    "use_linear_projection": True,
+    "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 256,
+    "projection_class_embeddings_input_dim": 2816,
+    "norm_num_groups": 32,
+}
+
+SD15_UNET: dict[str, Any] = {
+    "sample_size": 64,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    "block_out_channels": (320, 640, 1280, 1280),
+    "layers_per_block": 2,
+    "attention_head_dim": 8,
+    "cross_attention_dim": 768,
+    "norm_num_groups": 32,
+}
+
+FLUX_DEV: dict[str, Any] = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+
+# Small stand-ins with the same structure, for tests.
+TINY_UNET: dict[str, Any] = {
+    "sample_size": 16,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+    "block_out_channels": (32, 64),
+    "layers_per_block": 1,
+    "attention_head_dim": 8,
+    "cross_attention_dim": 32,
+    "norm_num_groups": 8,
+}
+
+TINY_FLUX: dict[str, Any] = {
+    "patch_size": 1,
+    "in_channels": 16,
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "pooled_projection_dim": 16,
+    "guidance_embeds": True,
+    "axes_dims_rope": (4, 6, 6),
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One benchmarkable denoiser.
+
+    Attributes:
+        name: the ``--arch`` value.
+        family: ``"unet"`` or ``"flux"``.
+        config: constructor keyword arguments of the diffusers model class.
+        resolution: default image resolution in pixels.
+        text_tokens: prompt length the pipeline feeds the denoiser.
+        text_dim: width of the prompt embeddings (``cross_attention_dim`` / ``joint_attention_dim``).
+        pooled_dim: width of the pooled prompt embedding (SDXL text_embeds, Flux pooled), or 0.
+        vae_scale: pixels per latent pixel.
+        description: one line for the report.
+    """
+
+    name: str
+    family: str
+    config: dict[str, Any] = field(repr=False)
+    resolution: int
+    text_tokens: int
+    text_dim: int
+    pooled_dim: int
+    vae_scale: int
+    description: str
+
+
+ARCHS: dict[str, Arch] = {
+    "sdxl": Arch("sdxl", "unet", SDXL_UNET, 1024, 77, 2048, 1280, 8, "SDXL-base UNet (2.6B parameters)"),
+    "sd15": Arch("sd15", "unet", SD15_UNET, 512, 77, 768, 0, 8, "Stable Diffusion 1.5 UNet (860M parameters)"),
+    "flux": Arch("flux", "flux", FLUX_DEV, 1024, 512, 4096, 768, 8, "Flux.1-dev transformer (12B parameters)"),
+    "tiny-unet": Arch("tiny-unet", "unet", TINY_UNET, 128, 8, 32, 0, 8, "tiny SD-like UNet (tests)"),
+    "tiny-flux": Arch("tiny-flux", "flux", TINY_FLUX, 128, 8, 32, 16, 8, "tiny Flux-like transformer (tests)"),
+}
+
+
+def get_arch(name: str) -> Arch:
+    """The architecture called ``name``; raises ValueError listing the known ones."""
+    if name not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {name!r}")
+    return ARCHS[name]
+
+
+def reduced_flux_config(config: dict[str, Any], depth: int) -> dict[str, Any]:
+    """Flux config with ``depth`` times fewer double- and single-stream blocks (at least one each).
+
+    Width (heads, head size, MLP) is unchanged, so every block costs what a full one costs.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be an int >= 1 (1 = full depth); got {depth!r}")
+    return {
+        **config,
+        "num_layers": max(1, round(config["num_layers"] / depth)),
+        "num_single_layers": max(1, round(config["num_single_layers"] / depth)),
+    }
+
+
+def build_model(
+    arch: Arch,
+    depth: int = 1,
+    model_path: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> torch.nn.Module:
+    """Build the denoiser of ``arch`` in eval mode.
+
+    Args:
+        arch: the architecture.
+        depth: Flux only: build ``depth`` times fewer blocks (see :func:`reduced_flux_config`).
+        model_path: a local directory or an already-cached hub id with real weights (looked up
+            without network access, in ``unet/`` or ``transformer/`` or at the top level).
+            None builds random weights from ``arch.config``.
+        dtype, device: where the weights live.
+        seed: seed of the random weights.
+    """
+    from diffusers import FluxTransformer2DModel, UNet2DConditionModel
+
+    cls = UNet2DConditionModel if arch.family == "unet" else FluxTransformer2DModel
+    if model_path is not None:
+        sub = "unet" if arch.family == "unet" else "transformer"
+        errors = []
+        for subfolder in (sub, None):
+            try:
+                model = cls.from_pretrained(model_path, subfolder=subfolder, torch_dtype=dtype, local_files_only=True)
+                break
+            except (OSError, ValueError, EnvironmentError) as err:
+                errors.append(f"{subfolder or '.'}: {err}")
+        else:
+            raise FileNotFoundError(f"no {cls.__name__} weights found at --model {model_path!r} (no download is tried): {errors}")
+        return model.to(device).eval()
+    config = dict(arch.config)
+    if arch.family == "flux":
+        config = reduced_flux_config(config, depth)
+    elif depth != 1:
+        raise ValueError(f"depth applies to Flux only; got depth={depth} for {arch.name}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        # initialise on the CPU in float32 (fast, deterministic), then move
+        model = cls(**config)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def make_inputs(
+    arch: Arch,
+    resolution: int,
+    batch: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Keyword arguments of one denoiser call at ``resolution x resolution`` pixels.
+
+    UNet: ``sample (B, 4, R/8, R/8)``, ``encoder_hidden_states (B, L, text_dim)``, plus SDXL's
+    ``added_cond_kwargs``. Flux: packed latents ``hidden_states (B, (R/16)^2, 64)``, text
+    ``(B, 512, 4096)``, ``pooled_projections (B, 768)``, ``img_ids``, ``txt_ids``, ``guidance``.
+    The timestep is a placeholder; :func:`set_timestep` changes it per step.
+    """
+    g = torch.Generator().manual_seed(seed)
+    latent = resolution // arch.vae_scale
+    if latent < 2 or resolution % (2 * arch.vae_scale):
+        raise ValueError(f"resolution must be a multiple of {2 * arch.vae_scale} pixels; got {resolution}")
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    text = rand(batch, arch.text_tokens, arch.text_dim)
+    if arch.family == "unet":
+        inputs: dict[str, Any] = {
+            "sample": rand(batch, arch.config["in_channels"], latent, latent),
+            "timestep": torch.tensor(999.0, device=device),
+            "encoder_hidden_states": text,
+        }
+        if arch.config.get("addition_embed_type") == "text_time":
+            size = [float(resolution), float(resolution), 0.0, 0.0, float(resolution), float(resolution)]
+            inputs["added_cond_kwargs"] = {
+                "text_embeds": rand(batch, arch.pooled_dim),
+                "time_ids": torch.tensor([size] * batch, device=device, dtype=dtype),
+            }
+        return inputs
+    # Flux packs 2x2 latent patches into one token
+    side = latent // 2
+    ids = torch.zeros(side, side, 3)
+    ids[..., 1] = torch.arange(side)[:, None]
+    ids[..., 2] = torch.arange(side)[None, :]
+    return {
+        "hidden_states": rand(batch, side * side, arch.config["in_channels"]),
+        "encoder_hidden_states": text,
+        "pooled_projections": rand(batch, arch.pooled_dim),
+        "timestep": torch.full((batch,), 1.0, device=device, dtype=dtype),
+        "img_ids": ids.reshape(-1, 3).to(device=device, dtype=dtype),
+        "txt_ids": torch.zeros(arch.text_tokens, 3, device=device, dtype=dtype),
+        "guidance": torch.full((batch,), 3.5, device=device, dtype=dtype),
+        "return_dict": False,
+    }
+
+
+def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> dict[str, Any]:
+    """``inputs`` at denoising step ``step`` of ``steps`` (timesteps decrease, as in a sampler)."""
+    frac = 1.0 - step / max(steps, 1)
+    t = inputs["timestep"]
+    value = 999.0 * frac if arch.family == "unet" else max(frac, 1e-3)
+    return {**inputs, "timestep": torch.full_like(t, value)}
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of parameters of ``model``."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def token_grid(arch: Arch, resolution: int) -> tuple[int, int]:
+    """Token grid of the first attention level (UNet at downsample 1, Flux image tokens)."""
+    latent = resolution // arch.vae_scale
+    side = latent // 2 if arch.family == "flux" else latent
+    return side, side
+
+
+def flux_merged_blocks(count: int, full_count: int, skip: int = 5) -> tuple[int, ...]:
+    """Merged block indices when ``count`` of ``full_count`` blocks are built: the default
+    skip of the first ``skip`` blocks, scaled by ``count / full_count`` (at least one merged)."""
+    scaled = min(count - 1, math.floor(skip * count / full_count + 0.5))
+    return tuple(range(max(scaled, 0), count))
+
+
+def call_denoiser(arch: Arch, model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
+    """One denoiser forward on :func:`make_inputs` arguments.
+
+    UNets get ``sample`` and ``timestep`` positionally, as diffusers pipelines pass them
+    (tomesd's hook reads the latent size from the first positional argument).
+    """
+    if arch.family == "unet":
+        rest = {k: v for k, v in inputs.items() if k not in ("sample", "timestep")}
+        return model(inputs["sample"], inputs["timestep"], return_dict=False, **rest)
+    return model(**inputs)
