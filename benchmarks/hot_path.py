@@ -1,0 +1,69 @@
+"""Microbenchmark of ToMA's hot path at the token grids SDXL and Flux merge at 1024x1024.
+
+Times plan building (selection + weights), merge and unmerge in isolation, and scales
+them to the merge overhead of one denoiser forward (plans per forward x build + merged
+modules x (merge + unmerge)). Cheap enough to compare core changes before/after:
+
+    python benchmarks/hot_path.py [--repeats 30] [--threads N] [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from toma.config import ToMAConfig
+from toma.plan import PlanCache
+
+# name: (grid side, channels, plans per forward, merged modules per forward)
+SHAPES = {
+    "sdxl 64x64 x640 (levels 1: 10 blocks)": (64, 640, 1, 10),
+    "sdxl 32x32 x1280 (level 2: 60 blocks)": (32, 1280, 1, 60),
+    "flux 64x64 x3072 (47 blocks, 2 groups)": (64, 3072, 2, 47),
+}
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, ratio 0.5, tile 4x4")
+    print(f"{'grid':<40}{'build ms':>10}{'merge ms':>10}{'unmerge ms':>12}{'per forward ms':>16}")
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for name, (side, channels, plans, modules) in SHAPES.items():
+            x = torch.randn(args.batch, side * side, channels, generator=gen)
+            cache = PlanCache(ToMAConfig(ratio=0.5))
+
+            def build() -> None:
+                cache.begin_forward((side, side), None)  # a new run: the plan is recomputed
+                cache.get(x, (side, side), group="g")
+
+            build()
+            plan = cache.get(x, (side, side), group="g")
+            merged = plan.merge(x)
+            b = median_ms(build, args.repeats)
+            m = median_ms(lambda: plan.merge(x), args.repeats)
+            u = median_ms(lambda: plan.unmerge(merged), args.repeats)
+            print(f"{name:<40}{b:>10.2f}{m:>10.2f}{u:>12.2f}{plans * b + modules * (m + u):>16.1f}")
+
+
+if __name__ == "__main__":
+    main()
