@@ -103,7 +103,9 @@ def test_eval_data_parallel_two_cpu_processes(tmp_path):
     common = ["eval", "--num-images", "4", "--steps", "2", "--batch-size", "2", "--methods", "toma"]
     assert main([*common, "--threads", "1", "--out-dir", str(single)]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = ["accelerate", "launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
+    # accelerate's --cpu launcher starts a single process (multi-CPU needs mpirun); its torchrun
+    # launcher (--multi_gpu) starts 2 processes and toma joins them with the gloo backend
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "toma.cli", *common, "--out-dir", str(double)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr[-2000:]

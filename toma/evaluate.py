@@ -217,14 +217,24 @@ class Processes:
             self.state.wait_for_everyone()
 
 
-def init_processes() -> Processes:
-    """Use accelerate's process group when launched by it, else a single process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+def init_processes(cpu: bool) -> Processes:
+    """Join the process group when started by ``accelerate launch``/``torchrun``, else run alone.
+
+    ``cpu`` selects the gloo backend; accelerate only picks it for multi-process runs
+    when told explicitly.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
         try:
             from accelerate import PartialState
         except ImportError as err:
             raise RuntimeError("multi-process eval needs accelerate: pip install accelerate") from err
-        state = PartialState()
+        state = PartialState(cpu=cpu)
+        if state.num_processes != world:
+            raise RuntimeError(
+                f"launched with WORLD_SIZE={world} but accelerate set up {state.num_processes} process(es); "
+                "launch with `accelerate launch --multi_gpu --num_processes N` or `torchrun --nproc_per_node N`"
+            )
         return Processes(state.process_index, state.num_processes, state)
     return Processes(0, 1, None)
 
@@ -493,19 +503,24 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         panels.append(("accuracy", "classifier accuracy"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    colours = plt.get_cmap("tab10")
     for ax, (metric, label) in zip(axes[0], panels):
         for method in methods:
             pts = sorted((r["speedup"], r[metric], r["ratio"]) for r in rows if r["method"] == method)
-            finite = [(x, y, rt) for x, y, rt in pts if y == y and abs(y) != float("inf")]
+            finite = [(x, y, rt) for x, y, rt in pts if math.isfinite(y)]
             if not finite:
                 continue  # the unmerged reference has infinite PSNR
-            ax.plot([p[0] for p in finite], [p[1] for p in finite], marker="o", label=method)
+            # fixed colour per method so the panels agree
+            style = ({"color": "black", "marker": "*", "markersize": 10} if method == "none"
+                     else {"color": colours(METHODS.index(method)), "marker": "o"})
+            ax.plot([p[0] for p in finite], [p[1] for p in finite], label=method, **style)
             for x, y, rt in finite:
-                ax.annotate(f"{rt:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                if method != "none":
+                    ax.annotate(f"{rt:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xlabel("speedup over unmerged (x)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    axes[0][-1].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -521,7 +536,7 @@ def write_samples(gathered: list[dict[str, Any]], runs: list[tuple[str, float]],
         preview = gathered[0][key(method, ratio)]["preview"]
         if preview:
             images = torch.tensor(preview)
-            panels.append((f"{method} {ratio:g}", make_grid(images, ncols=len(images) if len(images) <= 4 else 10, upscale=upscale)))
+            panels.append((f"{method} {ratio:g}", make_grid(images, ncols=min(len(images), 10), upscale=upscale)))
     if not panels:
         return
     from PIL import Image
@@ -593,7 +608,7 @@ def run(args: argparse.Namespace) -> int:
         print("note: tomesd is not installed (pip install tomesd); skipping the tomesd method", file=sys.stderr)
         methods.remove("tomesd")
 
-    procs = init_processes()
+    procs = init_processes(cpu=args.model is None or resolve_device_dtype(args.device, args.dtype)[0] == "cpu")
     threads = args.threads or max(1, (os.cpu_count() or 1) // procs.world)
     if args.threads is not None or procs.world > 1:
         torch.set_num_threads(threads)
