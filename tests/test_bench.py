@@ -83,6 +83,28 @@ def test_bench_cli_tiny_unet_writes_json_and_png(tmp_path, capsys):
     assert "speedup" in out and "efficiency" in out
 
 
+def test_from_json_rederives_statistics_and_replots(tmp_path, capsys):
+    report = {
+        "arch": "x", "description": "d", "parameters": 1, "resolution": 64, "dtype": "float32", "device": "cpu",
+        "device_name": "cpu", "threads": 2, "steps_per_sample": 1, "repeats": 3, "warmup": 1, "placement": {},
+        "notes": [], "skipped": {}, "interrupted": False, "batches": [1],
+        "results": [
+            {"method": "none", "ratio": None, "batch": 1, "compiled": False, "times_s": [10.0, 12.0, 11.0], "overhead": None},
+            {"method": "toma", "ratio": 0.5, "batch": 1, "compiled": False, "times_s": [9.5, 9.0, 8.0], "overhead": None},
+            {"method": "ideal", "ratio": 0.5, "batch": 1, "compiled": False, "times_s": [9.0, 8.0, 7.5], "overhead": None},
+        ],
+    }
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    assert main(["bench", "--from-json", str(path), "--out", str(tmp_path / "o")]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "o" / "r.json").read_text())["results"]}
+    assert rows["toma"]["speedup"] == pytest.approx(11 / 9)
+    assert rows["toma"]["efficiency"] == pytest.approx((11 - 9) / (11 - 8))
+    assert rows["toma"]["efficiency_min"] == pytest.approx((10 - 8) / (10 - 7.5))
+    assert (tmp_path / "o" / "r.png").exists()
+    assert "eff/min" in capsys.readouterr().out
+
+
 def test_bench_flux_reduced_depth_says_so_and_skips_unet_peers(tmp_path, capsys):
     rc = main([
         "bench", "--arch", "tiny-flux", "--depth", "2", "--resolution", "64", "--ratios", "0.5",

@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0] + " Nothing is downloaded.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--arch", required=True, choices=sorted(ARCHS), help="denoiser architecture")
+    p.add_argument("--arch", choices=sorted(ARCHS), help="denoiser architecture (required unless --from-json)")
     p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the arch's native)")
     p.add_argument("--ratios", default="0.25,0.5,0.75", help="comma-separated merge ratios")
     p.add_argument("--methods", default="none,toma,tomesd,ideal", help=f"comma-separated, from {','.join(METHODS)}")
@@ -111,11 +111,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="file name stem (default: bench_<arch>_<resolution>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="measure nothing: print the table of a saved report (statistics recomputed) and re-plot it")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``args``; returns the exit code."""
+    if args.from_json:
+        return _rerender(Path(args.from_json), Path(args.out), args.name)
     try:
         opts = _options(args)
     except ValueError as err:
@@ -128,7 +132,22 @@ def run(args: argparse.Namespace) -> int:
     return 130 if report["interrupted"] else 0
 
 
+def _rerender(path: Path, out: Path, name: str | None) -> int:
+    try:
+        report = json.loads(path.read_text())
+        derive(report["results"], report["batches"][0])
+    except (OSError, ValueError, KeyError) as err:
+        print(f"toma bench: error: --from-json {path}: {err}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    paths = write_outputs(report, out, name or path.stem)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def _options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.arch is None:
+        raise ValueError(f"--arch is required (one of {', '.join(sorted(ARCHS))})")
     arch = get_arch(args.arch)
     methods = _split(args.methods, "methods", str)
     bad = [m for m in methods if m not in METHODS]
@@ -450,38 +469,20 @@ def _report(arch: Arch, model: torch.nn.Module, resolution: int, dtype: torch.dt
             batches: list[int], harness: _Methods, settings: dict[str, Any], skipped: dict[str, str],
             notes: list[str], results: dict[tuple[Variant, int], Measurement], interrupted: bool,
             compiled: bool) -> dict[str, Any]:
-    medians = {key: statistics.median(m.times) for key, m in results.items() if m.times}
-
-    def ref(v: Variant, b: int, method: str) -> float | None:
-        return medians.get((Variant(method, None if method == "none" else v.ratio, v.compiled), b))
-
-    rows = []
-    for (v, b), m in results.items():
-        if not m.times:
-            continue
-        med = medians[(v, b)]
-        base = ref(v, b, "none")
-        ideal = medians.get((Variant("ideal", v.ratio), b))
-        row: dict[str, Any] = {
+    rows = [
+        {
             "method": v.method,
             "ratio": v.ratio,
             "batch": b,
             "compiled": v.compiled,
             "times_s": m.times,
-            "median_s": med,
-            "min_s": min(m.times),
-            "max_s": max(m.times),
-            "speedup": base / med if base else None,
-            "latency_reduction": 1 - med / base if base else None,
-            "efficiency": None,
             "overhead": m.overhead,
             "settings": settings.get(v.label),
         }
-        if base and ideal and v.ratio is not None and not v.compiled and base - ideal > 0:
-            row["efficiency"] = (base - med) / (base - ideal)
-        if b != batches[0] and (v, batches[0]) in medians:
-            row[f"vs_batch{batches[0]}"] = med / medians[(v, batches[0])]
-        rows.append(row)
+        for (v, b), m in results.items()
+        if m.times
+    ]
+    derive(rows, batches[0])
     placement = dict(harness.placement)
     if "tomesd" in methods and "tomesd" not in skipped:
         from toma.baselines import tomesd_max_downsample
@@ -521,6 +522,39 @@ def _report(arch: Arch, model: torch.nn.Module, resolution: int, dtype: torch.dt
     }
 
 
+def derive(rows: list[dict[str, Any]], first_batch: int) -> list[dict[str, Any]]:
+    """Fill in the statistics of result rows from their ``times_s`` (in place; also returned).
+
+    Adds median/min/max, speedup over the unpatched row of the same batch (and compile
+    state), latency reduction, efficiency against the ideal row of the same ratio and batch,
+    each from medians and from the fastest samples (``*_min``: the least disturbed on a
+    shared machine), and ``vs_batch<first>``, the median's ratio to the first batch size.
+    """
+
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["method"], r["ratio"], r["batch"], r["compiled"])
+
+    by_key = {key(r): r for r in rows}
+    for r in rows:
+        r["median_s"] = statistics.median(r["times_s"])
+        r["min_s"], r["max_s"] = min(r["times_s"]), max(r["times_s"])
+    for r in rows:
+        base = by_key.get(("none", None, r["batch"], r["compiled"]))
+        ideal = by_key.get(("ideal", r["ratio"], r["batch"], r["compiled"]))
+        for stat, suffix in (("median_s", ""), ("min_s", "_min")):
+            t = r[stat]
+            b = base[stat] if base else None
+            i = ideal[stat] if ideal else None
+            r["speedup" + suffix] = b / t if b else None
+            r["latency_reduction" + suffix] = 1 - t / b if b else None
+            usable = b is not None and i is not None and r["ratio"] is not None and b - i > 0
+            r["efficiency" + suffix] = (b - t) / (b - i) if usable else None
+        first = by_key.get((r["method"], r["ratio"], first_batch, r["compiled"]))
+        if r["batch"] != first_batch and first:
+            r[f"vs_batch{first_batch}"] = r["median_s"] / first["median_s"]
+    return rows
+
+
 def _blocks(model: torch.nn.Module, arch: Arch) -> dict[str, int]:
     if arch.family == "flux":
         return {"double": len(model.transformer_blocks), "single": len(model.single_transformer_blocks)}
@@ -556,7 +590,7 @@ def format_report(report: dict[str, Any]) -> str:
     if report["interrupted"]:
         lines.append("  INTERRUPTED: partial results")
     head = (f"{'method':<16}{'ratio':>6}{'batch':>6}{'median s':>10}{'min s':>9}{'max s':>9}{'n':>3}"
-            f"{'speedup':>9}{'effic.':>8}{'overhead':>10}  select/weights/merge/unmerge")
+            f"{'speedup':>9}{'effic.':>8}{'eff/min':>8}{'overhead':>10}  select/weights/merge/unmerge")
     lines += ["", head, "-" * len(head)]
     for r in report["results"]:
         ov = r["overhead"] or {}
@@ -565,12 +599,15 @@ def format_report(report: dict[str, Any]) -> str:
         line = (f"{name:<16}{_fmt(r['ratio'], 'g'):>6}{r['batch']:>6}{r['median_s']:>10.3f}{r['min_s']:>9.3f}"
                 f"{r['max_s']:>9.3f}{len(r['times_s']):>3}{_fmt(r['speedup'], '.3f', 'x'):>9}"
                 f"{_fmt(None if r['efficiency'] is None else r['efficiency'] * 100, '.0f', '%'):>8}"
+                f"{_fmt(None if r.get('efficiency_min') is None else r['efficiency_min'] * 100, '.0f', '%'):>8}"
                 f"{_fmt(ov.get('total', 0) * 100 if ov else None, '.2f', '%'):>10}  {parts}")
         extra = [f"{k}={v:.2f}" for k, v in r.items() if k.startswith("vs_batch")]
         lines.append(line + ("  " + " ".join(extra) if extra else ""))
     lines.append("")
     lines.append("speedup = unpatched median / median; efficiency = (unpatched - method) / (unpatched - ideal) at the "
-                 "same ratio; overhead = profiled share of one forward (% of it) in selection, weights, merge, unmerge")
+                 "same ratio, from medians (effic.) and from the fastest samples (eff/min, the least disturbed on a "
+                 "shared machine); overhead = profiled share of one forward (% of it) in selection, weights, merge, "
+                 "unmerge")
     return "\n".join(lines)
 
 
@@ -611,7 +648,9 @@ def plot_report(report: dict[str, Any], path: Path) -> bool:
         if method == "none":
             ax.axhline(mine[0]["median_s"], color="gray", linestyle="--", label="none (unpatched)")
             continue
-        xs = [r["ratio"] for r in mine]
+        # a small sideways offset per method keeps error bars at the same ratio apart
+        shift = 0.006 * (METHODS.index(method) - 2.5)
+        xs = [r["ratio"] + shift for r in mine]
         ax.errorbar(xs, [r["median_s"] for r in mine],
                     yerr=[[r["median_s"] - r["min_s"] for r in mine], [r["max_s"] - r["median_s"] for r in mine]],
                     marker="o", capsize=3, label=method)
