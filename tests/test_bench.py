@@ -119,6 +119,18 @@ def test_bench_flux_reduced_depth_says_so_and_skips_unet_peers(tmp_path, capsys)
     assert {r["method"] for r in report["results"]} == {"none", "toma", "ideal"}
 
 
+def test_missing_tomesd_is_skipped_with_a_message(monkeypatch, capsys):
+    import toma.baselines
+
+    monkeypatch.setattr(toma.baselines, "tomesd_available", lambda: False)
+    logged = []
+    report = bench.benchmark(ARCHS["tiny-unet"], 64, ["none", "tomesd"], [0.5], repeats=1, warmup=0,
+                             profile=False, log=logged.append)
+    assert "tomesd is not installed" in report["skipped"]["tomesd"]
+    assert any("skipping tomesd" in line for line in logged)
+    assert [r["method"] for r in report["results"]] == ["none"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
