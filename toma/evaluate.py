@@ -195,6 +195,7 @@ class Processes:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is the process that summarises and writes the outputs."""
         return self.rank == 0
 
     def split(self, items: list[Any]) -> list[Any]:
@@ -213,6 +214,7 @@ class Processes:
         return gather_object([obj])
 
     def barrier(self) -> None:
+        """Wait until every process gets here."""
         if self.state is not None and self.world > 1:
             self.state.wait_for_everyone()
 
@@ -310,8 +312,8 @@ def summarise_builtin(gathered: list[dict[str, Any]], runs: list[tuple[str, floa
             "method": method,
             "ratio": ratio,
             "n_images": count,
-            "psnr": mean_finite(torch.tensor(sum((p["psnr"] for p in parts), []))),
-            "ssim": float(torch.tensor(sum((p["ssim"] for p in parts), [])).mean()),
+            **mean_and_sem("psnr", torch.tensor(sum((p["psnr"] for p in parts), []))),
+            **mean_and_sem("ssim", torch.tensor(sum((p["ssim"] for p in parts), []))),
             "accuracy": float((preds == labels).double().mean()),
             "fd_real": _fd(feats, ref_mu, ref_sigma),
             "fd_vs_none": _fd(feats, *feature_stats(base_feats)) if len(base_feats) > 1 else float("nan"),
@@ -319,6 +321,16 @@ def summarise_builtin(gathered: list[dict[str, Any]], runs: list[tuple[str, floa
         }
         rows.append(row)
     return add_speedup(rows)
+
+
+def mean_and_sem(name: str, values: torch.Tensor) -> dict[str, float]:
+    """``{name: mean, name_sem: standard error}`` over the finite per-image values.
+
+    The standard error says whether two methods' means differ by more than seed noise.
+    """
+    finite = values.double()[torch.isfinite(values.double())]
+    sem = float(finite.std() / math.sqrt(finite.numel())) if finite.numel() > 1 else float("nan")
+    return {name: mean_finite(values), f"{name}_sem": sem}
 
 
 def _fd(feats: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> float:
@@ -363,6 +375,8 @@ def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[s
         if scorer is not None:
             scorer.load()
     device, dtype = resolve_device_dtype(args.device, args.dtype)
+    if procs.state is not None and device.startswith("cuda"):
+        device = str(procs.state.device)  # one GPU per process
     pipe = load_pipeline(args.model, device, dtype)
     steps = args.steps or 30
     prompts = read_prompts(args.prompts)
@@ -436,8 +450,8 @@ def summarise_pipeline(gathered: list[dict[str, Any]], runs: list[tuple[str, flo
             "method": method,
             "ratio": ratio,
             "n_images": count,
-            "psnr": mean_finite(cat("psnr")),
-            "ssim": float(cat("ssim").mean()),
+            **mean_and_sem("psnr", cat("psnr")),
+            **mean_and_sem("ssim", cat("ssim")),
             "latency_s": sum(p["seconds"] for p in parts) / max(count, 1),
         }
         if any("clip_t" in p for p in parts):
@@ -459,7 +473,9 @@ COLUMNS = [
     ("ratio", "ratio", "{:g}"),
     ("n_images", "images", "{}"),
     ("psnr", "PSNR vs unmerged (dB)", "{:.2f}"),
+    ("psnr_sem", "± s.e.", "{:.2f}"),
     ("ssim", "SSIM vs unmerged", "{:.4f}"),
+    ("ssim_sem", "± s.e.", "{:.4f}"),
     ("accuracy", "classifier acc.", "{:.3f}"),
     ("fd_real", "FD to real digits", "{:.2f}"),
     ("fd_vs_none", "FD to unmerged", "{:.2f}"),
@@ -482,12 +498,18 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
+def _cell(fmt: str, value: Any) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "n/a"
+    return fmt.format(value)
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """Rows as a markdown table with the columns present in the first row."""
     cols = [c for c in COLUMNS if c[0] in rows[0]]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
-        lines.append("| " + " | ".join(c[2].format(row[c[0]]) for c in cols) + " |")
+        lines.append("| " + " | ".join(_cell(c[2], row[c[0]]) for c in cols) + " |")
     return "\n".join(lines) + "\n"
 
 
