@@ -11,6 +11,18 @@ from toma.builtin import BUILTIN_DIR, builtin_available, load_builtin, sample
 from toma.cli import main
 
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One thread: the tiny models gain nothing from more, and the CLI changes the
+    count anyway; the rest of the suite gets its own count back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 @pytest.fixture(scope="module")
 def model():
     return load_builtin()

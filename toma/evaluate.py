@@ -40,6 +40,7 @@ from toma.generate import (
     resolve_device_dtype,
     sync,
     timed,
+    default_threads,
     toma_options,
 )
 from toma.metrics import (
@@ -102,7 +103,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads per process (default: CPU cores / processes)")
+                   help="torch CPU threads per process (default: 1 for the built-in model; "
+                        "for pipelines CPU cores / processes)")
     p.add_argument("--builtin-path", type=Path, default=None,
                    help="folder written by scripts/train_builtin.py (default: the copy in the package)")
     p.set_defaults(func=run)
@@ -617,6 +619,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--num-images must be >= 1; got {args.num_images}")
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1; got {args.steps}")
+        default_threads(args)  # validates --threads
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1; got {args.batch_size}")
         validate_toma_options(args, ratios)
@@ -631,8 +634,10 @@ def run(args: argparse.Namespace) -> int:
         methods.remove("tomesd")
 
     procs = init_processes(cpu=args.model is None or resolve_device_dtype(args.device, args.dtype)[0] == "cpu")
-    threads = args.threads or max(1, (os.cpu_count() or 1) // procs.world)
-    if args.threads is not None or procs.world > 1:
+    threads = default_threads(args)
+    if threads is None and procs.world > 1:
+        threads = max(1, (os.cpu_count() or 1) // procs.world)
+    if threads is not None:
         torch.set_num_threads(threads)
     runs = variants(methods, ratios)
     try:

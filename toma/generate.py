@@ -46,7 +46,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="pipelines: weights dtype (auto: float16 on cuda, float32 on cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for the built-in model, torch's choice for pipelines)")
     p.add_argument("--builtin-path", type=Path, default=None,
                    help="folder written by scripts/train_builtin.py (default: the copy in the package)")
     p.set_defaults(func=run)
@@ -58,6 +59,19 @@ def add_toma_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tile-size", type=int, default=4, help="ToMA tile side in tokens (default 4)")
     p.add_argument("--levels", type=int, default=1, help="UNet attention levels to merge, from the highest resolution (default 1)")
     p.add_argument("--temperature", type=float, default=None, help="ToMA assignment temperature (default: ToMA's)")
+
+
+def default_threads(args: argparse.Namespace) -> int | None:
+    """Thread count to set: ``--threads``, else 1 for the built-in model, else None (torch's default).
+
+    The built-in model is tiny; on a CPU shared with other jobs, several busy-waiting
+    OpenMP threads per process made it several times slower than one thread.
+    """
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1; got {args.threads}")
+        return args.threads
+    return 1 if args.model is None else None
 
 
 def toma_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -305,12 +319,12 @@ def run_pipeline(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma generate``; returns the exit code."""
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.steps is not None and args.steps < 1:
-        print(f"error: --steps must be >= 1; got {args.steps}", file=sys.stderr)
-        return 2
     try:
+        threads = default_threads(args)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if args.steps is not None and args.steps < 1:
+            raise ValueError(f"--steps must be >= 1; got {args.steps}")
         validate_toma_options(args, [args.ratio])
         return run_pipeline(args) if args.model else run_builtin(args)
     except PipelineUnavailableError as err:
