@@ -10,7 +10,7 @@ the DDIM scheduler config, the classifier, reference feature statistics and
 
 The run is seeded and deterministic on CPU. It runs with one thread by default
 (``--threads 1``) so that a shared 2-core machine keeps a core free; the default settings
-take about 40 minutes that way.
+took 48 minutes that way (43 for the UNet) with other jobs on the second core.
 
     python scripts/train_builtin.py                 # full run, writes toma/builtin/
     python scripts/train_builtin.py --steps 5 --classifier-epochs 1 \
