@@ -10,23 +10,12 @@ per-element plans and with ``share_batch_plan=True``, and batch 1 for reference.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from hot_path import median_ms  # benchmarks/ is on sys.path when this script runs
 
 from toma.config import ToMAConfig
 from toma.plan import PlanCache
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def main() -> None:

@@ -105,3 +105,16 @@ def sd15_unet() -> UNet2DConditionModel:
 @pytest.fixture
 def flux() -> FluxTransformer2DModel:
     return make_flux()
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, then the previous count back.
+
+    The tiny models gain nothing from more threads, and the CLI under test sets the count
+    itself; restoring it keeps the rest of the suite unaffected.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
