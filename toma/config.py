@@ -81,10 +81,6 @@ class ToMAConfig:
         """Settings as a plain dict (for logs and JSON)."""
         return asdict(self)
 
-    def updated(self, **options: Any) -> "ToMAConfig":
-        """A copy with some settings changed (validated again)."""
-        return replace(self, **options)
-
 
 def make_config(config: ToMAConfig | None = None, **options: Any) -> ToMAConfig:
     """Build a validated config from an optional base config and keyword options.

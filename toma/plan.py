@@ -54,17 +54,10 @@ class Plan:
     def merge(self, x: torch.Tensor) -> torch.Tensor:
         """Merge raster tokens ``(B, N, C)`` into ``(B, K, C)`` (tile-major order)."""
         with profiled("toma::merge"):
-            return self._merge_tiles(to_tiles(x, self.layout))
-
-    def merge_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
-        """Merge tokens already in tile layout ``(B, T, n, C)`` into ``(B, K, C)``."""
-        with profiled("toma::merge"):
-            return self._merge_tiles(tiles)
-
-    def _merge_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
-        merged = merge(tiles, self.merge_w.to(tiles.dtype))
-        merged = merged.reshape(merged.shape[0], -1, merged.shape[-1])
-        return merged if self.keep_index is None else merged.index_select(1, self.keep_index)
+            tiles = to_tiles(x, self.layout)
+            merged = merge(tiles, self.merge_w.to(tiles.dtype))
+            merged = merged.reshape(merged.shape[0], -1, merged.shape[-1])
+            return merged if self.keep_index is None else merged.index_select(1, self.keep_index)
 
     def unmerge(self, y: torch.Tensor) -> torch.Tensor:
         """Unmerge ``(B, K, C)`` back to raster tokens ``(B, N, C)``."""
