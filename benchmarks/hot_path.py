@@ -4,7 +4,7 @@ Times plan building (selection + weights), merge and unmerge in isolation, and s
 them to the merge overhead of one denoiser forward (plans per forward x build + merged
 modules x (merge + unmerge)). Cheap enough to compare core changes before/after:
 
-    python benchmarks/hot_path.py [--repeats 30] [--threads N] [--batch 1]
+    python benchmarks/hot_path.py [--repeats 30] [--threads N] [--batch 1] [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ SHAPES = {
 }
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
@@ -41,15 +44,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, ratio 0.5, tile 4x4")
+    print(f"torch {torch.__version__}, {device}, {args.dtype}, {torch.get_num_threads()} threads, batch {args.batch}, ratio 0.5, tile 4x4")
     print(f"{'grid':<40}{'build ms':>10}{'merge ms':>10}{'unmerge ms':>12}{'per forward ms':>16}")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name, (side, channels, plans, modules) in SHAPES.items():
-            x = torch.randn(args.batch, side * side, channels, generator=gen)
+            x = torch.randn(args.batch, side * side, channels, generator=gen).to(device, dtype)
             cache = PlanCache(ToMAConfig(ratio=0.5))
 
             def build() -> None:
@@ -59,9 +65,9 @@ def main() -> None:
             build()
             plan = cache.get(x, (side, side), group="g")
             merged = plan.merge(x)
-            b = median_ms(build, args.repeats)
-            m = median_ms(lambda: plan.merge(x), args.repeats)
-            u = median_ms(lambda: plan.unmerge(merged), args.repeats)
+            b = median_ms(build, args.repeats, device)
+            m = median_ms(lambda: plan.merge(x), args.repeats, device)
+            u = median_ms(lambda: plan.unmerge(merged), args.repeats, device)
             print(f"{name:<40}{b:>10.2f}{m:>10.2f}{u:>12.2f}{plans * b + modules * (m + u):>16.1f}")
 
 

@@ -106,6 +106,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tomesd max_downsample (default: the UNet levels ToMA merges)")
     p.add_argument("--compile", action="store_true",
                    help="also time none and toma under torch.compile (after the eager rounds, not interleaved)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="CUDA only: capture each variant's forward once as a CUDA graph and time its replays "
+                        "(no Python or kernel-launch overhead, as in a graph-captured or compiled deployment)")
     p.add_argument("--no-profile", action="store_true", help="skip the overhead breakdown pass")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     p.add_argument("--name", default=None, help="file name stem (default: bench_<arch>_<resolution>)")
@@ -173,6 +176,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         dtype = DTYPES[args.dtype]
     else:
         raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {args.dtype!r}")
+    if args.cuda_graph and device.type != "cuda":
+        raise ValueError(f"--cuda-graph needs a CUDA device; got --device {device}")
+    if args.cuda_graph and args.compile:
+        raise ValueError("--cuda-graph and --compile are separate modes: pass one of them")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1; got {args.threads}")
@@ -194,6 +201,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "toma_options": {"share_batch_plan": args.share_batch_plan, "recompute_every": args.recompute_every},
         "tomesd_max_downsample": args.tomesd_max_downsample,
         "compile": args.compile,
+        "cuda_graph": args.cuda_graph,
         "profile": not args.no_profile,
         "seed": args.seed,
         "progress": not args.no_progress,
@@ -328,6 +336,7 @@ def benchmark(
     toma_options: dict[str, Any] | None = None,
     tomesd_max_downsample: int | None = None,
     compile: bool = False,
+    cuda_graph: bool = False,
     profile: bool = True,
     seed: int = 0,
     progress: bool = False,
@@ -338,8 +347,9 @@ def benchmark(
     Each timed sample is ``steps`` consecutive denoiser forwards with falling timesteps
     (a fresh denoising run each sample), reported as seconds per forward. Variants are
     timed round-robin (with the order rotated every round) after ``warmup`` untimed
-    samples each. Ctrl-C stops the rounds and returns what was measured, with
-    ``report["interrupted"] = True``.
+    samples each. With ``cuda_graph`` every variant's forward is captured once as a CUDA
+    graph (on the first step's inputs) and a sample times ``steps`` replays of it. Ctrl-C
+    stops the rounds and returns what was measured, with ``report["interrupted"] = True``.
     """
     device = torch.device(device)
     placement = {"levels": 1, "merge_mlp": False, "tile_size": 4, **(placement or {})}
@@ -374,8 +384,14 @@ def benchmark(
     def call(inputs: dict[str, Any]) -> Any:
         return call_denoiser(arch, model, inputs)
 
-    results = {(v, b): Measurement(v, b) for v in variants for b in batches}
     settings: dict[str, Any] = {}
+    graphs: dict[tuple[Variant, int], Callable[[], None]] = {}
+    if cuda_graph:
+        notes.append("timed as CUDA graph replays of one captured forward per variant (no Python or launch overhead)")
+        with torch.inference_mode():
+            variants = _capture_graphs(harness, call, variants, batches, step_inputs, device, graphs, settings,
+                                       skipped, log)
+    results = {(v, b): Measurement(v, b) for v in variants for b in batches}
     interrupted = False
     total = len(variants) * len(batches) * (warmup + repeats)
     bar = _progress(total, progress)
@@ -384,11 +400,16 @@ def benchmark(
             for rnd in range(warmup + repeats):
                 order = variants[rnd % len(variants):] + variants[: rnd % len(variants)] if variants else []
                 for v in order:
-                    settings[v.label] = harness.apply(v)
+                    if not cuda_graph:
+                        settings[v.label] = harness.apply(v)
                     try:
                         for b in batches:
                             bar.set_postfix_str(f"{v.label} b{b} {'warm-up' if rnd < warmup else f'round {rnd - warmup + 1}'}")
-                            t = _time_sample(call, step_inputs[b], device)
+                            if cuda_graph:
+                                replay = graphs[(v, b)]
+                                t = _time_sample(lambda _: replay(), step_inputs[b], device)
+                            else:
+                                t = _time_sample(call, step_inputs[b], device)
                             if rnd >= warmup:
                                 results[(v, b)].times.append(t)
                             bar.update(1)
@@ -412,8 +433,49 @@ def benchmark(
         log("interrupted: reporting what was measured so far")
     finally:
         bar.close()
-    return _report(arch, model, resolution, dtype, device, depth, steps, repeats, warmup, methods, ratios, batches,
-                   harness, settings, skipped, notes, results, interrupted, compile)
+    report = _report(arch, model, resolution, dtype, device, depth, steps, repeats, warmup, methods, ratios, batches,
+                     harness, settings, skipped, notes, results, interrupted, compile)
+    report["cuda_graph"] = cuda_graph
+    return report
+
+
+def _capture_graphs(harness: _Methods, call: Callable[[dict[str, Any]], Any], variants: list[Variant],
+                    batches: list[int], step_inputs: dict[int, list[dict[str, Any]]], device: torch.device,
+                    graphs: dict[tuple[Variant, int], Callable[[], None]], settings: dict[str, Any],
+                    skipped: dict[str, str], log: Callable[[str], None]) -> list[Variant]:
+    """Capture one CUDA graph per variant and batch into ``graphs``; returns the variants captured.
+
+    A variant whose forward cannot be captured (it synchronises with the host, say) is
+    reported in ``skipped`` instead of stopping the benchmark.
+    """
+    kept = []
+    for v in variants:
+        settings[v.label] = harness.apply(v)
+        try:
+            for b in batches:
+                graphs[(v, b)] = _capture(call, step_inputs[b][0], device)
+            kept.append(v)
+        except RuntimeError as err:
+            skipped[v.label] = f"CUDA graph capture failed: {str(err).splitlines()[0]}"
+            log(f"skipping {v.label}: {skipped[v.label]}")
+            torch.cuda.synchronize(device)
+        finally:
+            harness.remove()
+    return kept
+
+
+def _capture(call: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], device: torch.device) -> Callable[[], None]:
+    """Record ``call(inputs)`` as a CUDA graph; returns its replay."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-ups off the default stream, as capture requires
+        for _ in range(2):
+            call(inputs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(inputs)
+    return graph.replay
 
 
 def _compiled(harness: _Methods, call: Callable[[dict[str, Any]], Any], variants: list[Variant], batches: list[int],

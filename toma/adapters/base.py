@@ -36,9 +36,15 @@ class Skipped:
 
 
 def timestep_value(timestep: Any) -> float | None:
-    """The denoising timestep as a Python float (first batch element), or None if absent."""
+    """The denoising timestep as a Python float (first batch element), or None if absent.
+
+    None too while a CUDA graph is being captured: reading a GPU value would synchronise,
+    which capture forbids, and a captured forward must build its own plans anyway.
+    """
     if timestep is None:
         return None
     if isinstance(timestep, torch.Tensor):
+        if timestep.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
         return float(timestep.reshape(-1)[0]) if timestep.numel() else None
     return float(timestep)

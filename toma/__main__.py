@@ -1,0 +1,7 @@
+"""``python -m toma``: the same command line as the ``toma`` console script."""
+
+import sys
+
+from toma.cli import main
+
+sys.exit(main())
