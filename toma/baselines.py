@@ -157,7 +157,8 @@ def apply_ideal(model: torch.nn.Module, ratio: float = 0.5, **options: Any) -> B
         **options: any :class:`toma.ToMAConfig` placement option (``levels``,
             ``merge_mlp``, ``tile_size`` (it sets ``K``), ``flux_double_blocks``, ...).
     """
-    config = make_config(ratio=ratio, **options)
+    # the ideal removes tokens at zero cost: no attention bias either
+    config = make_config(ratio=ratio, **{**options, "proportional_attention": False})
     found = adapter_for(model)
     if found is None:
         raise ValueError(f"{type(model).__name__} is not a denoiser ToMA supports, so it has no ideal placement")

@@ -32,6 +32,11 @@ class ToMAConfig:
         merge_attn: UNet only. Merge the tokens of self-attention.
         merge_crossattn: UNet only. Merge the queries of cross-attention.
         merge_mlp: UNet only. Merge the tokens of the feed-forward MLP.
+        proportional_attention: UNet only. In merged self-attention, weight each merged
+            key by the number of tokens it stands for (a ``log(mass)`` bias on the attention
+            logits), so that a destination absorbing many similar tokens draws the attention
+            those tokens would have drawn. Exact when merged tokens are identical; costs an
+            additive attention mask.
         flux_double_blocks: Flux only. Indices of double-stream blocks to merge; None means
             every block but the first 5 (the authors' default).
         flux_single_blocks: Flux only. Indices of single-stream blocks to merge; None means
@@ -49,6 +54,7 @@ class ToMAConfig:
     merge_attn: bool = True
     merge_crossattn: bool = False
     merge_mlp: bool = False
+    proportional_attention: bool = True
     flux_double_blocks: tuple[int, ...] | None = None
     flux_single_blocks: tuple[int, ...] | None = None
 
@@ -64,7 +70,7 @@ class ToMAConfig:
         for name in ("recompute_every", "levels"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=None)
-        for name in ("share_batch_plan", "merge_attn", "merge_crossattn", "merge_mlp"):
+        for name in ("share_batch_plan", "merge_attn", "merge_crossattn", "merge_mlp", "proportional_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("flux_double_blocks", "flux_single_blocks"):

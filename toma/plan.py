@@ -35,6 +35,8 @@ class Plan:
         keep_index: ``(K,)`` used slots among the ``T*k``, or None when every slot is used.
         spread_index: ``(T*k,)`` position among the ``K`` of each slot (unused slots point
             at 0, which their zero unmerge weight ignores), or None.
+        log_mass: ``(Bp, K)`` log of the tokens each merged token absorbed (the row sums of
+            the assignment), in the activations' dtype: the bias of proportional attention.
 
     ``Bp`` is the batch size, or 1 when the plan is shared by the whole batch.
     """
@@ -45,6 +47,7 @@ class Plan:
     unmerge_w: torch.Tensor
     keep_index: torch.Tensor | None
     spread_index: torch.Tensor | None
+    log_mass: torch.Tensor
 
     @property
     def num_merged(self) -> int:
@@ -129,6 +132,12 @@ def build_plan(
             flat = smask.flatten()
             keep_index = flat.nonzero().squeeze(1)
             spread_index = (flat.cumsum(0) - 1).clamp_min(0)
+        mass = a.sum(-1).flatten(1)
+        if keep_index is not None:
+            mass = mass.index_select(1, keep_index)
+        # a destination always absorbs itself, so its mass is ~1 or more; the floor only
+        # keeps a degenerate (all-zero) tile finite
+        log_mass = mass.clamp_min(1e-4).log().to(dtype)
         return Plan(
             layout=layout,
             dest=dest,
@@ -136,6 +145,7 @@ def build_plan(
             unmerge_w=a.transpose(-1, -2).contiguous().to(dtype),
             keep_index=keep_index,
             spread_index=spread_index,
+            log_mass=log_mass,
         )
 
 

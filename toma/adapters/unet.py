@@ -75,7 +75,9 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     HookRegistry.check_if_exists_or_initialize(model).register_hook(_UNetStepHook(cache), HOOK_NAME)
     for target in targets:
         registry = HookRegistry.check_if_exists_or_initialize(target.module)
-        registry.register_hook(_TokenMergeHook(cache, target.downsample), HOOK_NAME)
+        # only self-attention has keys among the merged tokens to weight by their mass
+        bias = cache.config.proportional_attention and getattr(target.module, "is_cross_attention", None) is False
+        registry.register_hook(_TokenMergeHook(cache, target.downsample, bias), HOOK_NAME)
         hooked.append(target.module)
     return hooked
 
@@ -95,12 +97,17 @@ class _UNetStepHook(ModelHook):
 
 
 class _TokenMergeHook(ModelHook):
-    """Merges the first input ``(B, N, C)`` of a sub-module and unmerges its output."""
+    """Merges the first input ``(B, N, C)`` of a sub-module and unmerges its output.
 
-    def __init__(self, cache: PlanCache, downsample: int) -> None:
+    With ``bias`` (self-attention under proportional attention) it also passes the merged
+    tokens' log masses as the additive ``attention_mask`` ``(B, 1, K)`` of the attention.
+    """
+
+    def __init__(self, cache: PlanCache, downsample: int, bias: bool = False) -> None:
         super().__init__()
         self.cache = cache
         self.downsample = downsample
+        self.bias = bias
         self._plan: Plan | None = None
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -115,6 +122,8 @@ class _TokenMergeHook(ModelHook):
             return args, kwargs
         self._plan = plan
         merged = plan.merge(x)
+        if self.bias:
+            kwargs = {**kwargs, "attention_mask": plan.log_mass[:, None, :].expand(merged.shape[0], 1, -1)}
         if args:
             return (merged, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": merged}

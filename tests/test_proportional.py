@@ -1,0 +1,86 @@
+"""Proportional attention: merged keys weighted by the tokens they stand for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import AttnProcessor2_0
+
+import toma
+from tests.conftest import make_sd15_unet, unet_inputs
+from toma.config import ToMAConfig
+from toma.plan import build_plan
+from toma.tiling import make_layout, to_tiles
+
+
+def clustered_tokens(tiles: int, channels: int = 16, repeats: int = 9, seed: int = 0) -> torch.Tensor:
+    """``(1, tiles * 16, C)`` tokens on a ``4 x 4*tiles`` grid: each 4x4 tile holds one value
+    ``repeats`` times and ``16 - repeats`` other distinct values once, in shuffled places."""
+    gen = torch.Generator().manual_seed(seed)
+    h, w = 4, 4 * tiles
+    grid = torch.empty(h, w, channels)
+    for t in range(tiles):
+        distinct = torch.randn(17 - repeats, channels, generator=gen)
+        values = torch.cat([distinct[:1].expand(repeats, -1), distinct[1:]])
+        values = values[torch.randperm(16, generator=gen)]
+        grid[:, 4 * t : 4 * t + 4] = values.reshape(4, 4, channels)
+    return grid.reshape(1, h * w, channels)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.001])
+def test_bias_makes_merged_attention_exact_on_duplicate_tokens(temperature):
+    # 8 distinct values per tile and k = 8 destinations: merging loses nothing, and full
+    # attention over the 16 tokens equals merged attention with a log(multiplicity) bias
+    tiles = 3
+    x = clustered_tokens(tiles)
+    layout = make_layout(4, 4 * tiles, (4, 4), 0.5)
+    plan = build_plan(to_tiles(x, layout), layout, ToMAConfig(temperature=temperature), x.dtype)
+    masses = plan.log_mass.exp().reshape(tiles, 8)
+    for t in range(tiles):
+        assert sorted(masses[t].tolist()) == pytest.approx([1.0] * 7 + [9.0], abs=1e-4)
+
+    q = x[:, None]  # one head
+    full = F.scaled_dot_product_attention(q, q, q)[:, 0]
+    m = plan.merge(x)[:, None]
+    biased = plan.unmerge(F.scaled_dot_product_attention(m, m, m, attn_mask=plan.log_mass[:, None, None, :])[:, 0])
+    plain = plan.unmerge(F.scaled_dot_product_attention(m, m, m)[:, 0])
+    torch.testing.assert_close(biased, full, atol=1e-5, rtol=1e-5)
+    assert (plain - full).abs().max() > 1e-2  # without the bias the repeated value is under-weighted
+
+
+class _Recorder(AttnProcessor2_0):
+    """diffusers' SDPA processor that records the attention mask it is given."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
+        self.seen.append(None if attention_mask is None else (tuple(attention_mask.shape), hidden_states.shape[1]))
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, **kw)
+
+
+def record_masks(unet, part: str) -> list:
+    seen: list = []
+    for name, module in unet.named_modules():
+        if name.endswith(part) and "down_blocks.0" in name:
+            module.set_processor(_Recorder(seen))
+    return seen
+
+
+@pytest.mark.parametrize("proportional", [True, False])
+def test_unet_self_attention_gets_the_mass_bias(proportional):
+    unet = make_sd15_unet()
+    self_seen, cross_seen = record_masks(unet, "attn1"), record_masks(unet, "attn2")
+    toma.apply_toma(unet, ratio=0.5, merge_crossattn=True, proportional_attention=proportional)
+    with torch.no_grad():
+        unet(**unet_inputs(2, 16, 16, False))
+    # 256 tokens at the top level -> 128 merged; the mask is (B, 1, K), one bias per merged key
+    assert self_seen == ([((2, 1, 128), 128)] if proportional else [None])
+    assert cross_seen == [None]  # cross-attention keys are text: nothing to weight
+
+
+def test_proportional_attention_is_validated():
+    with pytest.raises(TypeError, match="proportional_attention must be True or False"):
+        ToMAConfig(proportional_attention=1)
