@@ -102,6 +102,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tile-size", type=int, default=4, help="ToMA tile side in tokens (also sets the ideal's K)")
     p.add_argument("--share-batch-plan", action="store_true", help="ToMA: one plan for the whole batch")
     p.add_argument("--recompute-every", type=int, default=1, help="ToMA: fresh plans every this many steps")
+    p.add_argument("--no-proportional-attention", dest="proportional_attention", action="store_false",
+                   help="ToMA, UNet: no log-mass bias in merged self-attention")
     p.add_argument("--tomesd-max-downsample", type=int, default=None,
                    help="tomesd max_downsample (default: the UNet levels ToMA merges)")
     p.add_argument("--compile", action="store_true",
@@ -198,7 +200,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "model_path": args.model,
         "depth": args.depth,
         "placement": {"levels": args.levels, "merge_mlp": args.merge_mlp, "tile_size": args.tile_size},
-        "toma_options": {"share_batch_plan": args.share_batch_plan, "recompute_every": args.recompute_every},
+        "toma_options": {"share_batch_plan": args.share_batch_plan, "recompute_every": args.recompute_every,
+                         "proportional_attention": args.proportional_attention},
         "tomesd_max_downsample": args.tomesd_max_downsample,
         "compile": args.compile,
         "cuda_graph": args.cuda_graph,
