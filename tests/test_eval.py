@@ -121,3 +121,46 @@ def test_eval_data_parallel_two_cpu_processes(tmp_path):
         if a["psnr"] is not None:
             assert b["psnr"] == pytest.approx(a["psnr"], abs=0.05)
         assert b["accuracy"] == a["accuracy"]
+
+
+@pytest.fixture(scope="module")
+def tiny_metric_models(tmp_path_factory):
+    """Tiny random CLIP and DINOv2 models with their processors, saved like hub checkpoints."""
+    from PIL import Image
+    from transformers import (BitImageProcessor, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor,
+                              Dinov2Config, Dinov2Model)
+
+    from tests.test_pipeline import clip_config, tiny_clip_tokenizer
+
+    root = tmp_path_factory.mktemp("metric-models")
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=32, patch_size=8)
+    clip = CLIPModel(CLIPConfig(text_config=clip_config().to_dict(), vision_config=vision, projection_dim=8))
+    clip.save_pretrained(root / "clip")
+    CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+                  tokenizer=tiny_clip_tokenizer(root / "clip-tok")).save_pretrained(root / "clip")
+    Dinov2Model(Dinov2Config(**vision)).save_pretrained(root / "dino")
+    BitImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root / "dino")
+    (root / "ref").mkdir()
+    for i in range(3):
+        Image.effect_noise((40, 40), 30 + 20 * i).convert("RGB").save(root / "ref" / f"{i}.png")
+    return root
+
+
+def test_eval_reports_clip_dino_and_fid_with_local_weights(tiny_sd_folder, tiny_metric_models, tmp_path):
+    out = tmp_path / "ev"
+    m = tiny_metric_models
+    code = main(["eval", "--model", str(tiny_sd_folder), "--height", "32", "--width", "32", "--threads", "1",
+                 "--num-images", "2", "--steps", "2", "--methods", "toma", "--out-dir", str(out),
+                 "--clip", "--clip-model", str(m / "clip"), "--dino", "--dino-model", str(m / "dino"),
+                 "--fid-reference", str(m / "ref")])
+    assert code == 0
+    none, merged = read_results(out)["results"]
+    for row in (none, merged):
+        assert -1 <= row["clip_t"] <= 1
+        assert math.isfinite(row["fd_dino_reference"]) and row["fd_dino_reference"] >= 0
+    # the unmerged images are their own reference: DINO similarity 1, delta 0
+    assert none["dino_delta"] == pytest.approx(0, abs=1e-6)
+    assert -1 <= merged["dino_similarity"] <= 1 + 1e-6
+    table = (out / "results.md").read_text()
+    assert "CLIP-T" in table and "DINO delta" in table and "FD (DINOv2) to reference" in table
