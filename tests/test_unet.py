@@ -148,6 +148,16 @@ def test_plan_reused_within_step_and_recomputed_across_steps(sd15_unet):
     assert built == [0, 2, 0, 0]
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_timestep_read_only_when_plans_outlive_a_step(sd15_unet, monkeypatch, every):
+    # reading a GPU timestep synchronises with the host: fresh plans every step don't need it
+    reads = []
+    monkeypatch.setattr("toma.adapters.base.timestep_value", lambda t: reads.append(t) or 1.0)
+    toma.apply_toma(sd15_unet, ratio=0.5, recompute_every=every)
+    run(sd15_unet, **unet_inputs(1, 16, 16, False))
+    assert len(reads) == (every > 1)
+
+
 def test_patch_survives_dtype_and_device_moves():
     unet = make_sdxl_unet()
     kw = unet_inputs(2, 16, 16, True)

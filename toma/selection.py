@@ -41,18 +41,16 @@ def facility_location(sim: torch.Tensor, k: int, mask: torch.Tensor | None = Non
         coverage = coverage.masked_fill(~mask, 2.0)  # above any similarity: never needs covering
         blocked = ~mask
     picks = []
-    # each step is a handful of kernels over (..., n, n) and (..., n): on a GPU the loop is
-    # bound by kernel launches, so state is updated in place rather than rebuilt
     for _ in range(k):
         gain = (sim - coverage.unsqueeze(-2)).clamp_min_(0).sum(-1)
         # chosen and padded tokens rank below every real candidate (gains are >= 0)
-        gain.masked_fill_(blocked, -1.0)
-        idx = gain.argmax(-1, keepdim=True)
+        gain = gain.masked_fill(blocked, -1.0)
+        idx = gain.argmax(-1)
         picks.append(idx)
-        row = sim.gather(-2, idx.unsqueeze(-1).expand(*idx.shape, n)).squeeze(-2)
-        torch.maximum(coverage, row, out=coverage)
-        blocked.scatter_(-1, idx, True)
-    return torch.cat(picks, -1)
+        row = sim.gather(-2, idx[..., None, None].expand(*idx.shape, 1, n)).squeeze(-2)
+        coverage = torch.maximum(coverage, row)
+        blocked = blocked | torch.nn.functional.one_hot(idx, n).bool()
+    return torch.stack(picks, -1)
 
 
 def random_selection(

@@ -22,7 +22,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxTransformer2DModel
 
-from toma.adapters.base import HOOK_NAME, Patched, Skipped, timestep_value
+from toma.adapters.base import HOOK_NAME, Patched, Skipped, step_timestep
 from toma.config import ToMAConfig
 from toma.plan import Plan, PlanCache
 
@@ -118,7 +118,7 @@ class _FluxStepHook(ModelHook):
         # grids we cannot read (extra conditioning tokens, odd ids) simply get no merging
         if grid[0] * grid[1] != hidden.shape[1]:
             grid = (0, 0)
-        self.cache.begin_forward(grid, timestep_value(kwargs.get("timestep")))
+        self.cache.begin_forward(grid, step_timestep(self.cache, kwargs.get("timestep")))
         return args, kwargs
 
 

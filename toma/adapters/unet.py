@@ -16,7 +16,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.attention import BasicTransformerBlock
 
-from toma.adapters.base import HOOK_NAME, Patched, Skipped, timestep_value
+from toma.adapters.base import HOOK_NAME, Patched, Skipped, step_timestep
 from toma.config import ToMAConfig
 from toma.plan import Plan, PlanCache
 
@@ -92,7 +92,7 @@ class _UNetStepHook(ModelHook):
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         sample = args[0] if args else kwargs["sample"]
         timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
-        self.cache.begin_forward(tuple(sample.shape[-2:]), timestep_value(timestep))
+        self.cache.begin_forward(tuple(sample.shape[-2:]), step_timestep(self.cache, timestep))
         return args, kwargs
 
 
