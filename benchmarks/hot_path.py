@@ -45,18 +45,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tile", type=int, default=4, help="tile side in tokens")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {device}, {args.dtype}, {torch.get_num_threads()} threads, batch {args.batch}, ratio 0.5, tile 4x4")
+    print(f"torch {torch.__version__}, {device}, {args.dtype}, {torch.get_num_threads()} threads, batch {args.batch}, ratio 0.5, tile {args.tile}x{args.tile}")
     print(f"{'grid':<40}{'build ms':>10}{'merge ms':>10}{'unmerge ms':>12}{'per forward ms':>16}")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name, (side, channels, plans, modules) in SHAPES.items():
             x = torch.randn(args.batch, side * side, channels, generator=gen).to(device, dtype)
-            cache = PlanCache(ToMAConfig(ratio=0.5))
+            cache = PlanCache(ToMAConfig(ratio=0.5, tile_size=args.tile))
 
             def build() -> None:
                 cache.begin_forward((side, side), None)  # a new run: the plan is recomputed
