@@ -138,6 +138,7 @@ def test_missing_tomesd_is_skipped_with_a_message(monkeypatch, capsys):
         (["--ratios", "0.5,1.5"], "--ratios"),
         (["--depth", "2"], "--depth applies to Flux only"),
         (["--dtype", "float8"], "--dtype"),
+        (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a CUDA device"),
     ],
 )
 def test_bench_rejects_bad_arguments(argv, message, capsys):
