@@ -32,11 +32,13 @@ class ToMAConfig:
         merge_attn: UNet only. Merge the tokens of self-attention.
         merge_crossattn: UNet only. Merge the queries of cross-attention.
         merge_mlp: UNet only. Merge the tokens of the feed-forward MLP.
-        proportional_attention: UNet only. In merged self-attention, weight each merged
-            key by the number of tokens it stands for (a ``log(mass)`` bias on the attention
-            logits), so that a destination absorbing many similar tokens draws the attention
-            those tokens would have drawn. Exact when merged tokens are identical; costs an
-            additive attention mask.
+        proportional_attention: in merged self-attention, weight each merged key by the
+            number of tokens it stands for (a ``log(mass)`` bias on the attention logits), so
+            that a destination absorbing many similar tokens draws the attention those
+            tokens would have drawn. Exact when merged tokens are identical; costs an
+            additive attention mask. None (the default) means on for UNets, where it was
+            measured to help, and off for Flux, where a float mask keeps GPU attention off
+            its flash kernels and the quality effect could not be measured offline.
         flux_double_blocks: Flux only. Indices of double-stream blocks to merge; None means
             every block but the first 5 (the authors' default).
         flux_single_blocks: Flux only. Indices of single-stream blocks to merge; None means
@@ -54,7 +56,7 @@ class ToMAConfig:
     merge_attn: bool = True
     merge_crossattn: bool = False
     merge_mlp: bool = False
-    proportional_attention: bool = True
+    proportional_attention: bool | None = None
     flux_double_blocks: tuple[int, ...] | None = None
     flux_single_blocks: tuple[int, ...] | None = None
 
@@ -70,9 +72,14 @@ class ToMAConfig:
         for name in ("recompute_every", "levels"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=None)
-        for name in ("share_batch_plan", "merge_attn", "merge_crossattn", "merge_mlp", "proportional_attention"):
+        for name in ("share_batch_plan", "merge_attn", "merge_crossattn", "merge_mlp"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if self.proportional_attention is not None and not isinstance(self.proportional_attention, bool):
+            raise TypeError(
+                f"proportional_attention must be True, False or None (the model family's default); "
+                f"got {self.proportional_attention!r}"
+            )
         for name in ("flux_double_blocks", "flux_single_blocks"):
             value = getattr(self, name)
             if value is not None:

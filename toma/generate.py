@@ -59,8 +59,10 @@ def add_toma_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tile-size", type=int, default=4, help="ToMA tile side in tokens (default 4)")
     p.add_argument("--levels", type=int, default=1, help="UNet attention levels to merge, from the highest resolution (default 1)")
     p.add_argument("--temperature", type=float, default=None, help="ToMA assignment temperature (default: ToMA's)")
-    p.add_argument("--no-proportional-attention", dest="proportional_attention", action="store_false",
-                   help="UNet: no log-mass bias in merged self-attention (the paper's plain merged attention)")
+    p.add_argument("--proportional-attention", dest="proportional_attention", action="store_true", default=None,
+                   help="log-mass bias in merged self-attention (default: on for UNets, off for Flux)")
+    p.add_argument("--no-proportional-attention", dest="proportional_attention", action="store_false", default=None,
+                   help="no log-mass bias (the paper's plain merged attention)")
 
 
 def default_threads(args: argparse.Namespace) -> int | None:
@@ -81,8 +83,8 @@ def toma_options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"tile_size": args.tile_size, "levels": args.levels}
     if args.temperature is not None:
         opts["temperature"] = args.temperature
-    if not getattr(args, "proportional_attention", True):
-        opts["proportional_attention"] = False
+    if getattr(args, "proportional_attention", None) is not None:
+        opts["proportional_attention"] = args.proportional_attention
     return opts
 
 

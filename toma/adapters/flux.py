@@ -210,10 +210,15 @@ class _MergedFluxProcessor:
             value = torch.cat([ev, value], dim=1)
         cos, sin = (_merged_rotary(t, text_len, plan) for t in image_rotary_emb)
         query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
+        mask = None
+        if self.cache.config.proportional_attention:  # off unless asked for (None is off for Flux)
+            text_bias = plan.log_mass.new_zeros(plan.log_mass.shape[0], text_len)
+            mask = torch.cat([text_bias, plan.log_mass], dim=1)[:, None, None, :].to(query.dtype)
         out = dispatch_attention_fn(
             query,
             key,
             value,
+            attn_mask=mask,
             backend=getattr(self.original, "_attention_backend", None),
             parallel_config=getattr(self.original, "_parallel_config", None),
         )

@@ -76,7 +76,7 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     for target in targets:
         registry = HookRegistry.check_if_exists_or_initialize(target.module)
         # only self-attention has keys among the merged tokens to weight by their mass
-        bias = cache.config.proportional_attention and getattr(target.module, "is_cross_attention", None) is False
+        bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
         registry.register_hook(_TokenMergeHook(cache, target.downsample, bias), HOOK_NAME)
         hooked.append(target.module)
     return hooked
