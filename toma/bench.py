@@ -112,7 +112,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also time none and toma under torch.compile (after the eager rounds, not interleaved)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="CUDA only: capture each variant's forward once as a CUDA graph and time its replays "
-                        "(no Python or kernel-launch overhead, as in a graph-captured or compiled deployment)")
+                        "(no Python or kernel-launch overhead, as in a graph-captured or compiled deployment); "
+                        "variants that cannot be captured are reported as skipped (tomesd; ToMA on Flux, whose "
+                        "step hook reads the image ids on the host)")
     p.add_argument("--no-profile", action="store_true", help="skip the overhead breakdown pass")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     p.add_argument("--name", default=None, help="file name stem (default: bench_<arch>_<resolution>)")
