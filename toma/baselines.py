@@ -32,6 +32,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from toma.adapters import adapter_for
 from toma.adapters import flux as flux_adapter
+from toma.adapters.unet import UNetStepHook
 from toma.adapters.base import HOOK_NAME, Patched
 from toma.api import get_toma
 from toma.config import ToMAConfig, make_config
@@ -202,13 +203,13 @@ def apply_todo(model: torch.nn.Module, ratio: float = 0.5, **options: Any) -> Ba
     config = make_config(ratio=ratio, **{**options, "merge_attn": True, "merge_crossattn": False, "merge_mlp": False})
     targets, _ = found[1].find_targets(model, config)
     pool = todo_pool(ratio)
-    grid = _GridState()
+    cache = PlanCache(config)  # only its record of the latent grid is used
     hooked: list[tuple[torch.nn.Module, str]] = []
-    HookRegistry.check_if_exists_or_initialize(model).register_hook(_GridHook(grid), _TODO_HOOK)
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(UNetStepHook(cache), _TODO_HOOK)
     hooked.append((model, _TODO_HOOK))
     for target in targets:
         HookRegistry.check_if_exists_or_initialize(target.module).register_hook(
-            _ToDoHook(grid, target.downsample, pool), _TODO_HOOK
+            _ToDoHook(cache, target.downsample, pool), _TODO_HOOK
         )
         hooked.append((target.module, _TODO_HOOK))
     patch = BaselinePatch("todo", ratio, targets, {"pool": pool, "placement": _placement(config, "unet")})
@@ -218,40 +219,23 @@ def apply_todo(model: torch.nn.Module, ratio: float = 0.5, **options: Any) -> Ba
     return patch
 
 
-class _GridState:
-    """The latent size of the UNet call in progress."""
-
-    def __init__(self) -> None:
-        self.size: tuple[int, int] | None = None
-
-
-class _GridHook(ModelHook):
-    def __init__(self, state: _GridState) -> None:
-        super().__init__()
-        self.state = state
-
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        sample = args[0] if args else kwargs["sample"]
-        self.state.size = (int(sample.shape[-2]), int(sample.shape[-1]))
-        return args, kwargs
-
-
 class _ToDoHook(ModelHook):
     """Gives a self-attention pooled keys/values through ``encoder_hidden_states``."""
 
-    def __init__(self, state: _GridState, downsample: int, pool: tuple[int, int]) -> None:
+    def __init__(self, cache: PlanCache, downsample: int, pool: tuple[int, int]) -> None:
         super().__init__()
-        self.state = state
+        self.cache = cache
         self.downsample = downsample
         self.pool = pool
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         x = args[0] if args else kwargs.get("hidden_states")
-        if self.state.size is None or self.pool == (1, 1) or x is None or x.ndim != 3:
+        grid = self.cache.grid_at(self.downsample)
+        if grid is None or self.pool == (1, 1) or x is None or x.ndim != 3:
             return args, kwargs
         if kwargs.get("encoder_hidden_states") is not None or kwargs.get("attention_mask") is not None:
             return args, kwargs  # cross-attention, or a mask sized for the full sequence
-        h, w = (math.ceil(s / self.downsample) for s in self.state.size)
+        h, w = grid
         if x.shape[1] != h * w:
             return args, kwargs
         with profiled("todo::merge"):

@@ -72,7 +72,7 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
 def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register the hooks; returns every module that got one (for removal)."""
     hooked = [model]
-    HookRegistry.check_if_exists_or_initialize(model).register_hook(_UNetStepHook(cache), HOOK_NAME)
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(UNetStepHook(cache), HOOK_NAME)
     for target in targets:
         registry = HookRegistry.check_if_exists_or_initialize(target.module)
         # only self-attention has keys among the merged tokens to weight by their mass
@@ -82,8 +82,11 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     return hooked
 
 
-class _UNetStepHook(ModelHook):
-    """Records the latent grid and the timestep at each UNet forward."""
+class UNetStepHook(ModelHook):
+    """Records the latent grid and the timestep at each UNet forward (in ``cache``).
+
+    Also serves the ToDo baseline, which needs the grid of each merged level.
+    """
 
     def __init__(self, cache: PlanCache) -> None:
         super().__init__()
