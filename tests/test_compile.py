@@ -26,12 +26,17 @@ def toma_frames(reason):
     return [f for f in reason.user_stack if Path(f.filename).is_relative_to(TOMA_DIR)]
 
 
-@pytest.mark.parametrize("arch_name", ["tiny-unet", "tiny-flux"])
-def test_no_graph_breaks_in_merge_path(arch_name):
+def patched(arch_name):
+    """A tiny denoiser with ToMA at ratio 0.5, and one call's inputs at 64x64 pixels."""
     arch = ARCHS[arch_name]
     model = build_model(arch)
-    inputs = make_inputs(arch, 64)
     toma.apply_toma(model, ratio=0.5)
+    return arch, model, make_inputs(arch, 64)
+
+
+@pytest.mark.parametrize("arch_name", ["tiny-unet", "tiny-flux"])
+def test_no_graph_breaks_in_merge_path(arch_name):
+    arch, model, inputs = patched(arch_name)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(lambda **kw: call_denoiser(arch, model, kw))(**inputs)
     torch._dynamo.reset()
@@ -47,10 +52,7 @@ def test_no_graph_breaks_in_merge_path(arch_name):
 
 @pytest.mark.parametrize("arch_name", ["tiny-unet", "tiny-flux"])
 def test_compiled_matches_eager_without_recompiling_every_step(arch_name):
-    arch = ARCHS[arch_name]
-    model = build_model(arch)
-    inputs = make_inputs(arch, 64)
-    toma.apply_toma(model, ratio=0.5)
+    arch, model, inputs = patched(arch_name)
     steps = [set_timestep(arch, inputs, s, 6) for s in range(6)]
     with torch.no_grad():
         eager = [call_denoiser(arch, model, kw)[0] for kw in steps]
