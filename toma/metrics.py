@@ -190,24 +190,43 @@ def _to_pil(images: torch.Tensor) -> list[Any]:
     return [Image.fromarray(x.permute(1, 2, 0).numpy()) for x in arr]
 
 
-class ClipScorer:
+class _LocalModel:
+    """A transformers model and its processor, loaded on first use from local files only."""
+
+    what = ""  # name used in the missing-weights message
+
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+        self._model: Any = None
+        self._processor: Any = None
+
+    def _classes(self) -> tuple[Any, Any]:
+        """The processor and model classes (imported only when loading)."""
+        raise NotImplementedError
+
+    def load(self) -> None:
+        """Load the weights now (otherwise on first call); raises :class:`MissingWeightsError`."""
+        if self._model is None:
+            processor_cls, model_cls = self._classes()
+            self._processor = _load_pretrained(processor_cls, self.model_id, self.what)
+            self._model = _load_pretrained(model_cls, self.model_id, self.what).eval()
+
+
+class ClipScorer(_LocalModel):
     """CLIP-T: cosine similarity between an image and its prompt, with a local CLIP model.
 
     Weights load on first use from the local cache (or a local folder) only.
     """
 
+    what = "CLIP"
+
     def __init__(self, model_id: str = DEFAULT_CLIP_MODEL) -> None:
-        self.model_id = model_id
-        self._model: Any = None
-        self._processor: Any = None
+        super().__init__(model_id)
 
-    def load(self) -> None:
-        """Load the weights now (otherwise on first call); raises :class:`MissingWeightsError`."""
-        if self._model is None:
-            from transformers import CLIPModel, CLIPProcessor
+    def _classes(self) -> tuple[Any, Any]:
+        from transformers import CLIPModel, CLIPProcessor
 
-            self._processor = _load_pretrained(CLIPProcessor, self.model_id, "CLIP")
-            self._model = _load_pretrained(CLIPModel, self.model_id, "CLIP").eval()
+        return CLIPProcessor, CLIPModel
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
@@ -222,25 +241,22 @@ class ClipScorer:
         return cosine_similarity(out.image_embeds, out.text_embeds)
 
 
-class DinoFeatures:
+class DinoFeatures(_LocalModel):
     """DINOv2 global image features (CLS token), loaded lazily from the local cache only.
 
     Used for the DINO similarity of a merged image to the unmerged one (the paper's DINO
     delta is ``1 - similarity``) and for a Frechet distance to reference images.
     """
 
+    what = "DINO"
+
     def __init__(self, model_id: str = DEFAULT_DINO_MODEL) -> None:
-        self.model_id = model_id
-        self._model: Any = None
-        self._processor: Any = None
+        super().__init__(model_id)
 
-    def load(self) -> None:
-        """Load the weights now (otherwise on first call); raises :class:`MissingWeightsError`."""
-        if self._model is None:
-            from transformers import AutoImageProcessor, AutoModel
+    def _classes(self) -> tuple[Any, Any]:
+        from transformers import AutoImageProcessor, AutoModel
 
-            self._processor = _load_pretrained(AutoImageProcessor, self.model_id, "DINO")
-            self._model = _load_pretrained(AutoModel, self.model_id, "DINO").eval()
+        return AutoImageProcessor, AutoModel
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
