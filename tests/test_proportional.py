@@ -57,7 +57,7 @@ class _Recorder(AttnProcessor2_0):
         self.seen = seen
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
-        self.seen.append(None if attention_mask is None else (tuple(attention_mask.shape), hidden_states.shape[1]))
+        self.seen.append(None if attention_mask is None else (attention_mask, attn.heads, hidden_states.shape[1]))
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, **kw)
 
 
@@ -73,12 +73,20 @@ def record_masks(unet, part: str) -> list:
 def test_unet_self_attention_gets_the_mass_bias(proportional):
     unet = make_sd15_unet()
     self_seen, cross_seen = record_masks(unet, "attn1"), record_masks(unet, "attn2")
-    toma.apply_toma(unet, ratio=0.5, merge_crossattn=True, proportional_attention=proportional)
+    patch = toma.apply_toma(unet, ratio=0.5, merge_crossattn=True, proportional_attention=proportional)
     with torch.no_grad():
         unet(**unet_inputs(2, 16, 16, False))
-    # 256 tokens at the top level -> 128 merged; the mask is (B, 1, K), one bias per merged key
-    assert self_seen == ([((2, 1, 128), 128)] if proportional else [None])
     assert cross_seen == [None]  # cross-attention keys are text: nothing to weight
+    if not proportional:
+        assert self_seen == [None]
+        return
+    # 256 tokens at the top level -> 128 merged; one bias per merged key, laid out
+    # (B * heads, 1, K) as diffusers' processors take it without repeating it per head
+    [(mask, heads, tokens)] = self_seen
+    [plan] = [p for _, p in patch.cache._plans.values() if p.num_merged == 128]
+    assert tokens == 128 and mask.shape == (2 * heads, 1, 128)
+    expected = plan.log_mass.repeat_interleave(heads, dim=0)[:, None, :]  # one plan per batch element
+    assert plan.log_mass.shape[0] == 2 and torch.equal(mask, expected)
 
 
 def test_proportional_attention_is_validated():

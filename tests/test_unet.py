@@ -131,9 +131,9 @@ def test_plan_reused_within_step_and_recomputed_across_steps(sd15_unet):
     built = []
     original = patch.cache.get
 
-    def counting_get(x, grid, group):
+    def counting_get(x, grid, group, **kw):
         before = dict(patch.cache._plans)
-        plan = original(x, grid, group)
+        plan = original(x, grid, group, **kw)
         if all(plan is not p for _, p in before.values()):
             built.append(patch.cache.step)
         return plan
@@ -195,7 +195,10 @@ def test_reapply_replaces_settings(sd15_unet):
     patch = toma.apply_toma(sd15_unet, ratio=0.25, selection="grid")
     assert toma.get_toma(sd15_unet) is patch and patch.config.ratio == 0.25
     hooks = [m for m in sd15_unet.modules() if getattr(m, "_diffusers_hook", None) and m._diffusers_hook.get_hook("toma")]
-    assert len(hooks) == len(patch.patched) + 1
+    # the UNet (step hook), each merged sub-module, and each stack's first/last block (tile order)
+    stacks = {p.name.rsplit(".transformer_blocks.", 1)[0] for p in patch.patched}
+    ends = {id(b) for s in stacks for b in (sd15_unet.get_submodule(s).transformer_blocks[i] for i in (0, -1))}
+    assert len(hooks) == 1 + len(patch.patched) + len(ends)
     text = str(patch)
     assert "ratio=0.25" in text and "selection=grid" in text and "merged  down_blocks.0" in text
 

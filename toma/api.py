@@ -6,11 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from diffusers.hooks import HookRegistry
 
 from toma.adapters import adapter_for
 from toma.adapters import flux as flux_adapter
-from toma.adapters.base import HOOK_NAME, Patched, Skipped
+from toma.adapters.base import HOOK_NAME, Patched, Skipped, remove_hook
 from toma.config import ToMAConfig, make_config
 from toma.plan import PlanCache
 
@@ -140,9 +139,7 @@ def denoiser_of(pipe_or_model: Any) -> torch.nn.Module:
 def _detach(model: torch.nn.Module, patch: ToMAPatch, everything: bool) -> None:
     modules = [m for _, m in model.named_modules()] if everything else [model, *patch._hooked]
     for module in modules:
-        registry = getattr(module, "_diffusers_hook", None)
-        if isinstance(registry, HookRegistry) and registry.get_hook(HOOK_NAME) is not None:
-            registry.remove_hook(HOOK_NAME, recurse=False)
+        remove_hook(module, HOOK_NAME)
     if patch.adapter == "flux":
         flux_adapter.detach(patch.patched)
     patch.cache.reset()

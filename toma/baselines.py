@@ -33,10 +33,10 @@ from diffusers.hooks import HookRegistry, ModelHook
 from toma.adapters import adapter_for
 from toma.adapters import flux as flux_adapter
 from toma.adapters.unet import UNetStepHook
-from toma.adapters.base import HOOK_NAME, Patched
+from toma.adapters.base import HOOK_NAME, Patched, remove_hook
 from toma.api import get_toma
 from toma.config import ToMAConfig, make_config
-from toma.plan import PlanCache, profiled
+from toma.plan import Memo, PlanCache, profiled
 
 _ATTR = "_toma_baseline"
 _TODO_HOOK = "toma_todo"
@@ -76,9 +76,7 @@ def remove_baseline(model: torch.nn.Module) -> bool:
 
         tomesd.remove_patch(model)
     for module, name in patch._hooked:
-        registry = getattr(module, "_diffusers_hook", None)
-        if isinstance(registry, HookRegistry) and registry.get_hook(name) is not None:
-            registry.remove_hook(name, recurse=False)
+        remove_hook(module, name)
     if patch._adapter == "flux":
         flux_adapter.detach(patch.patched)
     delattr(model, _ATTR)
@@ -88,7 +86,7 @@ def remove_baseline(model: torch.nn.Module) -> bool:
 # ---------------------------------------------------------------------------- ideal
 
 
-class IdealPlan:
+class IdealPlan(Memo):
     """A zero-cost stand-in for :class:`toma.plan.Plan`: keep every ``N/K``-th token.
 
     Args:
@@ -115,14 +113,14 @@ class IdealPlan:
         """Raster index of each kept token: ``(1, K)`` int64 (for rotary positions)."""
         return self.keep[None]
 
-    def merge(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, N, C)`` to the kept tokens ``(B, K, C)``."""
+    def merge(self, x: torch.Tensor, tiled: bool = False) -> torch.Tensor:
+        """``(B, N, C)`` to the kept tokens ``(B, K, C)`` (``tiled`` is never set for the ideal)."""
         with profiled("ideal::merge"):
             if self.stride is not None:
                 return x.unflatten(1, (self.num_merged, self.stride))[:, :, 0]
             return x.index_select(1, self.keep)
 
-    def unmerge(self, y: torch.Tensor) -> torch.Tensor:
+    def unmerge(self, y: torch.Tensor, tiled: bool = False) -> torch.Tensor:
         """``(B, K, C)`` back to ``(B, N, C)``, each output repeated over its tokens."""
         with profiled("ideal::unmerge"):
             if self.stride is not None:
@@ -138,7 +136,11 @@ class IdealPlanCache(PlanCache):
         super().__init__(config)
         self._ideal: dict[Hashable, IdealPlan] = {}
 
-    def get(self, x: torch.Tensor, grid: tuple[int, int], group: Hashable) -> IdealPlan | None:  # type: ignore[override]
+    def tile_order_layout(self, grid: tuple[int, int]) -> None:  # type: ignore[override]
+        """Never: the ideal keeps tokens in raster order (reordering would cost it copies)."""
+        return None
+
+    def get(self, x: torch.Tensor, grid: tuple[int, int], group: Hashable, tiled: bool = False) -> IdealPlan | None:  # type: ignore[override]
         """The ideal plan for tokens ``x`` ``(B, N, C)`` on ``grid``, or None (see PlanCache.get)."""
         h, w = grid
         if self.config.ratio == 0 or x.shape[1] != h * w:

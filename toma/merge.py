@@ -67,12 +67,20 @@ def assignment(
     return a
 
 
-def merge_weights(a: torch.Tensor) -> torch.Tensor:
+def destination_mass(a: torch.Tensor) -> torch.Tensor:
+    """Tokens each destination absorbs: the row sums ``(..., k, 1)`` of an assignment
+    ``(..., k, n)``, floored at the smallest positive float so that they can divide and
+    take logs (unused slots absorb nothing)."""
+    return a.sum(-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
+
+
+def merge_weights(a: torch.Tensor, mass: torch.Tensor | None = None) -> torch.Tensor:
     """Row-normalise an assignment ``(..., k, n)`` into merge weights ``(..., k, n)``.
 
-    Rows of unused slots (all zeros) stay zero.
+    ``mass`` is :func:`destination_mass` of ``a`` if already computed. Rows of unused
+    slots (all zeros) stay zero.
     """
-    return a / a.sum(-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
+    return a / (destination_mass(a) if mass is None else mass)
 
 
 def merge(tiles: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -13,18 +13,37 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
 from toma.config import ToMAConfig
-from toma.merge import assignment, cosine_similarity, merge, merge_weights, unmerge
+from toma.merge import assignment, cosine_similarity, destination_mass, merge, merge_weights, unmerge
 from toma.selection import facility_location, grid_selection, random_selection
-from toma.tiling import TileLayout, from_tiles, make_layout, slot_mask, to_tiles, token_mask
+from toma.tiling import LayoutIndex, TileLayout, from_tiles, layout_index, make_layout, to_tiles
+
+
+class Memo:
+    """Adds :meth:`memo`, a per-object cache of derived data, to plan classes."""
+
+    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()``, computed on the first call with ``key`` and kept with the plan.
+
+        For data derived from the plan that every block of its group would otherwise
+        rebuild (biases and position tables in the layout an attention processor wants).
+        """
+        # A hand-rolled cache rather than functools.cached_property, whose lock is a
+        # context manager torch.compile cannot trace (a graph break in the merge path).
+        slot = "_memo_" + key
+        known = self.__dict__.get(slot)
+        if known is None:
+            known = make()
+            object.__setattr__(self, slot, known)  # plans are frozen dataclasses
+        return known
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(Memo):
     """How to merge the ``N`` tokens of one grid into ``K`` and back.
 
     Attributes:
@@ -35,8 +54,8 @@ class Plan:
         keep_index: ``(K,)`` used slots among the ``T*k``, or None when every slot is used.
         spread_index: ``(T*k,)`` position among the ``K`` of each slot (unused slots point
             at 0, which their zero unmerge weight ignores), or None.
-        log_mass: ``(Bp, K)`` log of the tokens each merged token absorbed (the row sums of
-            the assignment), in the activations' dtype: the bias of proportional attention.
+        mass: ``(Bp, K)`` float32 count of the tokens each merged token absorbed (the row
+            sums of the assignment); see :attr:`log_mass`.
 
     ``Bp`` is the batch size, or 1 when the plan is shared by the whole batch.
     """
@@ -47,29 +66,42 @@ class Plan:
     unmerge_w: torch.Tensor
     keep_index: torch.Tensor | None
     spread_index: torch.Tensor | None
-    log_mass: torch.Tensor
+    mass: torch.Tensor
+    dtype: torch.dtype
 
     @property
     def num_merged(self) -> int:
         """K, the tokens left after merging."""
         return self.layout.num_merged
 
-    def merge(self, x: torch.Tensor) -> torch.Tensor:
-        """Merge raster tokens ``(B, N, C)`` into ``(B, K, C)`` (tile-major order)."""
+    def merge(self, x: torch.Tensor, tiled: bool = False) -> torch.Tensor:
+        """Merge tokens ``(B, N, C)`` into ``(B, K, C)`` (tile-major order).
+
+        ``x`` is in raster order, or in tile order (:func:`toma.tiling.tile_order`) when
+        ``tiled``; the latter costs no copy.
+        """
         with profiled("toma::merge"):
-            tiles = to_tiles(x, self.layout)
-            merged = merge(tiles, self.merge_w.to(tiles.dtype))
-            merged = merged.reshape(merged.shape[0], -1, merged.shape[-1])
+            if tiled:
+                tiles = x.unflatten(1, (self.layout.num_tiles, self.layout.tile_area))
+            else:
+                tiles = to_tiles(x, self.layout)
+            merged = merge(tiles, self.merge_w.to(tiles.dtype)).flatten(1, 2)
             return merged if self.keep_index is None else merged.index_select(1, self.keep_index)
 
-    def unmerge(self, y: torch.Tensor) -> torch.Tensor:
-        """Unmerge ``(B, K, C)`` back to raster tokens ``(B, N, C)``."""
+    def unmerge(self, y: torch.Tensor, tiled: bool = False) -> torch.Tensor:
+        """Unmerge ``(B, K, C)`` back to ``(B, N, C)``: raster order, or tile order when ``tiled``."""
         with profiled("toma::unmerge"):
             if self.spread_index is not None:
                 y = y.index_select(1, self.spread_index)
-            b, c = y.shape[0], y.shape[-1]
-            y = y.reshape(b, self.layout.num_tiles, self.layout.slots, c)
-            return from_tiles(unmerge(y, self.unmerge_w.to(y.dtype)), self.layout)
+            y = y.unflatten(1, (self.layout.num_tiles, self.layout.slots))
+            out = unmerge(y, self.unmerge_w.to(y.dtype))
+            return out.flatten(1, 2) if tiled else from_tiles(out, self.layout)
+
+    @property
+    def log_mass(self) -> torch.Tensor:
+        """``(Bp, K)`` log of :attr:`mass` in the activations' dtype: the additive key bias
+        of proportional attention. Computed on first use and kept with the plan."""
+        return self.memo("log_mass", lambda: self.mass.log().to(self.dtype))
 
     @property
     def dest_tokens(self) -> torch.Tensor:
@@ -78,13 +110,7 @@ class Plan:
         Used to give a merged token its destination's position (e.g. rotary embeddings).
         Computed on first use and kept with the plan.
         """
-        # A hand-rolled cache rather than functools.cached_property, whose lock is a
-        # context manager torch.compile cannot trace (a graph break in Flux's merge path).
-        known = self.__dict__.get("_dest_tokens")
-        if known is None:
-            known = self._raster_dest()
-            object.__setattr__(self, "_dest_tokens", known)
-        return known
+        return self.memo("dest_tokens", self._raster_dest)
 
     def _raster_dest(self) -> torch.Tensor:
         lay = self.layout
@@ -103,6 +129,7 @@ def build_plan(
     config: ToMAConfig,
     dtype: torch.dtype,
     generator: torch.Generator | None = None,
+    index: LayoutIndex | None = None,
 ) -> Plan:
     """Select destinations and compute merge weights for tokens in tile layout.
 
@@ -112,10 +139,12 @@ def build_plan(
         config: selection method and temperature.
         dtype: dtype of the activations the plan will be applied to.
         generator: random source for ``selection="random"``.
+        index: the layout's :func:`toma.tiling.layout_index` on ``tiles.device``, if already built.
     """
     device = tiles.device
     k = layout.slots
-    tmask, smask = token_mask(layout, device), slot_mask(layout, device)
+    index = index if index is not None else layout_index(layout, device)
+    tmask = index.token_mask
     with profiled("toma::select"):
         sim = cosine_similarity(tiles)
         if config.selection == "facility":
@@ -126,26 +155,21 @@ def build_plan(
         else:
             dest = grid_selection(layout, device).expand(tiles.shape[0], -1, -1)
     with profiled("toma::weights"):
-        a = assignment(sim, dest, config.temperature, tmask, smask)
-        keep_index = spread_index = None
-        if smask is not None:
-            flat = smask.flatten()
-            keep_index = flat.nonzero().squeeze(1)
-            spread_index = (flat.cumsum(0) - 1).clamp_min(0)
-        mass = a.sum(-1).flatten(1)
-        if keep_index is not None:
-            mass = mass.index_select(1, keep_index)
-        # a destination always absorbs itself, so its mass is ~1 or more; the floor only
-        # keeps a degenerate (all-zero) tile finite
-        log_mass = mass.clamp_min(1e-4).log().to(dtype)
+        a = assignment(sim, dest, config.temperature, tmask, index.slot_mask)
+        mass = destination_mass(a)
+        flat_mass = mass.flatten(1)
+        if index.keep_index is not None:
+            flat_mass = flat_mass.index_select(1, index.keep_index)
         return Plan(
             layout=layout,
             dest=dest,
-            merge_w=merge_weights(a).to(dtype),
-            unmerge_w=a.transpose(-1, -2).contiguous().to(dtype),
-            keep_index=keep_index,
-            spread_index=spread_index,
-            log_mass=log_mass,
+            merge_w=merge_weights(a, mass).to(dtype),
+            # a transposed view: batched matmul reads it as is, no copy
+            unmerge_w=a.to(dtype).transpose(-1, -2),
+            keep_index=index.keep_index,
+            spread_index=index.spread_index,
+            mass=flat_mass,
+            dtype=dtype,
         )
 
 
@@ -178,6 +202,7 @@ class PlanCache:
         self._last_timestep: float | None = None
         self._plans: dict[Hashable, tuple[int, Plan]] = {}  # key -> (age in steps, plan)
         self._layouts: dict[tuple[int, int], TileLayout] = {}
+        self._indices: dict[tuple[int, int, torch.device], LayoutIndex] = {}
         self._generator: torch.Generator | None = None
 
     @torch.compiler.disable
@@ -221,10 +246,20 @@ class PlanCache:
             self._layouts[(h, w)] = make_layout(h, w, self.config.tile, self.config.ratio)
         return self._layouts[(h, w)]
 
-    def get(self, x: torch.Tensor, grid: tuple[int, int], group: Hashable) -> Plan | None:
+    def tile_order_layout(self, grid: tuple[int, int]) -> TileLayout | None:
+        """The layout whose tile order tokens on ``grid`` may be kept in between merges,
+        or None where they stay in raster order (nothing merged, or a padded grid whose
+        tiles are not a permutation of the tokens)."""
+        if self.config.ratio == 0:
+            return None
+        layout = self.layout(*grid)
+        return None if layout.padded else layout
+
+    def get(self, x: torch.Tensor, grid: tuple[int, int], group: Hashable, tiled: bool = False) -> Plan | None:
         """The plan for tokens ``x`` ``(B, N, C)`` on ``grid``, computed or reused.
 
-        Returns None when nothing should be merged (ratio 0, or ``x`` not on ``grid``).
+        ``x`` is in raster order, or in tile order when ``tiled``. Returns None when nothing
+        should be merged (ratio 0, or ``x`` not on ``grid``).
         """
         h, w = grid
         if self.config.ratio == 0 or x.shape[1] != h * w:
@@ -236,7 +271,11 @@ class PlanCache:
             return cached[1]
         layout = self.layout(h, w)
         src = x[:1] if share else x
-        plan = build_plan(to_tiles(src, layout), layout, self.config, x.dtype, self._random(x.device))
+        tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout)
+        index = self._indices.get((h, w, x.device))
+        if index is None:
+            index = self._indices[(h, w, x.device)] = layout_index(layout, x.device)
+        plan = build_plan(tiles, layout, self.config, x.dtype, self._random(x.device), index)
         self._plans[key] = (0, plan)  # (age in steps, plan)
         return plan
 

@@ -33,23 +33,25 @@ def facility_location(sim: torch.Tensor, k: int, mask: torch.Tensor | None = Non
     """
     n = sim.shape[-1]
     # coverage[j] = best similarity of token j to a chosen destination so far; -1 is the
-    # floor of cosine similarity, i.e. "not covered".
+    # floor of cosine similarity, i.e. "not covered". A candidate's gain is
+    # sum_j max(sim[i, j], coverage[j]) - sum_j coverage[j]; the second sum is the same for
+    # every candidate, so the argmax needs only the first (one op fewer per step).
     coverage = torch.full(sim.shape[:-1], -1.0, dtype=sim.dtype, device=sim.device)
-    blocked = torch.zeros(sim.shape[:-1], dtype=torch.bool, device=sim.device)
+    # -inf for chosen and padded candidates: they rank below every real one
+    barred = torch.zeros(sim.shape[:-1], dtype=sim.dtype, device=sim.device)
     if mask is not None:
         mask = mask.expand(sim.shape[:-1])
         coverage = coverage.masked_fill(~mask, 2.0)  # above any similarity: never needs covering
-        blocked = ~mask
+        barred = barred.masked_fill(~mask, float("-inf"))
+    slots = torch.arange(n, device=sim.device)
     picks = []
     for _ in range(k):
-        gain = (sim - coverage.unsqueeze(-2)).clamp_min_(0).sum(-1)
-        # chosen and padded tokens rank below every real candidate (gains are >= 0)
-        gain = gain.masked_fill(blocked, -1.0)
-        idx = gain.argmax(-1)
+        score = torch.maximum(sim, coverage.unsqueeze(-2)).sum(-1) + barred
+        idx = score.argmax(-1)
         picks.append(idx)
         row = sim.gather(-2, idx[..., None, None].expand(*idx.shape, 1, n)).squeeze(-2)
         coverage = torch.maximum(coverage, row)
-        blocked = blocked | torch.nn.functional.one_hot(idx, n).bool()
+        barred = barred.masked_fill(slots == idx.unsqueeze(-1), float("-inf"))
     return torch.stack(picks, -1)
 
 

@@ -108,6 +108,43 @@ def slot_mask(layout: TileLayout, device: torch.device | str | None = None) -> t
     return torch.arange(layout.slots, device=device)[None, :] < keep[:, None]
 
 
+@dataclass(frozen=True)
+class LayoutIndex:
+    """A layout's padding as device tensors; built once per layout and device and reused.
+
+    Attributes:
+        token_mask: ``(T, n)`` bool, False for padded slots; None when nothing is padded.
+        slot_mask: ``(T, k)`` bool, False for unused destination slots; None when every
+            tile keeps ``k``.
+        keep_index: ``(K,)`` the used slots among the ``T*k``, or None when all are used.
+        spread_index: ``(T*k,)`` position among the ``K`` of each slot (unused slots point
+            at 0), or None.
+    """
+
+    token_mask: torch.Tensor | None
+    slot_mask: torch.Tensor | None
+    keep_index: torch.Tensor | None
+    spread_index: torch.Tensor | None
+
+
+def layout_index(layout: TileLayout, device: torch.device | str | None = None) -> LayoutIndex:
+    """The :class:`LayoutIndex` of ``layout`` on ``device``.
+
+    Index tensors come from the layout's Python description (no ``nonzero`` on the device,
+    which would wait for the GPU).
+    """
+    if layout.uniform:
+        return LayoutIndex(token_mask(layout, device), None, None, None)
+    k = layout.slots
+    keep, spread, seen = [], [], 0
+    for t, kept in enumerate(layout.keep):
+        keep += range(t * k, t * k + kept)
+        spread += [seen + j for j in range(kept)] + [0] * (k - kept)
+        seen += kept
+    as_index = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    return LayoutIndex(token_mask(layout, device), slot_mask(layout, device), as_index(keep), as_index(spread))
+
+
 def to_tiles(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     """Raster tokens ``(B, N, C)`` to tiles ``(B, T, n, C)``; padded slots hold zeros."""
     b, n, c = x.shape
@@ -117,6 +154,21 @@ def to_tiles(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     if layout.padded:
         grid = F.pad(grid, (0, 0, 0, layout.gw * layout.tw - layout.w, 0, layout.gh * layout.th - layout.h))
     return _grid_to_tiles(grid, layout)
+
+
+def tile_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """Raster tokens ``(B, N, C)`` to ``(B, T*n, C)`` in tile order (one copy).
+
+    Only for layouts without padding, whose tile order is a permutation of the tokens.
+    """
+    if layout.padded:
+        raise ValueError(f"a {layout.h}x{layout.w} grid is padded by {layout.th}x{layout.tw} tiles: no tile order")
+    return to_tiles(x, layout).flatten(1, 2)
+
+
+def raster_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """Inverse of :func:`tile_order`: ``(B, T*n, C)`` back to raster ``(B, N, C)``."""
+    return from_tiles(x.unflatten(1, (layout.num_tiles, layout.tile_area)), layout)
 
 
 def from_tiles(t: torch.Tensor, layout: TileLayout) -> torch.Tensor:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from diffusers.hooks import HookRegistry
 
 HOOK_NAME = "toma"
 
@@ -58,3 +59,22 @@ def timestep_value(timestep: Any) -> float | None:
             return None
         return float(timestep.reshape(-1)[0]) if timestep.numel() else None
     return float(timestep)
+
+
+def remove_hook(module: torch.nn.Module, name: str) -> bool:
+    """Remove the diffusers hook ``name`` from ``module``; returns whether it had one.
+
+    When no hook is left, the module is put back exactly as it was: diffusers leaves the
+    original ``forward`` behind as an instance attribute, which would shadow a later
+    change of the module's class (tomesd patches blocks that way).
+    """
+    registry = getattr(module, "_diffusers_hook", None)
+    if not isinstance(registry, HookRegistry) or registry.get_hook(name) is None:
+        return False
+    registry.remove_hook(name, recurse=False)
+    if not registry.hooks:
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward:
+            del module.forward
+        del module._diffusers_hook
+    return True

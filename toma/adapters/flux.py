@@ -110,16 +110,28 @@ class _FluxStepHook(ModelHook):
     def __init__(self, cache: PlanCache) -> None:
         super().__init__()
         self.cache = cache
+        self._known: tuple[torch.Tensor, int, tuple[int, int]] | None = None  # (ids, version, grid)
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         hidden = args[0] if args else kwargs["hidden_states"]
         img_ids = kwargs.get("img_ids")
-        grid = image_grid(img_ids) if img_ids is not None else (0, 0)
+        grid = self._grid(img_ids) if img_ids is not None else (0, 0)
         # grids we cannot read (extra conditioning tokens, odd ids) simply get no merging
         if grid[0] * grid[1] != hidden.shape[1]:
             grid = (0, 0)
         self.cache.begin_forward(grid, step_timestep(self.cache, kwargs.get("timestep")))
         return args, kwargs
+
+
+    def _grid(self, img_ids: torch.Tensor) -> tuple[int, int]:
+        # Reading the ids waits for the GPU; pipelines pass the same ids tensor at every
+        # step, so they are read once per denoising run rather than once per forward.
+        known = self._known
+        if known is not None and known[0] is img_ids and known[1] == img_ids._version:
+            return known[2]
+        grid = image_grid(img_ids)
+        self._known = (img_ids, img_ids._version, grid)
+        return grid
 
 
 class _SingleBlockState:
@@ -208,12 +220,13 @@ class _MergedFluxProcessor:
             query = torch.cat([attn.norm_added_q(eq), query], dim=1)
             key = torch.cat([attn.norm_added_k(ek), key], dim=1)
             value = torch.cat([ev, value], dim=1)
-        cos, sin = (_merged_rotary(t, text_len, plan) for t in image_rotary_emb)
+        # Built once per plan, not per block: every block of a forward gets the same rotary
+        # tables (positions come from the ids, fixed through a denoising run).
+        cos, sin = plan.memo(f"flux_rotary_{text_len}", lambda: tuple(_merged_rotary(t, text_len, plan) for t in image_rotary_emb))
         query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
         mask = None
         if self.cache.config.proportional_attention:  # off unless asked for (None is off for Flux)
-            text_bias = plan.log_mass.new_zeros(plan.log_mass.shape[0], text_len)
-            mask = torch.cat([text_bias, plan.log_mass], dim=1)[:, None, None, :].to(query.dtype)
+            mask = plan.memo(f"flux_bias_{text_len}", lambda: _key_bias(plan, text_len, query.dtype))
         out = dispatch_attention_fn(
             query,
             key,
@@ -237,6 +250,12 @@ def _projections(attn: torch.nn.Module, x: torch.Tensor, fused: str, separate: t
     else:
         qkv = [getattr(attn, name)(x) for name in separate]
     return [t.unflatten(-1, (-1, attn.head_dim)) for t in qkv]
+
+
+def _key_bias(plan: Plan, text_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Proportional-attention mask ``(Bp, 1, 1, text + K)``: 0 on text keys, log masses on image keys."""
+    text_bias = plan.log_mass.new_zeros(plan.log_mass.shape[0], text_len)
+    return torch.cat([text_bias, plan.log_mass], dim=1)[:, None, None, :].to(dtype)
 
 
 def _merged_rotary(table: torch.Tensor, text_len: int, plan: Plan) -> torch.Tensor:

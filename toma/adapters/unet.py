@@ -19,6 +19,7 @@ from diffusers.models.attention import BasicTransformerBlock
 from toma.adapters.base import HOOK_NAME, Patched, Skipped, step_timestep
 from toma.config import ToMAConfig
 from toma.plan import Plan, PlanCache
+from toma.tiling import TileLayout, raster_order, tile_order
 
 _LEVEL = re.compile(r"^(down_blocks|up_blocks)\.(\d+)\.|^(mid_block)\.")
 
@@ -73,11 +74,21 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     """Register the hooks; returns every module that got one (for removal)."""
     hooked = [model]
     HookRegistry.check_if_exists_or_initialize(model).register_hook(UNetStepHook(cache), HOOK_NAME)
+    states: dict[str, _TileState] = {}
     for target in targets:
-        registry = HookRegistry.check_if_exists_or_initialize(target.module)
+        stack = target.name.rsplit(".transformer_blocks.", 1)[0]
+        if stack not in states:
+            states[stack] = _TileState()
+            blocks = model.get_submodule(f"{stack}.transformer_blocks")
+            first, last = blocks[0], blocks[len(blocks) - 1]
+            for block in dict.fromkeys((first, last)):
+                hook = _TileOrderHook(cache, target.downsample, states[stack], block is first, block is last)
+                HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, HOOK_NAME)
+                hooked.append(block)
         # only self-attention has keys among the merged tokens to weight by their mass
         bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
-        registry.register_hook(_TokenMergeHook(cache, target.downsample, bias), HOOK_NAME)
+        registry = HookRegistry.check_if_exists_or_initialize(target.module)
+        registry.register_hook(_TokenMergeHook(cache, target.downsample, states[stack], bias), HOOK_NAME)
         hooked.append(target.module)
     return hooked
 
@@ -99,19 +110,72 @@ class UNetStepHook(ModelHook):
         return args, kwargs
 
 
-class _TokenMergeHook(ModelHook):
-    """Merges the first input ``(B, N, C)`` of a sub-module and unmerges its output.
+class _TileState:
+    """The tile layout one transformer stack's residual is in, or None for raster order."""
 
-    With ``bias`` (self-attention under proportional attention) it also passes the merged
-    tokens' log masses as the additive ``attention_mask`` ``(B, 1, K)`` of the attention.
+    def __init__(self) -> None:
+        self.layout: TileLayout | None = None
+
+
+class _TileOrderHook(ModelHook):
+    """Puts a transformer stack's tokens in tile order at its first block, back at its last.
+
+    Everything in a ``BasicTransformerBlock`` but self-attention treats tokens one by one,
+    and self-attention (with no positional encoding) does not depend on their order; so
+    the stack may run in tile order, where merging and unmerging are plain matmuls on
+    views. Two copies per stack replace two per merged sub-module.
     """
 
-    def __init__(self, cache: PlanCache, downsample: int, bias: bool = False) -> None:
+    def __init__(self, cache: PlanCache, downsample: int, state: _TileState, first: bool, last: bool) -> None:
         super().__init__()
         self.cache = cache
         self.downsample = downsample
+        self.state = state
+        self.first = first
+        self.last = last
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if not self.first:
+            return args, kwargs
+        self.state.layout = None
+        x = args[0] if args else kwargs.get("hidden_states")
+        grid = self.cache.grid_at(self.downsample)
+        # a mask over the raster sequence would not fit tile order: leave such calls alone
+        if x is None or x.ndim != 3 or grid is None or kwargs.get("attention_mask") is not None:
+            return args, kwargs
+        layout = self.cache.tile_order_layout(grid)
+        if layout is None or x.shape[1] != layout.num_tokens:
+            return args, kwargs
+        self.state.layout = layout
+        x = tile_order(x, layout)
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        layout = self.state.layout
+        if not self.last or layout is None:
+            return output
+        self.state.layout = None
+        return raster_order(output, layout)
+
+
+class _TokenMergeHook(ModelHook):
+    """Merges the first input ``(B, N, C)`` of a sub-module and unmerges its output.
+
+    Tokens are in raster order, or in tile order while ``state`` says so. With ``bias``
+    (self-attention under proportional attention) it also passes the merged tokens' log
+    masses as the additive ``attention_mask`` of the attention.
+    """
+
+    def __init__(self, cache: PlanCache, downsample: int, state: _TileState, bias: bool = False) -> None:
+        super().__init__()
+        self.cache = cache
+        self.downsample = downsample
+        self.state = state
         self.bias = bias
         self._plan: Plan | None = None
+        self._tiled = False
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         self._plan = None
@@ -120,17 +184,30 @@ class _TokenMergeHook(ModelHook):
         # a mask over the full sequence would not fit the merged one: leave such calls alone
         if x is None or x.ndim != 3 or grid is None or kwargs.get("attention_mask") is not None:
             return args, kwargs
-        plan = self.cache.get(x, grid, group=grid)
+        tiled = self.state.layout is not None
+        plan = self.cache.get(x, grid, group=grid, tiled=tiled)
         if plan is None:
             return args, kwargs
-        self._plan = plan
-        merged = plan.merge(x)
+        self._plan, self._tiled = plan, tiled
+        merged = plan.merge(x, tiled)
         if self.bias:
-            kwargs = {**kwargs, "attention_mask": plan.log_mass[:, None, :].expand(merged.shape[0], 1, -1)}
+            kwargs = {**kwargs, "attention_mask": _head_bias(plan, merged.shape[0], module.heads)}
         if args:
             return (merged, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": merged}
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         plan, self._plan = self._plan, None
-        return output if plan is None else plan.unmerge(output)
+        return output if plan is None else plan.unmerge(output, self._tiled)
+
+
+def _head_bias(plan: Plan, batch: int, heads: int) -> torch.Tensor:
+    """The plan's log masses as the ``(batch * heads, 1, K)`` mask diffusers' attention
+    processors take as is (a smaller one they repeat over heads in every block).
+
+    A view when the plan is shared by the batch; otherwise built once per plan.
+    """
+    bias = plan.log_mass[:, None, :]  # (Bp, 1, K)
+    if bias.shape[0] == 1:
+        return bias.expand(batch * heads, 1, -1)
+    return plan.memo(f"head_bias_{heads}", lambda: bias.repeat_interleave(heads, dim=0))

@@ -1,0 +1,196 @@
+"""Host-side cost of each method: kernels launched and CPU time per denoiser forward.
+
+On a GPU, an eager SDXL forward at batch 1-2 is bound by the host (Python, hooks and
+kernel launches), and under CUDA graphs every extra kernel still costs a few microseconds
+of GPU time. Both grow with the operations a method adds to a forward, which this script
+measures without a GPU. It keeps the full architecture (every block, hook and attention
+call of SDXL, SD 1.5 or Flux.1-dev) but narrows every layer to a few channels and runs a
+small image on the CPU, so that the maths is negligible and what is timed is the host's
+work per operation. For each method it reports
+
+* the ATen operations per forward that launch a kernel (views excluded), and how many
+  more than the unpatched forward;
+* the median CPU time per forward and how much more than unpatched;
+* whether the method reads device data on the host (a GPU synchronisation): the forward is
+  re-run on PyTorch's ``meta`` device, which has no data to read and fails on any read.
+
+    python benchmarks/host_overhead.py --arch sdxl [--batch 1] [--repeats 30]
+    python benchmarks/host_overhead.py --arch flux
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from toma.archs import ARCHS, Arch, build_model, call_denoiser, flux_merged_blocks, get_arch, make_inputs
+
+# ops that only allocate or relabel memory launch no kernel
+_FREE = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.lift_fresh.default", "aten._unsafe_view.default"}
+
+
+def narrow(arch: Arch) -> Arch:
+    """``arch`` with every block kept and every layer a few channels wide."""
+    if arch.family == "flux":
+        config = {
+            **arch.config,
+            "in_channels": 16,
+            "num_attention_heads": 2,
+            "attention_head_dim": 16,
+            "axes_dims_rope": (4, 6, 6),
+            "joint_attention_dim": 32,
+            "pooled_projection_dim": 16,
+        }
+        return dataclasses.replace(arch, config=config, text_dim=32, pooled_dim=16)
+    heads = arch.config["attention_head_dim"]
+    levels = len(arch.config["block_out_channels"])
+    if isinstance(heads, int):  # SD 1.x: head count per level is channels / 8... keep 8 wide heads
+        channels = tuple(8 * heads * (i + 1) for i in range(levels))
+    else:  # SDXL gives head counts per level: 8 channels per head
+        channels = tuple(8 * h for h in heads)
+    config = {**arch.config, "block_out_channels": channels, "norm_num_groups": 8, "cross_attention_dim": 32}
+    if "addition_time_embed_dim" in config:
+        config["addition_time_embed_dim"] = 8
+        config["projection_class_embeddings_input_dim"] = 16 + 6 * 8
+        return dataclasses.replace(arch, config=config, text_dim=32, pooled_dim=16)
+    return dataclasses.replace(arch, config=config, text_dim=32)
+
+
+class _KernelCounter(TorchDispatchMode):
+    """Counts the non-view ATen ops that run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = str(func).removeprefix("aten.")
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            if str(func) not in _FREE:
+                self.ops[name] += 1
+        elif _copied(out, args):  # reshape and friends copy when no view will do
+            self.ops[f"{name} (copy)"] += 1
+        return out
+
+
+def _copied(out: Any, args: tuple) -> bool:
+    first = args[0] if args else None
+    if not isinstance(out, torch.Tensor) or not isinstance(first, torch.Tensor) or out.device.type == "meta":
+        return False
+    return out.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+
+
+def count_kernels(call: Any) -> Counter[str]:
+    """Kernel-launching ops of one ``call()``."""
+    with _KernelCounter() as counter:
+        call()
+    return counter.ops
+
+
+def median_ms(call: Any, repeats: int) -> float:
+    """Median milliseconds of ``call()`` after one warm-up call."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def reads_device_data(arch: Arch, model: torch.nn.Module, inputs: dict[str, Any]) -> str | None:
+    """Why a forward on ``meta`` copies (its error), or None when it never reads data."""
+    meta = {k: _to(v, "meta") for k, v in inputs.items()}
+    model.to("meta")
+    try:
+        call_denoiser(arch, model, meta)
+        call_denoiser(arch, model, meta)  # a second step, where plans may be reused
+    except NotImplementedError as err:
+        return str(err).splitlines()[0]
+    return None
+
+
+def _to(value: Any, device: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sdxl", choices=["sdxl", "sd15", "flux"])
+    parser.add_argument("--resolution", type=int, default=256, help="image pixels (small: the maths should not count)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--levels", type=int, default=2, help="UNet attention levels merged")
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--methods", default="none,toma,ideal")
+    args = parser.parse_args()
+
+    import toma
+    from toma import baselines
+
+    torch.set_num_threads(args.threads)
+    arch = narrow(get_arch(args.arch))
+    model = build_model(arch)
+    inputs = make_inputs(arch, args.resolution, args.batch)
+    if arch.family == "flux":
+        placement: dict[str, Any] = {
+            "flux_double_blocks": flux_merged_blocks(len(model.transformer_blocks), ARCHS["flux"].config["num_layers"]),
+            "flux_single_blocks": flux_merged_blocks(len(model.single_transformer_blocks), ARCHS["flux"].config["num_single_layers"]),
+        }
+        where = "default Flux blocks"
+    else:
+        placement = {"levels": args.levels}
+        where = f"levels {args.levels}"
+    print(
+        f"{arch.name}: every block, narrowed; {args.resolution}px, batch {args.batch}, ratio {args.ratio}, {where}; "
+        f"torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s)"
+    )
+    print(f"{'method':<8}{'kernels':>9}{'extra':>7}{'host ms':>9}{'extra ms':>10}  {'syncs':<8}top extra ops")
+    base_ops: Counter[str] | None = None
+    base_ms = 0.0
+    with torch.inference_mode():
+        for method in args.methods.split(","):
+            model.to("cpu")
+            if method == "toma":
+                toma.apply_toma(model, ratio=args.ratio, **placement)
+            elif method == "ideal":
+                baselines.apply_ideal(model, args.ratio, **placement)
+            elif method == "tomesd":
+                baselines.apply_tomesd(model, args.ratio, None, **placement)
+            elif method != "none":
+                raise SystemExit(f"unknown method {method!r}")
+
+            def call() -> Any:
+                return call_denoiser(arch, model, inputs)
+
+            ms = median_ms(call, args.repeats)
+            ops = count_kernels(call)
+            sync = reads_device_data(arch, model, inputs)
+            toma.remove_toma(model)
+            baselines.remove_baseline(model)
+            model = build_model(arch)  # the meta run dropped the weights
+            if base_ops is None:
+                base_ops, base_ms = ops, ms
+            total, extra = sum(ops.values()), ops - base_ops
+            top = ", ".join(f"{k} {v}" for k, v in extra.most_common(5))
+            verdict = "none" if sync is None else "READS"
+            print(f"{method:<8}{total:>9}{total - sum(base_ops.values()):>+7}{ms:>9.1f}{ms - base_ms:>+10.1f}  {verdict:<8}{top}")
+            if sync is not None:
+                print(f"         {sync}")
+
+
+if __name__ == "__main__":
+    main()
