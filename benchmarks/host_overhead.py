@@ -110,11 +110,18 @@ def reads_device_data(arch: Arch, model: torch.nn.Module, inputs: dict[str, Any]
     """Why a forward on ``meta`` copies (its error), or None when it never reads data."""
     meta = {k: _to(v, "meta") for k, v in inputs.items()}
     model.to("meta")
+    hook = getattr(model, "_diffusers_hook", None)
+    step_hook = hook.get_hook("toma") if hook is not None else None
+    if hasattr(step_hook, "_known"):
+        # Flux reads its image ids once per denoising run (by design): start after that read
+        step_hook._known = (meta["img_ids"], -1, step_hook._known[2])  # an inference tensor: no version
     try:
         call_denoiser(arch, model, meta)
         call_denoiser(arch, model, meta)  # a second step, where plans may be reused
-    except NotImplementedError as err:
-        return str(err).splitlines()[0]
+    except (RuntimeError, NotImplementedError) as err:
+        if "meta" not in str(err):
+            raise
+        return str(err).splitlines()[0]  # meta tensors have no data to read
     return None
 
 

@@ -226,3 +226,47 @@ def test_pipeline_object_resolves_to_unet(sd15_unet):
     patch = toma.apply_toma(FakePipe(), ratio=0.5)
     assert toma.get_toma(sd15_unet) is patch
     assert toma.remove_toma(FakePipe())
+
+
+@pytest.mark.parametrize("options", [{}, {"merge_crossattn": True, "merge_mlp": True}])
+def test_tile_order_stacks_match_raster_order(sdxl_unet, monkeypatch, options):
+    # A stack run in tile order must compute what per-module raster merging computes: the
+    # blocks only see their tokens permuted, so only float summation order may differ.
+    kw = unet_inputs(2, 16, 16, True)
+    ref = run(sdxl_unet, **kw)
+    patch = toma.apply_toma(sdxl_unet, ratio=0.5, levels=2, **options)
+    from toma.adapters import unet as unet_adapter
+
+    conversions = []
+    real = unet_adapter.tile_order
+    monkeypatch.setattr(unet_adapter, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
+    tiled = run(sdxl_unet, **kw)
+    # one conversion per merged stack of 2 blocks (down, mid, 2 up), not one per block
+    stacks = {p.name.rsplit(".transformer_blocks.", 1)[0] for p in patch.patched}
+    assert len(conversions) == len(stacks) == 4
+    monkeypatch.setattr(toma.plan.PlanCache, "tile_order_layout", lambda self, grid: None)
+    raster = run(sdxl_unet, **kw)
+    assert len(conversions) == 4  # the raster run converted nothing
+    assert not torch.allclose(tiled, ref, rtol=1e-4, atol=1e-5)  # merging changed the output
+    assert torch.allclose(tiled, raster, rtol=1e-4, atol=1e-5)
+    toma.remove_toma(sdxl_unet)
+
+
+def test_padded_grid_stays_in_raster_order(sd15_unet, monkeypatch):
+    from toma.adapters import unet as unet_adapter
+
+    calls = []
+    monkeypatch.setattr(unet_adapter, "tile_order", lambda x, lay: calls.append(1))
+    toma.apply_toma(sd15_unet, ratio=0.5)
+    out = run(sd15_unet, **unet_inputs(1, 10, 14, False))  # 10x14 is not a whole number of 4x4 tiles
+    assert calls == [] and torch.isfinite(out).all()
+
+
+def test_remove_leaves_no_trace_on_modules(sdxl_unet):
+    # diffusers leaves the wrapped forward behind as an instance attribute; a later class
+    # swap (tomesd patches blocks that way) would then be ignored
+    before = {name: set(vars(m)) for name, m in sdxl_unet.named_modules()}
+    toma.apply_toma(sdxl_unet, ratio=0.5, levels=2, merge_mlp=True)
+    run(sdxl_unet, **unet_inputs(1, 16, 16, True))
+    toma.remove_toma(sdxl_unet)
+    assert {name: set(vars(m)) for name, m in sdxl_unet.named_modules()} == before

@@ -127,11 +127,16 @@ class _FluxStepHook(ModelHook):
         # Reading the ids waits for the GPU; pipelines pass the same ids tensor at every
         # step, so they are read once per denoising run rather than once per forward.
         known = self._known
-        if known is not None and known[0] is img_ids and known[1] == img_ids._version:
+        if known is not None and known[0] is img_ids and known[1] == _version(img_ids):
             return known[2]
         grid = image_grid(img_ids)
-        self._known = (img_ids, img_ids._version, grid)
+        self._known = (img_ids, _version(img_ids), grid)
         return grid
+
+
+def _version(t: torch.Tensor) -> int:
+    """In-place modification count of ``t``; -1 for inference tensors, which keep none."""
+    return -1 if t.is_inference() else t._version
 
 
 class _SingleBlockState:
