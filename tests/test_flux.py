@@ -123,3 +123,43 @@ def test_bf16(flux):
     out = run(flux, **flux_inputs(2, 8, 8, dtype=torch.bfloat16)).float()
     assert torch.isfinite(out).all()
     assert (out - out32).abs().max() < 0.1 * out32.abs().max() + 0.1
+
+
+@pytest.mark.parametrize("proportional", [False, True])
+def test_tile_order_forward_matches_raster_order(flux, monkeypatch, proportional):
+    # From the patch embedding to the final norm the image tokens run in tile order (with
+    # their rotary rows): the same maths as raster order with per-block reordering.
+    from toma.adapters import flux as flux_adapter
+
+    kw = flux_inputs(2, 8, 12)
+    with torch.no_grad():
+        ref = flux(**kw).sample
+    toma.apply_toma(flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1), proportional_attention=proportional)
+    conversions = []
+    real = flux_adapter.tile_order
+    monkeypatch.setattr(flux_adapter, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
+    with torch.no_grad():
+        tiled = flux(**kw).sample
+        assert len(conversions) == 2  # the hidden states, once; the rotary row order, once per grid
+        tiled_again = flux(**kw).sample
+        assert len(conversions) == 3  # the rotary order is kept
+        monkeypatch.setattr(toma.plan.PlanCache, "tile_order_layout", lambda self, grid: None)
+        raster = flux(**kw).sample
+    assert len(conversions) == 3
+    assert torch.equal(tiled, tiled_again)
+    assert not torch.allclose(tiled, ref, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(tiled, raster, rtol=1e-4, atol=1e-5)
+    toma.remove_toma(flux)
+
+
+def test_controlnet_residuals_keep_raster_order(flux, monkeypatch):
+    from toma.adapters import flux as flux_adapter
+
+    kw = flux_inputs(1, 8, 8)
+    residual = [torch.randn(1, 64, flux.inner_dim)]
+    toma.apply_toma(flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
+    with torch.no_grad():
+        plain = flux(**kw, controlnet_block_samples=residual).sample
+        monkeypatch.setattr(flux_adapter, "tile_order", lambda x, lay: pytest.fail("reordered a controlled forward"))
+        assert torch.equal(flux(**kw, controlnet_block_samples=residual).sample, plain)
+    toma.remove_toma(flux)

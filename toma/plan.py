@@ -85,7 +85,7 @@ class Plan(Memo):
                 tiles = x.unflatten(1, (self.layout.num_tiles, self.layout.tile_area))
             else:
                 tiles = to_tiles(x, self.layout)
-            merged = merge(tiles, self.merge_w.to(tiles.dtype)).flatten(1, 2)
+            merged = merge(tiles, _as(self.merge_w, tiles.dtype)).flatten(1, 2)
             return merged if self.keep_index is None else merged.index_select(1, self.keep_index)
 
     def unmerge(self, y: torch.Tensor, tiled: bool = False) -> torch.Tensor:
@@ -94,7 +94,7 @@ class Plan(Memo):
             if self.spread_index is not None:
                 y = y.index_select(1, self.spread_index)
             y = y.unflatten(1, (self.layout.num_tiles, self.layout.slots))
-            out = unmerge(y, self.unmerge_w.to(y.dtype))
+            out = unmerge(y, _as(self.unmerge_w, y.dtype))
             return out.flatten(1, 2) if tiled else from_tiles(out, self.layout)
 
     @property
@@ -112,15 +112,26 @@ class Plan(Memo):
         """
         return self.memo("dest_tokens", self._raster_dest)
 
+    @property
+    def dest_slots(self) -> torch.Tensor:
+        """Tile-order index (see :func:`toma.tiling.tile_order`) of each merged token's
+        destination: ``(Bp, K)`` int64. Computed on first use and kept with the plan."""
+        return self.memo("dest_slots", self._slot_dest)
+
+    def _slot_dest(self) -> torch.Tensor:
+        lay = self.layout
+        first = torch.arange(lay.num_tiles, device=self.dest.device)[:, None] * lay.tile_area
+        idx = (first + self.dest).flatten(1)
+        return idx if self.keep_index is None else idx.index_select(1, self.keep_index)
+
     def _raster_dest(self) -> torch.Tensor:
         lay = self.layout
         # raster index of every tile slot; padded slots clamp to a real token (never used)
         rows = torch.arange(lay.gh * lay.th, device=self.dest.device).clamp_max(lay.h - 1)
         cols = torch.arange(lay.gw * lay.tw, device=self.dest.device).clamp_max(lay.w - 1)
-        raster = (rows[:, None] * lay.w + cols[None, :])[None, :, :, None]
-        table = to_tiles(raster.reshape(1, -1, 1), _full_layout(lay))[0, :, :, 0]  # (T, n)
-        idx = table.expand(self.dest.shape[0], -1, -1).gather(-1, self.dest).flatten(1)
-        return idx if self.keep_index is None else idx.index_select(1, self.keep_index)
+        raster = (rows[:, None] * lay.w + cols[None, :]).reshape(1, -1, 1)
+        table = to_tiles(raster, _full_layout(lay)).flatten()  # (T * n,)
+        return table[self.dest_slots]
 
 
 def build_plan(
@@ -181,8 +192,11 @@ def profiled(name: str) -> contextlib.AbstractContextManager:
     is left out (the compiler would only warn that it ignores it).
     """
     if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
-        return contextlib.nullcontext()
+        return _NO_RANGE
     return torch.profiler.record_function(name)
+
+
+_NO_RANGE = contextlib.nullcontext()  # stateless, so one instance serves every call
 
 
 class PlanCache:
@@ -285,6 +299,11 @@ class PlanCache:
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
         return self._generator
+
+
+def _as(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # plans are built in the activations' dtype: skip the call (host time) when it matches
+    return weights if weights.dtype == dtype else weights.to(dtype)
 
 
 def _full_layout(layout: TileLayout) -> TileLayout:

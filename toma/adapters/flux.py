@@ -25,6 +25,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, Fl
 from toma.adapters.base import HOOK_NAME, Patched, Skipped, step_timestep
 from toma.config import ToMAConfig
 from toma.plan import Plan, PlanCache
+from toma.tiling import TileLayout, raster_order, tile_order
 
 DEFAULT_SKIP = 5  # the authors leave the first 5 double and 5 single blocks unmerged
 
@@ -68,19 +69,24 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
 
 def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register hooks and processors; returns every module that got a hook (for removal)."""
-    hooked = [model]
-    HookRegistry.check_if_exists_or_initialize(model).register_hook(_FluxStepHook(cache), HOOK_NAME)
+    order = _ImageOrder()
+    hooks: list[tuple[torch.nn.Module, ModelHook]] = [
+        (model, _FluxStepHook(cache, order)),
+        (model.x_embedder, _ToTileOrder(order)),
+        (model.pos_embed, _RotaryToTileOrder(order)),
+        (model.norm_out, _ToRasterOrder(order)),
+    ]
     for target in targets:
         block = target.module
         if target.where.startswith("double"):
-            block.attn.set_processor(_MergedFluxProcessor(cache, block.attn.processor, None))
+            block.attn.set_processor(_MergedFluxProcessor(cache, block.attn.processor, None, order))
             continue
         state = _SingleBlockState()
-        block.attn.set_processor(_MergedFluxProcessor(cache, block.attn.processor, state))
-        for module, hook in ((block.norm, _SingleMergeHook(cache, state)), (block.proj_out, _SingleUnmergeHook(state))):
-            HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
-            hooked.append(module)
-    return hooked
+        block.attn.set_processor(_MergedFluxProcessor(cache, block.attn.processor, state, order))
+        hooks += [(block.norm, _SingleMergeHook(cache, state, order)), (block.proj_out, _SingleUnmergeHook(state))]
+    for module, hook in hooks:
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
+    return [module for module, _ in hooks]
 
 
 def detach(targets: list[Patched]) -> None:
@@ -104,12 +110,27 @@ def image_grid(img_ids: torch.Tensor) -> tuple[int, int]:
     return int(last[0] - first[0]) + 1, int(last[1] - first[1]) + 1
 
 
-class _FluxStepHook(ModelHook):
-    """Records the image token grid (from ``img_ids``) and the timestep at each forward."""
+class _ImageOrder:
+    """The tile layout the image tokens of the running forward are in, or None (raster).
 
-    def __init__(self, cache: PlanCache) -> None:
+    Every Flux block is indifferent to the order of the image tokens as long as their
+    rotary positions follow them, so a forward may run in tile order from the patch
+    embedding to the final norm; merging and unmerging are then matmuls on views, with two
+    reorderings per forward instead of two per merged block.
+    """
+
+    def __init__(self) -> None:
+        self.layout: TileLayout | None = None
+
+
+class _FluxStepHook(ModelHook):
+    """Records the image token grid (from ``img_ids``) and the timestep at each forward,
+    and decides whether the forward runs in tile order."""
+
+    def __init__(self, cache: PlanCache, order: _ImageOrder) -> None:
         super().__init__()
         self.cache = cache
+        self.order = order
         self._known: tuple[torch.Tensor, int, tuple[int, int]] | None = None  # (ids, version, grid)
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -120,6 +141,9 @@ class _FluxStepHook(ModelHook):
         if grid[0] * grid[1] != hidden.shape[1]:
             grid = (0, 0)
         self.cache.begin_forward(grid, step_timestep(self.cache, kwargs.get("timestep")))
+        # ControlNet residuals are added in raster order between blocks: stay in raster order
+        controlled = any(kwargs.get(k) is not None for k in ("controlnet_block_samples", "controlnet_single_block_samples"))
+        self.order.layout = None if controlled or grid[0] * grid[1] == 0 else self.cache.tile_order_layout(grid)
         return args, kwargs
 
 
@@ -139,21 +163,69 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+class _ToTileOrder(ModelHook):
+    """On the patch embedding: image tokens to tile order, when the forward runs in it."""
+
+    def __init__(self, order: _ImageOrder) -> None:
+        super().__init__()
+        self.order = order
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        layout = self.order.layout
+        return output if layout is None else tile_order(output, layout)
+
+
+class _RotaryToTileOrder(ModelHook):
+    """On the rotary embedding: the image rows of the ``(text + N, D)`` tables to tile order."""
+
+    def __init__(self, order: _ImageOrder) -> None:
+        super().__init__()
+        self.order = order
+        self._rows: dict[tuple[int, TileLayout, torch.device], torch.Tensor] = {}
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        layout = self.order.layout
+        if layout is None:
+            return output
+        table = output[0]
+        text = table.shape[0] - layout.num_tokens
+        key = (text, layout, table.device)
+        rows = self._rows.get(key)
+        if rows is None:  # built on the device once per grid: no host-to-device copy per step
+            image = tile_order(torch.arange(layout.num_tokens, device=table.device)[None, :, None], layout).flatten()
+            rows = self._rows[key] = torch.cat([torch.arange(text, device=table.device), image + text])
+        return tuple(t.index_select(0, rows) for t in output)
+
+
+class _ToRasterOrder(ModelHook):
+    """On the final norm: image tokens back to raster order."""
+
+    def __init__(self, order: _ImageOrder) -> None:
+        super().__init__()
+        self.order = order
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        layout = self.order.layout
+        return output if layout is None else raster_order(output, layout)
+
+
 class _SingleBlockState:
     """The plan one single-stream block is using between its norm and its ``proj_out``."""
 
     def __init__(self) -> None:
         self.plan: Plan | None = None
         self.text_len = 0
+        self.tiled = False
 
 
 class _SingleMergeHook(ModelHook):
     """On the single-stream norm: merges the image part of the normalised tokens."""
 
-    def __init__(self, cache: PlanCache, state: _SingleBlockState) -> None:
+    def __init__(self, cache: PlanCache, state: _SingleBlockState, order: _ImageOrder) -> None:
         super().__init__()
         self.cache = cache
         self.state = state
+        self.order = order
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         normed, gate = output
@@ -162,11 +234,12 @@ class _SingleMergeHook(ModelHook):
         if grid is None or grid[0] * grid[1] == 0 or normed.shape[1] <= grid[0] * grid[1]:
             return output
         text_len = normed.shape[1] - grid[0] * grid[1]
-        plan = self.cache.get(normed[:, text_len:], grid, group="single")
+        tiled = self.order.layout is not None
+        plan = self.cache.get(normed[:, text_len:], grid, group="single", tiled=tiled)
         if plan is None:
             return output
-        self.state.plan, self.state.text_len = plan, text_len
-        merged = torch.cat([normed[:, :text_len], plan.merge(normed[:, text_len:])], dim=1)
+        self.state.plan, self.state.text_len, self.state.tiled = plan, text_len, tiled
+        merged = torch.cat([normed[:, :text_len], plan.merge(normed[:, text_len:], tiled)], dim=1)
         return merged, gate
 
 
@@ -182,7 +255,7 @@ class _SingleUnmergeHook(ModelHook):
         if plan is None:
             return output
         t = self.state.text_len
-        return torch.cat([output[:, :t], plan.unmerge(output[:, t:])], dim=1)
+        return torch.cat([output[:, :t], plan.unmerge(output[:, t:], self.state.tiled)], dim=1)
 
 
 class _MergedFluxProcessor:
@@ -192,10 +265,11 @@ class _MergedFluxProcessor:
     an attention mask).
     """
 
-    def __init__(self, cache: PlanCache, original: Any, single: _SingleBlockState | None) -> None:
+    def __init__(self, cache: PlanCache, original: Any, single: _SingleBlockState | None, order: _ImageOrder) -> None:
         self.cache = cache
         self.original = original
         self.single = single
+        self.order = order
 
     def __call__(
         self,
@@ -206,18 +280,19 @@ class _MergedFluxProcessor:
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Any:
         args = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        tiled = self.order.layout is not None
         if self.single is not None:
             plan, text_len = self.single.plan, self.single.text_len
         else:
             grid = self.cache.grid_at(1)
-            plan = None if grid is None else self.cache.get(hidden_states, grid, group="double")
+            plan = None if grid is None else self.cache.get(hidden_states, grid, group="double", tiled=tiled)
             text_len = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
         if plan is None or attention_mask is not None or image_rotary_emb is None:
             if self.single is not None and plan is not None:
                 raise RuntimeError("ToMA merged a single-stream block whose attention cannot run merged")
             return self.original(*args)
         if self.single is None:
-            hidden_states = plan.merge(hidden_states)
+            hidden_states = plan.merge(hidden_states, tiled)
         query, key, value = _projections(attn, hidden_states, "to_qkv", ("to_q", "to_k", "to_v"))
         query, key = attn.norm_q(query), attn.norm_k(key)
         if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
@@ -227,7 +302,9 @@ class _MergedFluxProcessor:
             value = torch.cat([ev, value], dim=1)
         # Built once per plan, not per block: every block of a forward gets the same rotary
         # tables (positions come from the ids, fixed through a denoising run).
-        cos, sin = plan.memo(f"flux_rotary_{text_len}", lambda: tuple(_merged_rotary(t, text_len, plan) for t in image_rotary_emb))
+        cos, sin = plan.memo(
+            f"flux_rotary_{text_len}_{tiled}", lambda: tuple(_merged_rotary(t, text_len, plan, tiled) for t in image_rotary_emb)
+        )
         query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
         mask = None
         if self.cache.config.proportional_attention:  # off unless asked for (None is off for Flux)
@@ -244,7 +321,7 @@ class _MergedFluxProcessor:
         if self.single is not None:
             return out  # proj_out's hook unmerges after the block's own projection
         text, image = out[:, :text_len], out[:, text_len:]
-        image = plan.unmerge(attn.to_out[1](attn.to_out[0](image.contiguous())))
+        image = plan.unmerge(attn.to_out[1](attn.to_out[0](image.contiguous())), tiled)
         return image, attn.to_add_out(text.contiguous())
 
 
@@ -263,9 +340,12 @@ def _key_bias(plan: Plan, text_len: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([text_bias, plan.log_mass], dim=1)[:, None, None, :].to(dtype)
 
 
-def _merged_rotary(table: torch.Tensor, text_len: int, plan: Plan) -> torch.Tensor:
-    """Rotary table ``(text + N, D)`` for ``[text; merged image]``: ``(Bp, text + K, D)``."""
-    image = table[text_len:][plan.dest_tokens]
+def _merged_rotary(table: torch.Tensor, text_len: int, plan: Plan, tiled: bool = False) -> torch.Tensor:
+    """Rotary table ``(text + N, D)`` for ``[text; merged image]``: ``(Bp, text + K, D)``.
+
+    The image rows of ``table`` are in raster order, or in tile order when ``tiled``.
+    """
+    image = table[text_len:][plan.dest_slots if tiled else plan.dest_tokens]
     text = table[:text_len].expand(image.shape[0], -1, -1)
     return torch.cat([text, image], dim=1)
 

@@ -205,9 +205,11 @@ def _head_bias(plan: Plan, batch: int, heads: int) -> torch.Tensor:
     """The plan's log masses as the ``(batch * heads, 1, K)`` mask diffusers' attention
     processors take as is (a smaller one they repeat over heads in every block).
 
-    A view when the plan is shared by the batch; otherwise built once per plan.
+    Built once per plan: a view when the plan is shared by the batch, else a copy.
     """
-    bias = plan.log_mass[:, None, :]  # (Bp, 1, K)
-    if bias.shape[0] == 1:
-        return bias.expand(batch * heads, 1, -1)
-    return plan.memo(f"head_bias_{heads}", lambda: bias.repeat_interleave(heads, dim=0))
+
+    def make() -> torch.Tensor:
+        bias = plan.log_mass[:, None, :]  # (Bp, 1, K)
+        return bias.expand(batch * heads, 1, -1) if bias.shape[0] == 1 else bias.repeat_interleave(heads, dim=0)
+
+    return plan.memo(f"head_bias_{batch}_{heads}", make)
