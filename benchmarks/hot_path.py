@@ -1,8 +1,11 @@
 """Microbenchmark of ToMA's hot path at the token grids SDXL and Flux merge at 1024x1024.
 
-Times plan building (selection + weights), merge and unmerge in isolation, and scales
-them to the merge overhead of one denoiser forward (plans per forward x build + merged
-modules x (merge + unmerge)). Cheap enough to compare core changes before/after:
+Times plan building (selection + weights), merge and unmerge (on tokens kept in tile
+order, as the adapters run them) and one reordering to tile order and back, in isolation,
+and scales them to the merge overhead of one denoiser forward (plans x build + merged
+modules x (merge + unmerge) + transformer stacks x reordering). The last column is the
+same forward with every merged module reordering its own tokens (the fallback for grids
+the tiles do not divide). Cheap enough to compare core changes before/after:
 
     python benchmarks/hot_path.py [--repeats 30] [--threads N] [--batch 1] [--device cuda --dtype bfloat16]
 """
@@ -17,12 +20,14 @@ import torch
 
 from toma.config import ToMAConfig
 from toma.plan import PlanCache
+from toma.tiling import raster_order, tile_order
 
-# name: (grid side, channels, plans per forward, merged modules per forward)
+# name: (grid side, channels, plans per forward, merged modules per forward, reorderings
+# per forward: tile order and back once per UNet transformer stack, once per Flux forward)
 SHAPES = {
-    "sdxl 64x64 x640 (levels 1: 10 blocks)": (64, 640, 1, 10),
-    "sdxl 32x32 x1280 (level 2: 60 blocks)": (32, 1280, 1, 60),
-    "flux 64x64 x3072 (47 blocks, 2 groups)": (64, 3072, 2, 47),
+    "sdxl 64x64 x640 (levels 1: 10 blocks)": (64, 640, 1, 10, 5),
+    "sdxl 32x32 x1280 (level 2: 60 blocks)": (32, 1280, 1, 60, 6),
+    "flux 64x64 x3072 (47 blocks, 2 groups)": (64, 3072, 2, 47, 1),
 }
 
 
@@ -52,10 +57,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {device}, {args.dtype}, {torch.get_num_threads()} threads, batch {args.batch}, ratio 0.5, tile {args.tile}x{args.tile}")
-    print(f"{'grid':<40}{'build ms':>10}{'merge ms':>10}{'unmerge ms':>12}{'per forward ms':>16}")
+    print(f"{'grid':<40}{'build ms':>10}{'merge ms':>10}{'unmerge ms':>12}{'reorder ms':>12}{'per forward ms':>16}{'raster order':>14}")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for name, (side, channels, plans, modules) in SHAPES.items():
+        for name, (side, channels, plans, modules, stacks) in SHAPES.items():
             x = torch.randn(args.batch, side * side, channels, generator=gen).to(device, dtype)
             cache = PlanCache(ToMAConfig(ratio=0.5, tile_size=args.tile))
 
@@ -65,11 +70,20 @@ def main() -> None:
 
             build()
             plan = cache.get(x, (side, side), group="g")
-            merged = plan.merge(x)
+            layout = plan.layout
+            tiled = tile_order(x, layout)
+            merged = plan.merge(tiled, tiled=True)
             b = median_ms(build, args.repeats, device)
-            m = median_ms(lambda: plan.merge(x), args.repeats, device)
-            u = median_ms(lambda: plan.unmerge(merged), args.repeats, device)
-            print(f"{name:<40}{b:>10.2f}{m:>10.2f}{u:>12.2f}{plans * b + modules * (m + u):>16.1f}")
+            # as the adapters run it: tokens kept in tile order between merges
+            m = median_ms(lambda: plan.merge(tiled, tiled=True), args.repeats, device)
+            u = median_ms(lambda: plan.unmerge(merged, tiled=True), args.repeats, device)
+            r = median_ms(lambda: raster_order(tile_order(x, layout), layout), args.repeats, device)
+            # each merged module reordering its own tokens (the adapters' fallback for padded grids)
+            mr = median_ms(lambda: plan.merge(x), args.repeats, device)
+            ur = median_ms(lambda: plan.unmerge(merged), args.repeats, device)
+            per_forward = plans * b + modules * (m + u) + stacks * r
+            raster = plans * b + modules * (mr + ur)
+            print(f"{name:<40}{b:>10.2f}{m:>10.2f}{u:>12.2f}{r:>12.2f}{per_forward:>16.1f}{raster:>14.1f}")
 
 
 if __name__ == "__main__":
