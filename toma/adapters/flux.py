@@ -24,7 +24,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, Fl
 
 from toma.adapters.base import HOOK_NAME, Patched, Skipped, step_timestep
 from toma.config import ToMAConfig
-from toma.plan import Plan, PlanCache
+from toma.plan import Plan, PlanCache, profiled
 from toma.tiling import TileLayout, raster_order, tile_order
 
 DEFAULT_SKIP = 5  # the authors leave the first 5 double and 5 single blocks unmerged
@@ -172,7 +172,10 @@ class _ToTileOrder(ModelHook):
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         layout = self.order.layout
-        return output if layout is None else tile_order(output, layout)
+        if layout is None:
+            return output
+        with profiled("toma::merge"):  # reordering is part of what merging costs
+            return tile_order(output, layout)
 
 
 class _RotaryToTileOrder(ModelHook):
@@ -194,7 +197,8 @@ class _RotaryToTileOrder(ModelHook):
         if rows is None:  # built on the device once per grid: no host-to-device copy per step
             image = tile_order(torch.arange(layout.num_tokens, device=table.device)[None, :, None], layout).flatten()
             rows = self._rows[key] = torch.cat([torch.arange(text, device=table.device), image + text])
-        return tuple(t.index_select(0, rows) for t in output)
+        with profiled("toma::merge"):
+            return tuple(t.index_select(0, rows) for t in output)
 
 
 class _ToRasterOrder(ModelHook):
@@ -206,7 +210,10 @@ class _ToRasterOrder(ModelHook):
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         layout = self.order.layout
-        return output if layout is None else raster_order(output, layout)
+        if layout is None:
+            return output
+        with profiled("toma::unmerge"):
+            return raster_order(output, layout)
 
 
 class _SingleBlockState:

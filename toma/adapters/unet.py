@@ -18,7 +18,7 @@ from diffusers.models.attention import BasicTransformerBlock
 
 from toma.adapters.base import HOOK_NAME, Patched, Skipped, step_timestep
 from toma.config import ToMAConfig
-from toma.plan import Plan, PlanCache
+from toma.plan import Plan, PlanCache, profiled
 from toma.tiling import TileLayout, raster_order, tile_order
 
 _LEVEL = re.compile(r"^(down_blocks|up_blocks)\.(\d+)\.|^(mid_block)\.")
@@ -147,7 +147,8 @@ class _TileOrderHook(ModelHook):
         if layout is None or x.shape[1] != layout.num_tokens:
             return args, kwargs
         self.state.layout = layout
-        x = tile_order(x, layout)
+        with profiled("toma::merge"):  # reordering is part of what merging costs
+            x = tile_order(x, layout)
         if args:
             return (x, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": x}
@@ -157,7 +158,8 @@ class _TileOrderHook(ModelHook):
         if not self.last or layout is None:
             return output
         self.state.layout = None
-        return raster_order(output, layout)
+        with profiled("toma::unmerge"):
+            return raster_order(output, layout)
 
 
 class _TokenMergeHook(ModelHook):
