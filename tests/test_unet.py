@@ -270,3 +270,26 @@ def test_remove_leaves_no_trace_on_modules(sdxl_unet):
     run(sdxl_unet, **unet_inputs(1, 16, 16, True))
     toma.remove_toma(sdxl_unet)
     assert {name: set(vars(m)) for name, m in sdxl_unet.named_modules()} == before
+
+
+def test_block_outside_a_transformer_stack_reorders_its_own_tokens(sd15_unet):
+    # a BasicTransformerBlock that is not in a `transformer_blocks` list gets no stack hooks
+    import dataclasses
+
+    from toma.adapters import unet as unet_adapter
+    from toma.config import ToMAConfig
+    from toma.plan import PlanCache
+
+    kw = unet_inputs(1, 16, 16, False)
+    ref = run(sd15_unet, **kw)
+    targets, _ = unet_adapter.find_targets(sd15_unet, ToMAConfig())
+    loose = [dataclasses.replace(t, name=t.name.replace(".transformer_blocks.", ".blocks.")) for t in targets]
+    hooked = unet_adapter.attach(sd15_unet, loose, PlanCache(ToMAConfig()))
+    assert {id(m) for m in hooked} == {id(sd15_unet)} | {id(t.module) for t in targets}
+    out = run(sd15_unet, **kw)
+    assert torch.isfinite(out).all() and not torch.equal(out, ref)
+    from toma.adapters.base import HOOK_NAME, remove_hook
+
+    for m in hooked:
+        remove_hook(m, HOOK_NAME)
+    assert torch.equal(run(sd15_unet, **kw), ref)

@@ -113,8 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graph", action="store_true",
                    help="CUDA only: capture each variant's forward once as a CUDA graph and time its replays "
                         "(no Python or kernel-launch overhead, as in a graph-captured or compiled deployment); "
-                        "variants that cannot be captured are reported as skipped (tomesd; ToMA on Flux, whose "
-                        "step hook reads the image ids on the host)")
+                        "variants that cannot be captured are reported as skipped (tomesd, which draws from "
+                        "a private CUDA generator)")
     p.add_argument("--no-profile", action="store_true", help="skip the overhead breakdown pass")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     p.add_argument("--name", default=None, help="file name stem (default: bench_<arch>_<resolution>)")

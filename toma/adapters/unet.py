@@ -76,8 +76,11 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     HookRegistry.check_if_exists_or_initialize(model).register_hook(UNetStepHook(cache), HOOK_NAME)
     states: dict[str, _TileState] = {}
     for target in targets:
-        stack = target.name.rsplit(".transformer_blocks.", 1)[0]
-        if stack not in states:
+        stack, inside, _ = target.name.rpartition(".transformer_blocks.")
+        if not inside:  # a block outside a transformer stack: it reorders its own tokens
+            stack = target.name.rsplit(".", 1)[0]
+            states.setdefault(stack, _TileState())
+        elif stack not in states:
             states[stack] = _TileState()
             blocks = model.get_submodule(f"{stack}.transformer_blocks")
             first, last = blocks[0], blocks[len(blocks) - 1]
