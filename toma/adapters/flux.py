@@ -146,7 +146,6 @@ class _FluxStepHook(ModelHook):
         self.order.layout = None if controlled or grid[0] * grid[1] == 0 else self.cache.tile_order_layout(grid)
         return args, kwargs
 
-
     def _grid(self, img_ids: torch.Tensor) -> tuple[int, int]:
         # Reading the ids waits for the GPU; pipelines pass the same ids tensor at every
         # step, so they are read once per denoising run rather than once per forward.
