@@ -8,6 +8,8 @@
 #   benchmarks/gpu.sh                          # results in bench-results/gpu/*.json|png
 #   RESULTS=/tmp/gpu REPEATS=20 benchmarks/gpu.sh
 #   COMPILE=1 benchmarks/gpu.sh                # also SDXL under torch.compile (a few minutes more)
+#   EXTRAS=1 benchmarks/gpu.sh                 # also the hot-path micro-timings and the SDXL
+#                                              # tile-order A/B (about a minute more)
 #   PYTHON=python3.12 benchmarks/gpu.sh        # the interpreter that has torch and diffusers
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,4 +34,10 @@ if [[ "${COMPILE:-0}" == 1 ]]; then
   # eager and torch.compile'd, unpatched and ToMA (compiles take most of this run)
   bench --arch sdxl --methods none,toma --levels 2 --compile --no-profile --name sdxl_levels2_compile_gpu \
     "${common[@]}" "$@"
+fi
+if [[ "${EXTRAS:-0}" == 1 ]]; then
+  mkdir -p "$RESULTS"
+  "$PY" benchmarks/hot_path.py --device cuda --dtype bfloat16 --batch 1 | tee "$RESULTS/hot_path_gpu.txt"
+  "$PY" benchmarks/tile_order_ab.py --arch sdxl --levels 2 --device cuda --dtype bfloat16 --repeats 10 \
+    | tee "$RESULTS/tile_order_ab_sdxl_gpu.txt"
 fi
