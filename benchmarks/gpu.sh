@@ -8,8 +8,9 @@
 #   benchmarks/gpu.sh                          # results in bench-results/gpu/*.json|png
 #   RESULTS=/tmp/gpu REPEATS=20 benchmarks/gpu.sh
 #   COMPILE=1 benchmarks/gpu.sh                # also SDXL under torch.compile (a few minutes more)
-#   EXTRAS=1 benchmarks/gpu.sh                 # also the hot-path micro-timings and the SDXL
-#                                              # tile-order A/B (about a minute more)
+#   EXTRAS=1 benchmarks/gpu.sh                 # also the hot-path micro-timings, the SDXL
+#                                              # tile-order A/B and SDXL graph replays without
+#                                              # the proportional-attention mask (~2 minutes more)
 #   PYTHON=python3.12 benchmarks/gpu.sh        # the interpreter that has torch and diffusers
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,4 +41,7 @@ if [[ "${EXTRAS:-0}" == 1 ]]; then
   "$PY" benchmarks/hot_path.py --device cuda --dtype bfloat16 --batch 1 | tee "$RESULTS/hot_path_gpu.txt"
   "$PY" benchmarks/tile_order_ab.py --arch sdxl --levels 2 --device cuda --dtype bfloat16 --repeats 10 \
     | tee "$RESULTS/tile_order_ab_sdxl_gpu.txt"
+  # a float attention mask keeps SDPA off its flash kernels: what does the bias cost here?
+  bench --arch sdxl --methods none,toma,ideal --levels 2 --batch 1,2 --cuda-graph --no-profile \
+    --no-proportional-attention --name sdxl_levels2_cudagraph_nobias_gpu "${common[@]}" "$@"
 fi
