@@ -28,12 +28,9 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from toma.archs import ARCHS, Arch, build_model, call_denoiser, flux_merged_blocks, get_arch, make_inputs
-
-# ops that only allocate or relabel memory launch no kernel
-_FREE = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.lift_fresh.default", "aten._unsafe_view.default"}
+from toma.opcount import count_kernels
 
 
 def narrow(arch: Arch) -> Arch:
@@ -61,38 +58,6 @@ def narrow(arch: Arch) -> Arch:
         config["projection_class_embeddings_input_dim"] = 16 + 6 * 8
         return dataclasses.replace(arch, config=config, text_dim=32, pooled_dim=16)
     return dataclasses.replace(arch, config=config, text_dim=32)
-
-
-class _KernelCounter(TorchDispatchMode):
-    """Counts the non-view ATen ops that run under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        name = str(func).removeprefix("aten.")
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            if str(func) not in _FREE:
-                self.ops[name] += 1
-        elif _copied(out, args):  # reshape and friends copy when no view will do
-            self.ops[f"{name} (copy)"] += 1
-        return out
-
-
-def _copied(out: Any, args: tuple) -> bool:
-    first = args[0] if args else None
-    if not isinstance(out, torch.Tensor) or not isinstance(first, torch.Tensor) or out.device.type == "meta":
-        return False
-    return out.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-
-
-def count_kernels(call: Any) -> Counter[str]:
-    """Kernel-launching ops of one ``call()``."""
-    with _KernelCounter() as counter:
-        call()
-    return counter.ops
 
 
 def median_ms(call: Any, repeats: int) -> float:

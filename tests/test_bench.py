@@ -79,8 +79,14 @@ def test_bench_cli_tiny_unet_writes_json_and_png(tmp_path, capsys):
     assert set(rows[("toma", 1)]["overhead"]) == {"select", "weights", "merge", "unmerge", "total"}
     assert rows[("toma", 1)]["overhead"]["merge"] > 0
     assert "vs_batch1" in rows[("toma", 2)]
+    # kernel counts at the first batch size: the unpatched total, the others relative to it
+    assert rows[("none", 1)]["kernels"] > 0 and rows[("none", 1)]["extra_kernels"] == 0
+    assert 0 < rows[("ideal", 1)]["extra_kernels"] < rows[("toma", 1)]["extra_kernels"]
+    assert rows[("toma", 2)]["kernels"] is None
     out = capsys.readouterr().out
     assert "speedup" in out and "efficiency" in out
+    assert f"kernels per forward (batch 1): none {rows[('none', 1)]['kernels']}; " in out
+    assert f"toma@0.5 {rows[('toma', 1)]['extra_kernels']:+d}" in out
 
 
 def test_from_json_rederives_statistics_and_replots(tmp_path, capsys):

@@ -41,6 +41,7 @@ from toma.archs import (
     make_inputs,
     set_timestep,
 )
+from toma.opcount import count_kernels
 
 METHODS = ("none", "toma", "tomesd", "ideal", "todo")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -71,6 +72,7 @@ class Measurement:
     batch: int
     times: list[float] = field(default_factory=list)
     overhead: dict[str, float] | None = None  # part -> share of the forward
+    kernels: int | None = None  # kernel-launching ops in one forward
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -424,12 +426,13 @@ def benchmark(
                         harness.remove()
             if profile:
                 for v in variants:
-                    if v.method == "none":
-                        continue
                     bar.set_postfix_str(f"profiling {v.label}")
                     harness.apply(v)
                     try:
-                        results[(v, batches[0])].overhead = _profile_forward(call, step_inputs[batches[0]][0], device, v.method)
+                        first = step_inputs[batches[0]][0]
+                        results[(v, batches[0])].kernels = sum(count_kernels(lambda: call(first)).values())
+                        if v.method != "none":
+                            results[(v, batches[0])].overhead = _profile_forward(call, first, device, v.method)
                     finally:
                         harness.remove()
             if compile:
@@ -546,6 +549,7 @@ def _report(arch: Arch, model: torch.nn.Module, resolution: int, dtype: torch.dt
             "compiled": v.compiled,
             "times_s": m.times,
             "overhead": m.overhead,
+            "kernels": m.kernels,
             "settings": settings.get(v.label),
         }
         for (v, b), m in results.items()
@@ -618,6 +622,8 @@ def derive(rows: list[dict[str, Any]], first_batch: int) -> list[dict[str, Any]]
             r["latency_reduction" + suffix] = 1 - t / b if b else None
             usable = b is not None and i is not None and r["ratio"] is not None and b - i > 0
             r["efficiency" + suffix] = (b - t) / (b - i) if usable else None
+        if r.get("kernels") is not None and base and base.get("kernels") is not None:
+            r["extra_kernels"] = r["kernels"] - base["kernels"]
         first = by_key.get((r["method"], r["ratio"], first_batch, r["compiled"]))
         if r["batch"] != first_batch and first:
             r[f"vs_batch{first_batch}"] = r["median_s"] / first["median_s"]
@@ -672,11 +678,20 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{_fmt(ov.get('total', 0) * 100 if ov else None, '.2f', '%'):>10}  {parts}")
         extra = [f"{k}={v:.2f}" for k, v in r.items() if k.startswith("vs_batch")]
         lines.append(line + ("  " + " ".join(extra) if extra else ""))
+    counted = [r for r in report["results"] if r.get("kernels") is not None]
+    if counted:
+        lines.append("kernels per forward (batch {}): ".format(counted[0]["batch"]) + "; ".join(
+            (r["method"] if r["ratio"] is None else f"{r['method']}@{r['ratio']:g}") + " "
+            + (f"{r['extra_kernels']:+d}" if r["method"] != "none" and r.get("extra_kernels") is not None
+               else str(r["kernels"]))
+            for r in counted
+        ))
     lines.append("")
     lines.append("speedup = unpatched median / median; efficiency = (unpatched - method) / (unpatched - ideal) at the "
                  "same ratio, from medians (effic.) and from the fastest samples (eff/min, the least disturbed on a "
                  "shared machine); overhead = profiled share of one forward (% of it) in selection, weights, merge, "
-                 "unmerge")
+                 "unmerge; kernels = ATen ops that launch a kernel (views excluded), unpatched in full, others as "
+                 "the number they add")
     return "\n".join(lines)
 
 
