@@ -228,7 +228,7 @@ def test_pipeline_object_resolves_to_unet(sd15_unet):
     assert toma.remove_toma(FakePipe())
 
 
-@pytest.mark.parametrize("options", [{}, {"merge_crossattn": True, "merge_mlp": True}])
+@pytest.mark.parametrize("options", [{}, {"merge_crossattn": True, "merge_mlp": True}, {"merge_attn": False, "merge_mlp": True}])
 def test_tile_order_stacks_match_raster_order(sdxl_unet, monkeypatch, options):
     # A stack run in tile order must compute what per-module raster merging computes: the
     # blocks only see their tokens permuted, so only float summation order may differ.
