@@ -56,6 +56,7 @@ class Plan(Memo):
             at 0, which their zero unmerge weight ignores), or None.
         mass: ``(Bp, K)`` float32 count of the tokens each merged token absorbed (the row
             sums of the assignment); see :attr:`log_mass`.
+        dtype: the activations' dtype (of ``merge_w``, ``unmerge_w`` and :attr:`log_mass`).
 
     ``Bp`` is the batch size, or 1 when the plan is shared by the whole batch.
     """
