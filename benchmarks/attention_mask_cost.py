@@ -10,27 +10,13 @@ log-mass bias can be read apart from end-to-end noise:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from hot_path import median_ms  # benchmarks/ is on sys.path when this script runs
 
 # name: (heads, merged tokens K, head dim)
 SHAPES = {"sdxl 64x64 level, K=2048": (10, 2048, 64), "sdxl 32x32 level, K=512": (20, 512, 64)}
-
-
-def median_ms(fn, repeats: int, device: torch.device) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def main() -> None:

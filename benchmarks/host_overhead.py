@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 from collections import Counter
 from typing import Any
 
 import torch
+from hot_path import median_ms  # benchmarks/ is on sys.path when this script runs
 
 from toma.archs import ARCHS, Arch, build_model, call_denoiser, flux_merged_blocks, get_arch, make_inputs
 from toma.opcount import count_kernels
@@ -58,17 +57,6 @@ def narrow(arch: Arch) -> Arch:
         config["projection_class_embeddings_input_dim"] = 16 + 6 * 8
         return dataclasses.replace(arch, config=config, text_dim=32, pooled_dim=16)
     return dataclasses.replace(arch, config=config, text_dim=32)
-
-
-def median_ms(call: Any, repeats: int) -> float:
-    """Median milliseconds of ``call()`` after one warm-up call."""
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def reads_device_data(arch: Arch, model: torch.nn.Module, inputs: dict[str, Any]) -> str | None:
@@ -148,7 +136,7 @@ def main() -> None:
             def call() -> Any:
                 return call_denoiser(arch, model, inputs)
 
-            ms = median_ms(call, args.repeats)
+            ms = median_ms(call, args.repeats, torch.device("cpu"))
             ops = count_kernels(call)
             sync = reads_device_data(arch, model, inputs)
             toma.remove_toma(model)

@@ -31,9 +31,12 @@ SHAPES = {
 }
 
 
-def median_ms(fn, repeats: int, device: torch.device) -> float:
+def sample_seconds(fn, repeats: int, device: torch.device, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn()`` after ``warmup`` untimed calls
+    (synchronised on CUDA). The one timing loop of the benchmark scripts."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         sync()
@@ -41,7 +44,12 @@ def median_ms(fn, repeats: int, device: torch.device) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return times
+
+
+def median_ms(fn, repeats: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn()`` after one warm-up call."""
+    return 1000 * statistics.median(sample_seconds(fn, repeats, device))
 
 
 def main() -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
+from hot_path import sample_seconds  # benchmarks/ is on sys.path when this script runs
 
 import toma
 from toma.archs import build_model, call_denoiser, get_arch, make_inputs
@@ -25,16 +25,7 @@ from toma.plan import PlanCache
 
 def median_min(fn: Callable[[], Any], repeats: int, device: torch.device) -> tuple[float, float]:
     """Median and minimum seconds of ``fn()`` after two warm-up calls."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
+    times = sample_seconds(fn, repeats, device, warmup=2)
     return statistics.median(times), min(times)
 
 
