@@ -39,8 +39,8 @@ def main() -> None:
 
             plan = build()
             y = plan.merge(x)
-            plan_ms = median_ms(build, args.repeats)
-            apply_ms = median_ms(lambda: plan.unmerge(plan.merge(x)), args.repeats)
+            plan_ms = median_ms(build, args.repeats, x.device)
+            apply_ms = median_ms(lambda: plan.unmerge(plan.merge(x)), args.repeats, x.device)
             label = "shared" if share else "own"
             print(f"{f'{h}x{w} x {c}':>18} {batch:>5} {label:>8} {plan_ms:>8.2f} {apply_ms:>17.2f}")
             del y
