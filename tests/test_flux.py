@@ -134,10 +134,11 @@ def test_tile_order_forward_matches_raster_order(flux, monkeypatch, proportional
     kw = flux_inputs(2, 8, 12)
     with torch.no_grad():
         ref = flux(**kw).sample
-    toma.apply_toma(flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1), proportional_attention=proportional)
     conversions = []
     real = flux_adapter.tile_order
     monkeypatch.setattr(flux_adapter, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
+    # patched before applying: the hooks take the reordering function when they are made
+    toma.apply_toma(flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1), proportional_attention=proportional)
     with torch.no_grad():
         tiled = flux(**kw).sample
         assert len(conversions) == 2  # the hidden states, once; the rotary row order, once per grid
@@ -157,9 +158,10 @@ def test_controlnet_residuals_keep_raster_order(flux, monkeypatch):
 
     kw = flux_inputs(1, 8, 8)
     residual = [torch.randn(1, 64, flux.inner_dim)]
+    # patched before applying: the hooks take the reordering function when they are made
+    monkeypatch.setattr(flux_adapter, "tile_order", lambda x, lay: pytest.fail("reordered a controlled forward"))
     toma.apply_toma(flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
     with torch.no_grad():
         plain = flux(**kw, controlnet_block_samples=residual).sample
-        monkeypatch.setattr(flux_adapter, "tile_order", lambda x, lay: pytest.fail("reordered a controlled forward"))
         assert torch.equal(flux(**kw, controlnet_block_samples=residual).sample, plain)
     toma.remove_toma(flux)

@@ -15,7 +15,7 @@ takes the rotary position of its destination.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -72,9 +72,9 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     order = _ImageOrder()
     hooks: list[tuple[torch.nn.Module, ModelHook]] = [
         (model, _FluxStepHook(cache, order)),
-        (model.x_embedder, _ToTileOrder(order)),
+        (model.x_embedder, _Reorder(order, tile_order, "merge")),
         (model.pos_embed, _RotaryToTileOrder(order)),
-        (model.norm_out, _ToRasterOrder(order)),
+        (model.norm_out, _Reorder(order, raster_order, "unmerge")),
     ]
     for target in targets:
         block = target.module
@@ -162,19 +162,25 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-class _ToTileOrder(ModelHook):
-    """On the patch embedding: image tokens to tile order, when the forward runs in it."""
+class _Reorder(ModelHook):
+    """Reorders a module's image-token output ``(B, N, C)`` when the forward runs in tile order.
 
-    def __init__(self, order: _ImageOrder) -> None:
+    On the patch embedding with ``tile_order`` (counted as merging), on the final norm with
+    ``raster_order`` (counted as unmerging).
+    """
+
+    def __init__(self, order: _ImageOrder, reorder: Callable[[torch.Tensor, TileLayout], torch.Tensor], part: str) -> None:
         super().__init__()
         self.order = order
+        self.reorder = reorder
+        self.part = part
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         layout = self.order.layout
         if layout is None:
             return output
-        with profiled("toma::merge"):  # reordering is part of what merging costs
-            return tile_order(output, layout)
+        with profiled(f"toma::{self.part}"):  # reordering is part of what merging costs
+            return self.reorder(output, layout)
 
 
 class _RotaryToTileOrder(ModelHook):
@@ -198,21 +204,6 @@ class _RotaryToTileOrder(ModelHook):
             rows = self._rows[key] = torch.cat([torch.arange(text, device=table.device), image + text])
         with profiled("toma::merge"):
             return tuple(t.index_select(0, rows) for t in output)
-
-
-class _ToRasterOrder(ModelHook):
-    """On the final norm: image tokens back to raster order."""
-
-    def __init__(self, order: _ImageOrder) -> None:
-        super().__init__()
-        self.order = order
-
-    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        layout = self.order.layout
-        if layout is None:
-            return output
-        with profiled("toma::unmerge"):
-            return raster_order(output, layout)
 
 
 class _SingleBlockState:
