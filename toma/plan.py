@@ -20,7 +20,7 @@ import torch
 from toma.config import ToMAConfig
 from toma.merge import assignment, cosine_similarity, destination_mass, merge, merge_weights, unmerge
 from toma.selection import facility_location, grid_selection, random_selection
-from toma.tiling import LayoutIndex, TileLayout, from_tiles, layout_index, make_layout, to_tiles
+from toma.tiling import LayoutIndex, TileLayout, from_tiles, layout_index, make_layout, slot_raster_index, to_tiles
 
 
 class Memo:
@@ -126,13 +126,7 @@ class Plan(Memo):
         return idx if self.keep_index is None else idx.index_select(1, self.keep_index)
 
     def _raster_dest(self) -> torch.Tensor:
-        lay = self.layout
-        # raster index of every tile slot; padded slots clamp to a real token (never used)
-        rows = torch.arange(lay.gh * lay.th, device=self.dest.device).clamp_max(lay.h - 1)
-        cols = torch.arange(lay.gw * lay.tw, device=self.dest.device).clamp_max(lay.w - 1)
-        raster = (rows[:, None] * lay.w + cols[None, :]).reshape(1, -1, 1)
-        table = to_tiles(raster, _full_layout(lay)).flatten()  # (T * n,)
-        return table[self.dest_slots]
+        return slot_raster_index(self.layout, self.dest.device)[self.dest_slots]
 
 
 def build_plan(
@@ -305,16 +299,3 @@ class PlanCache:
 def _as(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # plans are built in the activations' dtype: skip the call (host time) when it matches
     return weights if weights.dtype == dtype else weights.to(dtype)
-
-
-def _full_layout(layout: TileLayout) -> TileLayout:
-    """The same tiling over the padded grid, so that no slot is padding."""
-    return TileLayout(
-        h=layout.gh * layout.th,
-        w=layout.gw * layout.tw,
-        th=layout.th,
-        tw=layout.tw,
-        gh=layout.gh,
-        gw=layout.gw,
-        keep=layout.keep,
-    )

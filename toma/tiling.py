@@ -171,6 +171,19 @@ def raster_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     return from_tiles(x.unflatten(1, (layout.num_tiles, layout.tile_area)), layout)
 
 
+def slot_raster_index(layout: TileLayout, device: torch.device | str | None = None) -> torch.Tensor:
+    """Raster index of the token in every tile slot, in tile order: ``(T * n,)`` int64.
+
+    Without padding this is the permutation :func:`tile_order` applies; padded slots
+    point at the nearest real token (their rows and columns are clamped), so that
+    indexing with it never goes out of range.
+    """
+    rows = torch.arange(layout.gh * layout.th, device=device).clamp_max(layout.h - 1)
+    cols = torch.arange(layout.gw * layout.tw, device=device).clamp_max(layout.w - 1)
+    grid = rows[:, None] * layout.w + cols[None, :]
+    return _grid_to_tiles(grid[None, :, :, None], layout).flatten()
+
+
 def from_tiles(t: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     """Tiles ``(B, T, n, C)`` back to raster tokens ``(B, N, C)``, dropping padded slots."""
     b, c = t.shape[0], t.shape[-1]
