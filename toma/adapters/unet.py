@@ -141,20 +141,16 @@ class _TileOrderHook(ModelHook):
         if not self.first:
             return args, kwargs
         self.state.layout = None
-        x = args[0] if args else kwargs.get("hidden_states")
-        grid = self.cache.grid_at(self.downsample)
-        # a mask over the raster sequence would not fit tile order: leave such calls alone
-        if x is None or x.ndim != 3 or grid is None or kwargs.get("attention_mask") is not None:
+        found = _tokens(self.cache, self.downsample, args, kwargs)
+        if found is None:
             return args, kwargs
+        x, grid = found
         layout = self.cache.tile_order_layout(grid)
         if layout is None or x.shape[1] != layout.num_tokens:
             return args, kwargs
         self.state.layout = layout
         with profiled("toma::merge"):  # reordering is part of what merging costs
-            x = tile_order(x, layout)
-        if args:
-            return (x, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": x}
+            return _with_tokens(args, kwargs, tile_order(x, layout))
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         layout = self.state.layout
@@ -184,11 +180,10 @@ class _TokenMergeHook(ModelHook):
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         self._plan = None
-        x = args[0] if args else kwargs.get("hidden_states")
-        grid = self.cache.grid_at(self.downsample)
-        # a mask over the full sequence would not fit the merged one: leave such calls alone
-        if x is None or x.ndim != 3 or grid is None or kwargs.get("attention_mask") is not None:
+        found = _tokens(self.cache, self.downsample, args, kwargs)
+        if found is None:
             return args, kwargs
+        x, grid = found
         tiled = self.state.layout is not None
         plan = self.cache.get(x, grid, group=grid, tiled=tiled)
         if plan is None:
@@ -197,13 +192,29 @@ class _TokenMergeHook(ModelHook):
         merged = plan.merge(x, tiled)
         if self.bias:
             kwargs = {**kwargs, "attention_mask": _head_bias(plan, merged.shape[0], module.heads)}
-        if args:
-            return (merged, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": merged}
+        return _with_tokens(args, kwargs, merged)
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         plan, self._plan = self._plan, None
         return output if plan is None else plan.unmerge(output, self._tiled)
+
+
+def _tokens(cache: PlanCache, downsample: int, args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple[int, int]] | None:
+    """A call's hidden states ``(B, N, C)`` and the token grid of its level, or None when the
+    call is to be left alone: no such tensor, no grid yet, or an attention mask, which is
+    laid out over the raster sequence and would fit neither a merged nor a reordered one."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    grid = cache.grid_at(downsample)
+    if x is None or x.ndim != 3 or grid is None or kwargs.get("attention_mask") is not None:
+        return None
+    return x, grid
+
+
+def _with_tokens(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
+    """The call's arguments with ``x`` in place of its hidden states."""
+    if args:
+        return (x, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": x}
 
 
 def _head_bias(plan: Plan, batch: int, heads: int) -> torch.Tensor:
