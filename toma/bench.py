@@ -117,7 +117,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(no Python or kernel-launch overhead, as in a graph-captured or compiled deployment); "
                         "variants that cannot be captured are reported as skipped (tomesd, which draws from "
                         "a private CUDA generator)")
-    p.add_argument("--no-profile", action="store_true", help="skip the overhead breakdown pass")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the overhead breakdown and kernel-count pass (one more forward per variant)")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     p.add_argument("--name", default=None, help="file name stem (default: bench_<arch>_<resolution>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
