@@ -7,11 +7,43 @@ run on every tile and batch element at once. ``facility_location`` is ToMA's sel
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from toma.tiling import TileLayout
 
 SELECTIONS = ("facility", "random", "grid")
+
+
+def exact_scores(sim: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Similarities as whole numbers, so that the greedy's sums are exact in any order.
+
+    The greedy ranks candidates by sums of similarities, and facility location has
+    structural ties: two uncovered tokens that are each other's nearest both gain
+    ``1 + sim[i, j] - cover[i] - cover[j]``. In floating point such a tie is decided by
+    rounding, which depends on the summation order of the machine's kernels (AVX2 against
+    AVX-512, thread count, GPU against CPU), so the same tokens could give different plans.
+    Here ``sim`` is made exactly symmetric with an exact unit diagonal and rounded to a
+    multiple of ``1 / scale``; every sum of ``n`` such values (and of the padding sentinel
+    ``2 * scale``) stays below ``2**24``, where float32 adds integers exactly. Exact ties
+    are then really equal and go to the lowest index, on every machine.
+
+    Args:
+        sim: ``(..., n, n)`` similarities in ``[-1, 1]``.
+
+    Returns:
+        ``(..., n, n)`` float32 (float64 if ``sim`` is) integer-valued scores in
+        ``[-scale, scale]``, and ``scale`` (a power of two; ``2**19`` for 16 tokens).
+    """
+    n = sim.shape[-1]
+    scale = float(2 ** (23 - max(1, math.ceil(math.log2(n)))))
+    dtype = torch.float64 if sim.dtype == torch.float64 else torch.float32
+    sim = sim.to(dtype)
+    # a + b == b + a bitwise, so the sum is symmetric even where the matmul was not
+    q = torch.round((sim + sim.transpose(-1, -2)) * (scale / 2)).clamp_(-scale, scale)
+    q.diagonal(dim1=-2, dim2=-1).fill_(scale)
+    return q, scale
 
 
 def facility_location(sim: torch.Tensor, k: int, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -20,7 +52,9 @@ def facility_location(sim: torch.Tensor, k: int, mask: torch.Tensor | None = Non
     Maximises ``f(D) = sum_j max_{i in D} (sim[i, j] + 1)``: every token should be close to
     some destination. Shifting cosine similarities by +1 makes ``f`` non-negative with
     ``f({}) = 0``, so the greedy is within ``1 - 1/e`` of the optimum, and its first pick
-    is the token with the largest row sum.
+    is the token with the largest row sum. Similarities are first rounded to
+    :func:`exact_scores` (steps of ``2**-19`` for 16 tokens), which makes every comparison
+    exact: ties go to the lowest slot index whatever the machine's summation order.
 
     Args:
         sim: ``(..., n, n)`` symmetric similarities in ``[-1, 1]`` (float32 recommended).
@@ -32,24 +66,25 @@ def facility_location(sim: torch.Tensor, k: int, mask: torch.Tensor | None = Non
         ``(..., k)`` int64 indices in pick order, distinct while real tokens remain.
     """
     n = sim.shape[-1]
-    # coverage[j] = best similarity of token j to a chosen destination so far; -1 is the
+    q, scale = exact_scores(sim)
+    # coverage[j] = best similarity of token j to a chosen destination so far; -scale is the
     # floor of cosine similarity, i.e. "not covered". A candidate's gain is
-    # sum_j max(sim[i, j], coverage[j]) - sum_j coverage[j]; the second sum is the same for
+    # sum_j max(q[i, j], coverage[j]) - sum_j coverage[j]; the second sum is the same for
     # every candidate, so the argmax needs only the first (one op fewer per step).
-    coverage = torch.full(sim.shape[:-1], -1.0, dtype=sim.dtype, device=sim.device)
+    coverage = torch.full(q.shape[:-1], -scale, dtype=q.dtype, device=q.device)
     # -inf for chosen and padded candidates: they rank below every real one
-    barred = torch.zeros(sim.shape[:-1], dtype=sim.dtype, device=sim.device)
+    barred = torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device)
     if mask is not None:
-        mask = mask.expand(sim.shape[:-1])
-        coverage = coverage.masked_fill(~mask, 2.0)  # above any similarity: never needs covering
+        mask = mask.expand(q.shape[:-1])
+        coverage = coverage.masked_fill(~mask, 2 * scale)  # above any similarity: never needs covering
         barred = barred.masked_fill(~mask, float("-inf"))
-    slots = torch.arange(n, device=sim.device)
+    slots = torch.arange(n, device=q.device)
     picks = []
     for _ in range(k):
-        score = torch.maximum(sim, coverage.unsqueeze(-2)).sum(-1) + barred
-        idx = score.argmax(-1)
+        score = torch.maximum(q, coverage.unsqueeze(-2)).sum(-1) + barred
+        idx = score.argmax(-1)  # the first of equal maxima
         picks.append(idx)
-        row = sim.gather(-2, idx[..., None, None].expand(*idx.shape, 1, n)).squeeze(-2)
+        row = q.gather(-2, idx[..., None, None].expand(*idx.shape, 1, n)).squeeze(-2)
         coverage = torch.maximum(coverage, row)
         barred = barred.masked_fill(slots == idx.unsqueeze(-1), float("-inf"))
     return torch.stack(picks, -1)
