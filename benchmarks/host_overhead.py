@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from hot_path import median_ms  # benchmarks/ is on sys.path when this script runs
 
-from toma.archs import ARCHS, Arch, build_model, call_denoiser, flux_merged_blocks, get_arch, make_inputs
-from toma.opcount import count_kernels
+from toma.tools.archs import ARCHS, Arch, build_model, call_denoiser, flux_merged_blocks, get_arch, make_inputs
+from toma.tools.opcount import count_kernels
 
 
 def narrow(arch: Arch) -> Arch:
@@ -99,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import toma
-    from toma import baselines
+    from toma.tools import baselines
 
     torch.set_num_threads(args.threads)
     arch = narrow(get_arch(args.arch))

@@ -19,8 +19,8 @@ import time
 import torch
 
 from toma.config import ToMAConfig
-from toma.plan import PlanCache
-from toma.tiling import raster_order, tile_order
+from toma.core.plan import PlanCache
+from toma.core.tiling import raster_order, tile_order
 
 # name: (grid side, channels, plans per forward, merged modules per forward, reorderings
 # per forward: tile order and back once per UNet transformer stack, once per Flux forward)

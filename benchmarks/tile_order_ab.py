@@ -19,8 +19,8 @@ import torch
 from hot_path import sample_seconds  # benchmarks/ is on sys.path when this script runs
 
 import toma
-from toma.archs import build_model, call_denoiser, get_arch, make_inputs
-from toma.plan import PlanCache
+from toma.tools.archs import build_model, call_denoiser, get_arch, make_inputs
+from toma.core.plan import PlanCache
 
 
 def median_min(fn: Callable[[], Any], repeats: int, device: torch.device) -> tuple[float, float]:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from toma.builtin import (  # noqa: E402
+from toma.tools.builtin import (  # noqa: E402
     COND_TOKENS,
     IMAGE_SIZE,
     NULL_CLASS,
@@ -180,7 +180,7 @@ def feature_stats(classifier: DigitClassifier, images: torch.Tensor) -> dict[str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "toma" / "builtin")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "toma" / "tools" / "builtin")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=1200, help="UNet optimisation steps")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import toma
-from toma import bench
-from toma.archs import ARCHS, build_model, call_denoiser, flux_merged_blocks, make_inputs, reduced_flux_config
-from toma.baselines import (
+from toma.tools import bench
+from toma.tools.archs import ARCHS, build_model, call_denoiser, flux_merged_blocks, make_inputs, reduced_flux_config
+from toma.tools.baselines import (
     IdealPlan,
     apply_ideal,
     apply_todo,
@@ -20,9 +20,9 @@ from toma.baselines import (
     tomesd_available,
     todo_pool,
 )
-from toma.cli import main
-from toma.plan import PlanCache
-from toma.tiling import make_layout
+from toma.tools.cli import main
+from toma.core.plan import PlanCache
+from toma.core.tiling import make_layout
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +126,9 @@ def test_bench_flux_reduced_depth_says_so_and_skips_unet_peers(tmp_path, capsys)
 
 
 def test_missing_tomesd_is_skipped_with_a_message(monkeypatch, capsys):
-    import toma.baselines
+    import toma.tools.baselines
 
-    monkeypatch.setattr(toma.baselines, "tomesd_available", lambda: False)
+    monkeypatch.setattr(toma.tools.baselines, "tomesd_available", lambda: False)
     logged = []
     report = bench.benchmark(ARCHS["tiny-unet"], 64, ["none", "tomesd"], [0.5], repeats=1, warmup=0,
                              profile=False, log=logged.append)

@@ -7,8 +7,8 @@ import torch
 from PIL import Image
 
 import toma
-from toma.builtin import BUILTIN_DIR, builtin_available, load_builtin, sample
-from toma.cli import main
+from toma.tools.builtin import BUILTIN_DIR, builtin_available, load_builtin, sample
+from toma.tools.cli import main
 
 
 

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import toma
-from toma.archs import ARCHS, build_model, call_denoiser, make_inputs, set_timestep
+from toma.tools.archs import ARCHS, build_model, call_denoiser, make_inputs, set_timestep
 
 TOMA_DIR = Path(toma.__file__).parent
 # Reading the timestep and the image grid into Python (to count steps and size plans)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from toma.config import ToMAConfig
-from toma.merge import assignment, cosine_similarity, merge, merge_weights, unmerge
-from toma.plan import build_plan
-from toma.selection import facility_location
-from toma.tiling import from_tiles, make_layout, to_tiles
+from toma.core.merge import assignment, cosine_similarity, merge, merge_weights, unmerge
+from toma.core.plan import build_plan
+from toma.core.selection import facility_location
+from toma.core.tiling import from_tiles, make_layout, to_tiles
 
 
 @pytest.mark.parametrize("h,w,tile", [(8, 8, (4, 4)), (6, 10, (4, 4)), (7, 5, (2, 3)), (3, 3, (4, 4)), (1, 9, (1, 4))])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from toma.metrics import (
+from toma.tools.metrics import (
     ClipScorer,
     DinoFeatures,
     MissingWeightsError,

@@ -10,8 +10,8 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 import toma
 from tests.conftest import make_sd15_unet, unet_inputs
 from toma.config import ToMAConfig
-from toma.plan import build_plan
-from toma.tiling import make_layout, to_tiles
+from toma.core.plan import build_plan
+from toma.core.tiling import make_layout, to_tiles
 
 
 def clustered_tokens(tiles: int, channels: int = 16, repeats: int = 9, seed: int = 0) -> torch.Tensor:

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from toma.merge import cosine_similarity
-from toma.selection import exact_scores, facility_location, grid_selection, random_selection
-from toma.tiling import make_layout, token_mask
+from toma.core.merge import cosine_similarity
+from toma.core.selection import exact_scores, facility_location, grid_selection, random_selection
+from toma.core.tiling import make_layout, token_mask
 
 
 def exact(sim: torch.Tensor) -> list[list[int]]:

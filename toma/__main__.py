@@ -2,6 +2,6 @@
 
 import sys
 
-from toma.cli import main
+from toma.tools.cli import main
 
 sys.exit(main())

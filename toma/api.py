@@ -11,7 +11,7 @@ from toma.adapters import adapter_for
 from toma.adapters import flux as flux_adapter
 from toma.adapters.base import HOOK_NAME, Patched, Skipped, remove_hook
 from toma.config import ToMAConfig, make_config
-from toma.plan import PlanCache
+from toma.core.plan import PlanCache
 
 _ATTR = "_toma_patch"
 _DENOISER_ATTRS = ("unet", "transformer")

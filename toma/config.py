@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from toma.selection import SELECTIONS
+from toma.core.selection import SELECTIONS
 
 
 @dataclass(frozen=True)

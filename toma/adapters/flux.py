@@ -24,8 +24,8 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, Fl
 
 from toma.adapters.base import HOOK_NAME, Patched, Skipped, step_timestep
 from toma.config import ToMAConfig
-from toma.plan import Plan, PlanCache, profiled
-from toma.tiling import TileLayout, raster_order, tile_order
+from toma.core.plan import Plan, PlanCache, profiled
+from toma.core.tiling import TileLayout, raster_order, tile_order
 
 DEFAULT_SKIP = 5  # the authors leave the first 5 double and 5 single blocks unmerged
 

@@ -18,8 +18,8 @@ from diffusers.models.attention import BasicTransformerBlock
 
 from toma.adapters.base import HOOK_NAME, Patched, Skipped, step_timestep
 from toma.config import ToMAConfig
-from toma.plan import Plan, PlanCache, profiled
-from toma.tiling import TileLayout, raster_order, tile_order
+from toma.core.plan import Plan, PlanCache, profiled
+from toma.core.tiling import TileLayout, raster_order, tile_order
 
 _LEVEL = re.compile(r"^(down_blocks|up_blocks)\.(\d+)\.|^(mid_block)\.")
 

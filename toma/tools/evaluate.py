@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from toma.generate import (
+from toma.tools.generate import (
     BUILTIN_UPSCALE,
     validate_toma_options,
     PipelineUnavailableError,
@@ -43,7 +43,7 @@ from toma.generate import (
     default_threads,
     toma_options,
 )
-from toma.metrics import (
+from toma.tools.metrics import (
     DEFAULT_CLIP_MODEL,
     DEFAULT_DINO_MODEL,
     ClipScorer,
@@ -250,7 +250,7 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
     """Generate with every variant on this process's share; returns per-variant records."""
     from tqdm.auto import tqdm
 
-    from toma.builtin import NUM_CLASSES, classify, load_builtin, sample
+    from toma.tools.builtin import NUM_CLASSES, classify, load_builtin, sample
 
     model = load_builtin() if args.builtin_path is None else load_builtin(args.builtin_path)
     steps = args.steps or 20
@@ -553,7 +553,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def write_samples(gathered: list[dict[str, Any]], runs: list[tuple[str, float]], path: Path, upscale: int) -> None:
     """One row of preview images per variant (from the main process's share)."""
-    from toma.generate import side_by_side
+    from toma.tools.generate import side_by_side
 
     panels = []
     for method, ratio in runs:

@@ -9,7 +9,7 @@ saving the method captures), plus a profiler breakdown of the merge overhead. Wr
 and a PNG plot of latency against ratio.
 
 Methods: ``none`` (unpatched), ``toma``, ``tomesd`` (peer, optional extra), ``ideal``
-(ToMA's placement and token counts at zero merge cost, see :mod:`toma.baselines`) and
+(ToMA's placement and token counts at zero merge cost, see :mod:`toma.tools.baselines`) and
 ``todo`` (key/value downsampling, UNet only).
 """
 
@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from toma import __version__
-from toma.archs import (
+from toma.tools.archs import (
     ARCHS,
     Arch,
     build_model,
@@ -41,7 +41,7 @@ from toma.archs import (
     make_inputs,
     set_timestep,
 )
-from toma.opcount import count_kernels
+from toma.tools.opcount import count_kernels
 
 METHODS = ("none", "toma", "tomesd", "ideal", "todo")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -252,7 +252,7 @@ class _Methods:
 
     def unavailable(self, method: str) -> str | None:
         """Why ``method`` cannot run here, or None."""
-        from toma.baselines import tomesd_available
+        from toma.tools.baselines import tomesd_available
 
         if method in ("tomesd", "todo") and self.arch.family != "unet":
             return f"{method} supports UNets only"
@@ -263,7 +263,7 @@ class _Methods:
     def apply(self, variant: Variant) -> dict[str, Any]:
         """Patch the model for ``variant``; returns the settings in force."""
         import toma
-        from toma import baselines
+        from toma.tools import baselines
 
         r, m = variant.ratio, variant.method
         if m == "none":
@@ -282,7 +282,7 @@ class _Methods:
     def remove(self) -> None:
         """Undo whatever is applied."""
         import toma
-        from toma import baselines
+        from toma.tools import baselines
 
         toma.remove_toma(self.model)
         baselines.remove_baseline(self.model)
@@ -308,7 +308,7 @@ def _profile_forward(call: Callable[[dict[str, Any]], Any], inputs: dict[str, An
     """Share of one forward spent in each overhead part of ``method``, from profiler ranges."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from toma.baselines import tomesd_profiled
+    from toma.tools.baselines import tomesd_profiled
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with tomesd_profiled(), profile(activities=activities) as prof:
@@ -559,7 +559,7 @@ def _report(arch: Arch, model: torch.nn.Module, resolution: int, dtype: torch.dt
     derive(rows, batches[0])
     placement = dict(harness.placement)
     if "tomesd" in methods and "tomesd" not in skipped:
-        from toma.baselines import tomesd_max_downsample
+        from toma.tools.baselines import tomesd_max_downsample
 
         placement["tomesd_max_downsample"] = harness.tomesd_max_downsample or tomesd_max_downsample(
             model, **harness.placement

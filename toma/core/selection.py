@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from toma.tiling import TileLayout
+from toma.core.tiling import TileLayout
 
 SELECTIONS = ("facility", "random", "grid")
 

@@ -36,7 +36,7 @@ from toma.adapters.unet import UNetStepHook
 from toma.adapters.base import HOOK_NAME, Patched, remove_hook
 from toma.api import get_toma
 from toma.config import ToMAConfig, make_config
-from toma.plan import Memo, PlanCache, profiled
+from toma.core.plan import Memo, PlanCache, profiled
 
 _ATTR = "_toma_baseline"
 _TODO_HOOK = "toma_todo"
@@ -87,7 +87,7 @@ def remove_baseline(model: torch.nn.Module) -> bool:
 
 
 class IdealPlan(Memo):
-    """A zero-cost stand-in for :class:`toma.plan.Plan`: keep every ``N/K``-th token.
+    """A zero-cost stand-in for :class:`toma.core.plan.Plan`: keep every ``N/K``-th token.
 
     Args:
         num_tokens: ``N``, tokens of the grid.

@@ -18,9 +18,9 @@ from typing import Any, Callable, Hashable
 import torch
 
 from toma.config import ToMAConfig
-from toma.merge import assignment, cosine_similarity, destination_mass, merge, merge_weights, unmerge
-from toma.selection import facility_location, grid_selection, random_selection
-from toma.tiling import LayoutIndex, TileLayout, from_tiles, layout_index, make_layout, slot_raster_index, to_tiles
+from toma.core.merge import assignment, cosine_similarity, destination_mass, merge, merge_weights, unmerge
+from toma.core.selection import facility_location, grid_selection, random_selection
+from toma.core.tiling import LayoutIndex, TileLayout, from_tiles, layout_index, make_layout, slot_raster_index, to_tiles
 
 
 class Memo:
@@ -78,7 +78,7 @@ class Plan(Memo):
     def merge(self, x: torch.Tensor, tiled: bool = False) -> torch.Tensor:
         """Merge tokens ``(B, N, C)`` into ``(B, K, C)`` (tile-major order).
 
-        ``x`` is in raster order, or in tile order (:func:`toma.tiling.tile_order`) when
+        ``x`` is in raster order, or in tile order (:func:`toma.core.tiling.tile_order`) when
         ``tiled``; the latter costs no copy.
         """
         with profiled("toma::merge"):
@@ -115,7 +115,7 @@ class Plan(Memo):
 
     @property
     def dest_slots(self) -> torch.Tensor:
-        """Tile-order index (see :func:`toma.tiling.tile_order`) of each merged token's
+        """Tile-order index (see :func:`toma.core.tiling.tile_order`) of each merged token's
         destination: ``(Bp, K)`` int64. Computed on first use and kept with the plan."""
         return self.memo("dest_slots", self._slot_dest)
 
@@ -140,12 +140,12 @@ def build_plan(
     """Select destinations and compute merge weights for tokens in tile layout.
 
     Args:
-        tiles: ``(Bp, T, n, C)`` tokens (from :func:`toma.tiling.to_tiles`).
+        tiles: ``(Bp, T, n, C)`` tokens (from :func:`toma.core.tiling.to_tiles`).
         layout: their layout, with the per-tile keep counts.
         config: selection method and temperature.
         dtype: dtype of the activations the plan will be applied to.
         generator: random source for ``selection="random"``.
-        index: the layout's :func:`toma.tiling.layout_index` on ``tiles.device``, if already built.
+        index: the layout's :func:`toma.core.tiling.layout_index` on ``tiles.device``, if already built.
     """
     device = tiles.device
     k = layout.slots

@@ -163,7 +163,7 @@ def side_by_side(panels: Sequence[tuple[str, Any]]) -> Any:
 def run_builtin(args: argparse.Namespace) -> int:
     """Generate digits with the built-in model, unmerged and with ToMA."""
     from toma import apply_toma, remove_toma
-    from toma.builtin import load_builtin, sample
+    from toma.tools.builtin import load_builtin, sample
 
     labels = parse_labels(args.labels)
     steps = args.steps or 20

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
+BUILTIN_DIR = Path(__file__).resolve().parent
 NUM_CLASSES = 10
 NULL_CLASS = NUM_CLASSES  # index of the unconditional embedding used by guidance
 IMAGE_SIZE = 32

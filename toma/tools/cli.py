@@ -13,9 +13,9 @@ import sys
 
 # subcommand name -> module that registers it
 SUBCOMMANDS: dict[str, str] = {
-    "bench": "toma.bench",
-    "generate": "toma.generate",
-    "eval": "toma.evaluate",
+    "bench": "toma.tools.bench",
+    "generate": "toma.tools.generate",
+    "eval": "toma.tools.evaluate",
 }
 
 
