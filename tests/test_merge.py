@@ -8,8 +8,8 @@ import torch
 from toma.config import ToMAConfig
 from toma.core.merge import assignment, cosine_similarity, merge, merge_weights, unmerge
 from toma.core.plan import build_plan
-from toma.core.selection import facility_location
-from toma.core.tiling import from_tiles, make_layout, to_tiles
+from toma.core.selection import facility_location, grid_selection
+from toma.core.tiling import from_tiles, make_layout, raster_order, slot_raster_index, tile_order, to_tiles, token_mask
 
 
 @pytest.mark.parametrize("h,w,tile", [(8, 8, (4, 4)), (6, 10, (4, 4)), (7, 5, (2, 3)), (3, 3, (4, 4)), (1, 9, (1, 4))])
@@ -33,6 +33,48 @@ def test_keep_counts():
     layout = make_layout(6, 5, (4, 4), 0.5)  # tiles with 16, 4, 8 and 2 real tokens
     assert layout.keep == (8, 2, 4, 1)
     assert make_layout(4, 4, (4, 4), 0.99).keep == (1,)
+
+
+@pytest.mark.parametrize("t,h,w,tile", [(4, 8, 8, (2, 4, 4)), (3, 6, 5, (2, 4, 4)), (1, 5, 7, (2, 4, 4)), (5, 3, 3, (3, 2, 2))])
+def test_spatio_temporal_tiles_round_trip_and_window(t, h, w, tile):
+    layout = make_layout(h, w, tile, 0.5, t=t)
+    x = torch.arange(float(t * h * w)).reshape(1, -1, 1).repeat(2, 1, 1)
+    tiles = to_tiles(x, layout)
+    assert tiles.shape == (2, layout.num_tiles, layout.tile_area, 1)
+    assert torch.equal(from_tiles(tiles, layout), x)
+    # brute force: tile (f, i, j) holds the raster tokens of its window, slots in (t, h, w) order
+    tt, th, tw = layout.tt, layout.th, layout.tw
+    index = 0
+    for f in range(layout.gt):
+        for i in range(layout.gh):
+            for j in range(layout.gw):
+                real = torch.tensor(
+                    [
+                        (ff * h + ii) * w + jj
+                        for ff in range(f * tt, f * tt + tt)
+                        for ii in range(i * th, i * th + th)
+                        for jj in range(j * tw, j * tw + tw)
+                        if ff < t and ii < h and jj < w
+                    ],
+                    dtype=torch.float32,
+                )
+                got = tiles[0, index, :, 0]
+                mask = token_mask(layout)
+                got = got if mask is None else got[mask[index]]
+                assert torch.equal(got, real)
+                assert layout.keep[index] == max(1, min(len(real), int(len(real) * 0.5 + 0.5)))
+                index += 1
+    if not layout.padded:
+        assert torch.equal(raster_order(tile_order(x, layout), layout), x)
+        assert torch.equal(tile_order(x, layout)[0, :, 0].long(), slot_raster_index(layout))
+
+
+def test_spatio_temporal_grid_selection_picks_real_distinct_slots():
+    layout = make_layout(3, 5, (2, 2, 2), 0.5, t=3)
+    picks, mask = grid_selection(layout), token_mask(layout)
+    for tile, keep in enumerate(layout.keep):
+        chosen = picks[tile, :keep].tolist()
+        assert len(set(chosen)) == keep and all(bool(mask[tile, i]) for i in chosen)
 
 
 def hard_plan(x: torch.Tensor, h: int, w: int, tile=(4, 4), ratio=0.5):

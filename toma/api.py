@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from toma.adapters import adapter_for
-from toma.adapters import flux as flux_adapter
 from toma.adapters.base import HOOK_NAME, Patched, Skipped, remove_hook
 from toma.config import ToMAConfig, make_config
 from toma.core.plan import PlanCache
@@ -35,6 +34,7 @@ class ToMAPatch:
     skipped: list[Skipped]
     cache: PlanCache = field(repr=False)
     _hooked: list[torch.nn.Module] = field(default_factory=list, repr=False)
+    _adapter: Any = field(default=None, repr=False)
 
     def summary(self) -> str:
         """A readable list of merged and skipped blocks and the settings."""
@@ -86,7 +86,8 @@ def apply_toma(
     if found is None:
         raise ValueError(
             f"{type(model).__name__} has no blocks ToMA supports: expected a diffusers UNet with "
-            "BasicTransformerBlock attention (SD 1.x/2.x, SDXL) or a FluxTransformer2DModel"
+            "BasicTransformerBlock attention (SD 1.x/2.x, SDXL), FluxTransformer2DModel, "
+            "SD3Transformer2DModel or WanTransformer3DModel"
         )
     name, adapter = found
     targets, skipped = adapter.find_targets(model, cfg)
@@ -94,7 +95,7 @@ def apply_toma(
         reasons = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4]) or "no candidate blocks"
         raise ValueError(f"no blocks of {type(model).__name__} would be merged with these settings ({reasons})")
     remove_toma(model)
-    patch = ToMAPatch(cfg, name, targets, skipped, PlanCache(cfg))
+    patch = ToMAPatch(cfg, name, targets, skipped, PlanCache(cfg, adapter.tile_frames(cfg)), _adapter=adapter)
     setattr(model, _ATTR, patch)
     try:
         patch._hooked = adapter.attach(model, targets, patch.cache)
@@ -140,8 +141,7 @@ def _detach(model: torch.nn.Module, patch: ToMAPatch, everything: bool) -> None:
     modules = [m for _, m in model.named_modules()] if everything else [model, *patch._hooked]
     for module in modules:
         remove_hook(module, HOOK_NAME)
-    if patch.adapter == "flux":
-        flux_adapter.detach(patch.patched)
+    patch._adapter.detach(patch.patched)
     patch.cache.reset()
     if getattr(model, _ATTR, None) is patch:
         delattr(model, _ATTR)

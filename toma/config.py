@@ -40,9 +40,16 @@ class ToMAConfig:
             measured to help, and off for Flux, where a float mask keeps GPU attention off
             its flash kernels and the quality effect could not be measured offline.
         flux_double_blocks: Flux only. Indices of double-stream blocks to merge; None means
-            every block but the first 5 (the authors' default).
+            every block but the first 5 (the authors' default). Same as
+            ``blocks={"transformer_blocks": ...}``.
         flux_single_blocks: Flux only. Indices of single-stream blocks to merge; None means
-            every block but the first 5.
+            every block but the first 5. Same as ``blocks={"single_transformer_blocks": ...}``.
+        blocks: transformers. Which blocks merge, as ``{stack: indices}`` with a stack being
+            an attribute of the denoiser that holds blocks (``"transformer_blocks"``,
+            ``"single_transformer_blocks"``, ``"blocks"``) and indices any iterable of ints
+            (``range(5, 19)``). Stacks left out merge nothing. None: the family's default.
+        tile_frames: video transformers. Frames a tile spans, so that tiles are
+            ``tile_frames x tile_size`` tokens; None means 2 (spatio-temporal tiles).
     """
 
     ratio: float = 0.5
@@ -59,6 +66,8 @@ class ToMAConfig:
     proportional_attention: bool | None = None
     flux_double_blocks: tuple[int, ...] | None = None
     flux_single_blocks: tuple[int, ...] | None = None
+    blocks: Any = None
+    tile_frames: int | None = None
 
     def __post_init__(self) -> None:
         _check_ratio(self.ratio)
@@ -84,6 +93,10 @@ class ToMAConfig:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _check_indices(name, value))
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", _check_blocks(self.blocks))
+        if self.tile_frames is not None:
+            _check_int("tile_frames", self.tile_frames, minimum=1)
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -92,7 +105,10 @@ class ToMAConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Settings as a plain dict (for logs and JSON)."""
-        return asdict(self)
+        out = asdict(self)
+        if self.blocks is not None:
+            out["blocks"] = {stack: list(indices) for stack, indices in self.blocks}
+        return out
 
 
 def make_config(config: ToMAConfig | None = None, **options: Any) -> ToMAConfig:
@@ -146,3 +162,18 @@ def _check_indices(name: str, value: Any) -> tuple[int, ...]:
     for v in items:
         _check_int(f"{name} entries", v, minimum=0)
     return items
+
+
+def _check_blocks(value: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``{stack: indices}`` as a hashable, sorted tuple of ``(stack, indices)`` pairs."""
+    items = value.items() if hasattr(value, "items") else value
+    try:
+        pairs = [(stack, indices) for stack, indices in items]
+    except (TypeError, ValueError):
+        raise TypeError(f"blocks must map block-stack names to block indices, e.g. {{'transformer_blocks': range(5, 19)}}; got {value!r}") from None
+    out = []
+    for stack, indices in pairs:
+        if not isinstance(stack, str):
+            raise TypeError(f"blocks keys must be block-stack names (str); got {stack!r}")
+        out.append((stack, _check_indices(f"blocks[{stack!r}]", indices)))
+    return tuple(sorted(out))

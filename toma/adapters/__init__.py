@@ -1,19 +1,35 @@
-"""Model adapters: one module per model family, each with ``matches``, ``find_targets`` and ``attach``."""
+"""Model adapters: one per model family.
+
+A family is matched by the class names of the denoiser, so that finding the adapter
+imports only that family's adapter (and the diffusers model code it needs), never the
+others. Families on the engine (:mod:`toma.adapters.engine`) are a short spec each.
+"""
 
 from __future__ import annotations
 
-from types import ModuleType
+import importlib
+from typing import Any
 
 import torch
 
-from toma.adapters import flux, unet
+# family -> (adapter module, denoiser class names)
+FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "flux": ("toma.adapters.flux", ("FluxTransformer2DModel",)),
+    "sd3": ("toma.adapters.sd3", ("SD3Transformer2DModel",)),
+    "wan": ("toma.adapters.wan", ("WanTransformer3DModel",)),
+}
 
-ADAPTERS: dict[str, ModuleType] = {"flux": flux, "unet": unet}
 
+def adapter_for(model: torch.nn.Module) -> tuple[str, Any] | None:
+    """The adapter of ``model``'s family as ``(name, adapter)``, or None.
 
-def adapter_for(model: torch.nn.Module) -> tuple[str, ModuleType] | None:
-    """The first adapter whose ``matches(model)`` is true, as ``(name, module)``."""
-    for name, adapter in ADAPTERS.items():
-        if adapter.matches(model):
-            return name, adapter
-    return None
+    An adapter has ``find_targets(model, config)``, ``attach(model, targets, cache)``,
+    ``detach(targets)`` and ``tile_frames(config)``.
+    """
+    names = {cls.__name__ for cls in type(model).__mro__}
+    for name, (module, classes) in FAMILIES.items():
+        if names.intersection(classes):
+            adapter = importlib.import_module(module)
+            return name, getattr(adapter, "ADAPTER", adapter)
+    unet = importlib.import_module("toma.adapters.unet")
+    return ("unet", unet) if unet.matches(model) else None

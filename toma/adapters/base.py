@@ -1,4 +1,4 @@
-"""What every model adapter shares: the hook name and the records of what was patched."""
+"""What every model adapter shares: hooks, the hook name and the records of what was patched."""
 
 from __future__ import annotations
 
@@ -6,9 +6,42 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers.hooks import HookRegistry
 
 HOOK_NAME = "toma"
+
+
+class Hook:
+    """A diffusers model hook (the interface of ``diffusers.hooks.ModelHook``).
+
+    Written out here rather than subclassed so that ``import toma`` does not import
+    ``diffusers.hooks``, whose package imports every cache hook and the model code they
+    need (seconds); diffusers' ``HookRegistry`` only calls these methods.
+    """
+
+    _is_stateful = False
+    fn_ref: Any = None
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
+        return module
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        return output
+
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+
+def registry_of(module: torch.nn.Module) -> Any:
+    """The module's diffusers ``HookRegistry``, created if needed."""
+    from diffusers.hooks import HookRegistry
+
+    return HookRegistry.check_if_exists_or_initialize(module)
 
 
 @dataclass(frozen=True)
@@ -20,12 +53,14 @@ class Patched:
         module: the module itself.
         where: a short human description (resolution level, stream).
         downsample: token-grid downsample factor relative to the model's input grid.
+        site: for families on the engine, how the sub-module merges (``engine.Site``).
     """
 
     name: str
     module: torch.nn.Module
     where: str
     downsample: int = 1
+    site: Any = None  # the engine's Site, for families on the engine
 
 
 @dataclass(frozen=True)
@@ -69,7 +104,7 @@ def remove_hook(module: torch.nn.Module, name: str) -> bool:
     change of the module's class (tomesd patches blocks that way).
     """
     registry = getattr(module, "_diffusers_hook", None)
-    if not isinstance(registry, HookRegistry) or registry.get_hook(name) is None:
+    if registry is None or registry.get_hook(name) is None:
         return False
     registry.remove_hook(name, recurse=False)
     if not registry.hooks:

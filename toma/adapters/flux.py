@@ -18,11 +18,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxTransformer2DModel
 
-from toma.adapters.base import HOOK_NAME, Patched, Skipped, step_timestep
+from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, registry_of, step_timestep
 from toma.config import ToMAConfig
 from toma.core.plan import Plan, PlanCache, profiled
 from toma.core.tiling import TileLayout, raster_order, tile_order
@@ -70,7 +69,7 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
 def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register hooks and processors; returns every module that got a hook (for removal)."""
     order = _ImageOrder()
-    hooks: list[tuple[torch.nn.Module, ModelHook]] = [
+    hooks: list[tuple[torch.nn.Module, Hook]] = [
         (model, _FluxStepHook(cache, order)),
         (model.x_embedder, _Reorder(order, tile_order, "merge")),
         (model.pos_embed, _RotaryToTileOrder(order)),
@@ -85,7 +84,7 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
         block.attn.set_processor(_MergedFluxProcessor(cache, block.attn.processor, state, order))
         hooks += [(block.norm, _SingleMergeHook(cache, state, order)), (block.proj_out, _SingleUnmergeHook(state))]
     for module, hook in hooks:
-        HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
+        registry_of(module).register_hook(hook, HOOK_NAME)
     return [module for module, _ in hooks]
 
 
@@ -123,7 +122,7 @@ class _ImageOrder:
         self.layout: TileLayout | None = None
 
 
-class _FluxStepHook(ModelHook):
+class _FluxStepHook(Hook):
     """Records the image token grid (from ``img_ids``) and the timestep at each forward,
     and decides whether the forward runs in tile order."""
 
@@ -162,7 +161,7 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-class _Reorder(ModelHook):
+class _Reorder(Hook):
     """Reorders a module's image-token output ``(B, N, C)`` when the forward runs in tile order.
 
     On the patch embedding with ``tile_order`` (counted as merging), on the final norm with
@@ -183,7 +182,7 @@ class _Reorder(ModelHook):
             return self.reorder(output, layout)
 
 
-class _RotaryToTileOrder(ModelHook):
+class _RotaryToTileOrder(Hook):
     """On the rotary embedding: the image rows of the ``(text + N, D)`` tables to tile order."""
 
     def __init__(self, order: _ImageOrder) -> None:
@@ -215,7 +214,7 @@ class _SingleBlockState:
         self.tiled = False
 
 
-class _SingleMergeHook(ModelHook):
+class _SingleMergeHook(Hook):
     """On the single-stream norm: merges the image part of the normalised tokens."""
 
     def __init__(self, cache: PlanCache, state: _SingleBlockState, order: _ImageOrder) -> None:
@@ -240,7 +239,7 @@ class _SingleMergeHook(ModelHook):
         return merged, gate
 
 
-class _SingleUnmergeHook(ModelHook):
+class _SingleUnmergeHook(Hook):
     """On the single-stream ``proj_out``: unmerges the image part of its output."""
 
     def __init__(self, state: _SingleBlockState) -> None:
@@ -357,3 +356,8 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
     rotated = torch.stack([-imag, real], dim=-1).flatten(3)
     return (x.float() * cos[:, :, None, :] + rotated.float() * sin[:, :, None, :]).to(x.dtype)
+
+
+def tile_frames(config: ToMAConfig) -> int:
+    """Flux tiles images: tiles span one frame."""
+    return 1

@@ -13,24 +13,24 @@ import re
 from typing import Any
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.models.attention import BasicTransformerBlock
 
-from toma.adapters.base import HOOK_NAME, Patched, Skipped, step_timestep
+from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, registry_of, step_timestep
+from toma.adapters.engine import MergeHook, TileState, hidden_states_of, with_hidden_states
 from toma.config import ToMAConfig
-from toma.core.plan import Plan, PlanCache, profiled
-from toma.core.tiling import TileLayout, raster_order, tile_order
+from toma.core.plan import PlanCache, profiled
+from toma.core.tiling import raster_order, tile_order
 
 _LEVEL = re.compile(r"^(down_blocks|up_blocks)\.(\d+)\.|^(mid_block)\.")
 
 
+def _is_transformer_block(module: torch.nn.Module) -> bool:
+    # by name, so that matching a model imports no diffusers model code
+    return any(cls.__name__ == "BasicTransformerBlock" for cls in type(module).__mro__)
+
+
 def matches(model: torch.nn.Module) -> bool:
     """Whether the model is a UNet with ``down_blocks``/``up_blocks`` and transformer blocks."""
-    return (
-        hasattr(model, "down_blocks")
-        and hasattr(model, "up_blocks")
-        and any(isinstance(m, BasicTransformerBlock) for m in model.modules())
-    )
+    return hasattr(model, "down_blocks") and hasattr(model, "up_blocks") and any(map(_is_transformer_block, model.modules()))
 
 
 def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
@@ -39,10 +39,10 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
     Touches nothing: this runs before any patching so that errors leave the model as is.
     """
     levels = len(model.down_blocks)
-    blocks: list[tuple[str, BasicTransformerBlock, int]] = []
+    blocks: list[tuple[str, torch.nn.Module, int]] = []
     skipped: list[Skipped] = []
     for name, module in model.named_modules():
-        if not isinstance(module, BasicTransformerBlock):
+        if not _is_transformer_block(module):
             continue
         found = _LEVEL.match(name)
         if found is None:
@@ -73,30 +73,29 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
 def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register the hooks; returns every module that got one (for removal)."""
     hooked = [model]
-    HookRegistry.check_if_exists_or_initialize(model).register_hook(UNetStepHook(cache), HOOK_NAME)
-    states: dict[str, _TileState] = {}
+    registry_of(model).register_hook(UNetStepHook(cache), HOOK_NAME)
+    states: dict[str, TileState] = {}
     for target in targets:
         stack, inside, _ = target.name.rpartition(".transformer_blocks.")
         if not inside:  # a block outside a transformer stack: it reorders its own tokens
             stack = target.name.rsplit(".", 1)[0]
-            states.setdefault(stack, _TileState())
+            states.setdefault(stack, TileState())
         elif stack not in states:
-            states[stack] = _TileState()
+            states[stack] = TileState()
             blocks = model.get_submodule(f"{stack}.transformer_blocks")
             first, last = blocks[0], blocks[len(blocks) - 1]
             for block in dict.fromkeys((first, last)):
                 hook = _TileOrderHook(cache, target.downsample, states[stack], block is first, block is last)
-                HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, HOOK_NAME)
+                registry_of(block).register_hook(hook, HOOK_NAME)
                 hooked.append(block)
         # only self-attention has keys among the merged tokens to weight by their mass
         bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
-        registry = HookRegistry.check_if_exists_or_initialize(target.module)
-        registry.register_hook(_TokenMergeHook(cache, target.downsample, states[stack], bias), HOOK_NAME)
+        registry_of(target.module).register_hook(MergeHook(cache, target.downsample, states[stack], bias=bias), HOOK_NAME)
         hooked.append(target.module)
     return hooked
 
 
-class UNetStepHook(ModelHook):
+class UNetStepHook(Hook):
     """Records the latent grid and the timestep at each UNet forward (in ``cache``).
 
     Also serves the ToDo baseline, which needs the grid of each merged level.
@@ -113,14 +112,7 @@ class UNetStepHook(ModelHook):
         return args, kwargs
 
 
-class _TileState:
-    """The tile layout one transformer stack's residual is in, or None for raster order."""
-
-    def __init__(self) -> None:
-        self.layout: TileLayout | None = None
-
-
-class _TileOrderHook(ModelHook):
+class _TileOrderHook(Hook):
     """Puts a transformer stack's tokens in tile order at its first block, back at its last.
 
     Everything in a ``BasicTransformerBlock`` but self-attention treats tokens one by one,
@@ -129,7 +121,7 @@ class _TileOrderHook(ModelHook):
     views. Two copies per stack replace two per merged sub-module.
     """
 
-    def __init__(self, cache: PlanCache, downsample: int, state: _TileState, first: bool, last: bool) -> None:
+    def __init__(self, cache: PlanCache, downsample: int, state: TileState, first: bool, last: bool) -> None:
         super().__init__()
         self.cache = cache
         self.downsample = downsample
@@ -150,7 +142,7 @@ class _TileOrderHook(ModelHook):
             return args, kwargs
         self.state.layout = layout
         with profiled("toma::merge"):  # reordering is part of what merging costs
-            return _with_tokens(args, kwargs, tile_order(x, layout))
+            return with_hidden_states(args, kwargs, tile_order(x, layout))
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         layout = self.state.layout
@@ -161,71 +153,21 @@ class _TileOrderHook(ModelHook):
             return raster_order(output, layout)
 
 
-class _TokenMergeHook(ModelHook):
-    """Merges the first input ``(B, N, C)`` of a sub-module and unmerges its output.
-
-    Tokens are in raster order, or in tile order while ``state`` says so. With ``bias``
-    (self-attention under proportional attention) it also passes the merged tokens' log
-    masses as the additive ``attention_mask`` of the attention.
-    """
-
-    def __init__(self, cache: PlanCache, downsample: int, state: _TileState, bias: bool = False) -> None:
-        super().__init__()
-        self.cache = cache
-        self.downsample = downsample
-        self.state = state
-        self.bias = bias
-        self._plan: Plan | None = None
-        self._tiled = False
-
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        self._plan = None
-        found = _tokens(self.cache, self.downsample, args, kwargs)
-        if found is None:
-            return args, kwargs
-        x, grid = found
-        tiled = self.state.layout is not None
-        plan = self.cache.get(x, grid, group=grid, tiled=tiled)
-        if plan is None:
-            return args, kwargs
-        self._plan, self._tiled = plan, tiled
-        merged = plan.merge(x, tiled)
-        if self.bias:
-            kwargs = {**kwargs, "attention_mask": _head_bias(plan, merged.shape[0], module.heads)}
-        return _with_tokens(args, kwargs, merged)
-
-    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        plan, self._plan = self._plan, None
-        return output if plan is None else plan.unmerge(output, self._tiled)
-
-
 def _tokens(cache: PlanCache, downsample: int, args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple[int, int]] | None:
     """A call's hidden states ``(B, N, C)`` and the token grid of its level, or None when the
     call is to be left alone: no such tensor, no grid yet, or an attention mask, which is
     laid out over the raster sequence and would fit neither a merged nor a reordered one."""
-    x = args[0] if args else kwargs.get("hidden_states")
+    x = hidden_states_of(args, kwargs)
     grid = cache.grid_at(downsample)
     if x is None or x.ndim != 3 or grid is None or kwargs.get("attention_mask") is not None:
         return None
     return x, grid
 
 
-def _with_tokens(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
-    """The call's arguments with ``x`` in place of its hidden states."""
-    if args:
-        return (x, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": x}
+def detach(targets: list[Patched]) -> None:
+    """Nothing beyond the hooks to undo."""
 
 
-def _head_bias(plan: Plan, batch: int, heads: int) -> torch.Tensor:
-    """The plan's log masses as the ``(batch * heads, 1, K)`` mask diffusers' attention
-    processors take as is (a smaller one they repeat over heads in every block).
-
-    Built once per plan: a view when the plan is shared by the batch, else a copy.
-    """
-
-    def make() -> torch.Tensor:
-        bias = plan.log_mass[:, None, :]  # (Bp, 1, K)
-        return bias.expand(batch * heads, 1, -1) if bias.shape[0] == 1 else bias.repeat_interleave(heads, dim=0)
-
-    return plan.memo(f"head_bias_{batch}_{heads}", make)
+def tile_frames(config: ToMAConfig) -> int:
+    """UNets tile images: tiles span one frame."""
+    return 1

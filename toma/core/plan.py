@@ -200,23 +200,27 @@ class PlanCache:
     One cache belongs to one patched model. The model's own forward calls
     :meth:`begin_forward` (one call = one denoising step); merged blocks call :meth:`get`.
 
+    Grids are ``(h, w)`` for images or ``(t, h, w)`` for video.
+
     Args:
         config: the ToMA settings.
+        tile_frames: frames a tile spans on ``(t, h, w)`` grids (1: spatial tiles only).
     """
 
-    def __init__(self, config: ToMAConfig) -> None:
+    def __init__(self, config: ToMAConfig, tile_frames: int = 1) -> None:
         self.config = config
+        self.tile = (tile_frames, *config.tile)
         self.step = -1
-        self.base_grid: tuple[int, int] | None = None
+        self.base_grid: tuple[int, ...] | None = None
         self._last_timestep: float | None = None
         self._plans: dict[Hashable, tuple[int, Plan]] = {}  # key -> (age in steps, plan)
-        self._layouts: dict[tuple[int, int], TileLayout] = {}
-        self._indices: dict[tuple[int, int, torch.device], LayoutIndex] = {}
+        self._layouts: dict[tuple[int, ...], TileLayout] = {}
+        self._indices: dict[tuple[tuple[int, ...], torch.device], LayoutIndex] = {}
         self._generator: torch.Generator | None = None
 
     @torch.compiler.disable
-    def begin_forward(self, base_grid: tuple[int, int], timestep: float | None) -> None:
-        """Start a denoiser forward on a token grid of ``base_grid = (h, w)`` at downsample 1.
+    def begin_forward(self, base_grid: tuple[int, ...], timestep: float | None) -> None:
+        """Start a denoiser forward on a token grid of ``base_grid`` (``(h, w)`` or ``(t, h, w)``) at downsample 1.
 
         A timestep that does not decrease starts a new denoising run: plans from the
         previous run are dropped so that they never carry over to another image.
@@ -242,20 +246,21 @@ class PlanCache:
         self.base_grid = None
         self._last_timestep = None
 
-    def grid_at(self, downsample: int) -> tuple[int, int] | None:
-        """Token grid at a downsample factor of the base grid (conv strides round up)."""
-        if self.base_grid is None:
-            return None
-        h, w = self.base_grid
-        return math.ceil(h / downsample), math.ceil(w / downsample)
+    def grid_at(self, downsample: int) -> tuple[int, ...] | None:
+        """Token grid at a spatial downsample factor of the base grid (conv strides round up)."""
+        if self.base_grid is None or downsample == 1:
+            return self.base_grid
+        *t, h, w = self.base_grid
+        return (*t, math.ceil(h / downsample), math.ceil(w / downsample))
 
-    def layout(self, h: int, w: int) -> TileLayout:
-        """Tile layout of an ``h x w`` grid under this cache's ratio and tile size."""
-        if (h, w) not in self._layouts:
-            self._layouts[(h, w)] = make_layout(h, w, self.config.tile, self.config.ratio)
-        return self._layouts[(h, w)]
+    def layout(self, *grid: int) -> TileLayout:
+        """Tile layout of an ``h x w`` or ``t x h x w`` grid under this cache's ratio and tile size."""
+        if grid not in self._layouts:
+            *t, h, w = grid
+            self._layouts[grid] = make_layout(h, w, self.tile, self.config.ratio, t=t[0] if t else 1)
+        return self._layouts[grid]
 
-    def tile_order_layout(self, grid: tuple[int, int]) -> TileLayout | None:
+    def tile_order_layout(self, grid: tuple[int, ...]) -> TileLayout | None:
         """The layout whose tile order tokens on ``grid`` may be kept in between merges,
         or None where they stay in raster order (nothing merged, or a padded grid whose
         tiles are not a permutation of the tokens)."""
@@ -264,26 +269,25 @@ class PlanCache:
         layout = self.layout(*grid)
         return None if layout.padded else layout
 
-    def get(self, x: torch.Tensor, grid: tuple[int, int], group: Hashable, tiled: bool = False) -> Plan | None:
+    def get(self, x: torch.Tensor, grid: tuple[int, ...], group: Hashable, tiled: bool = False) -> Plan | None:
         """The plan for tokens ``x`` ``(B, N, C)`` on ``grid``, computed or reused.
 
         ``x`` is in raster order, or in tile order when ``tiled``. Returns None when nothing
         should be merged (ratio 0, or ``x`` not on ``grid``).
         """
-        h, w = grid
-        if self.config.ratio == 0 or x.shape[1] != h * w:
+        if self.config.ratio == 0 or x.shape[1] != math.prod(grid) or not grid[-1]:
             return None
         share = self.config.share_batch_plan
-        key = (group, h, w, 1 if share else x.shape[0], x.dtype, x.device)
+        key = (group, grid, 1 if share else x.shape[0], x.dtype, x.device)
         cached = self._plans.get(key)
         if cached is not None:
             return cached[1]
-        layout = self.layout(h, w)
+        layout = self.layout(*grid)
         src = x[:1] if share else x
         tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout)
-        index = self._indices.get((h, w, x.device))
+        index = self._indices.get((grid, x.device))
         if index is None:
-            index = self._indices[(h, w, x.device)] = layout_index(layout, x.device)
+            index = self._indices[(grid, x.device)] = layout_index(layout, x.device)
         plan = build_plan(tiles, layout, self.config, x.dtype, self._random(x.device), index)
         self._plans[key] = (0, plan)  # (age in steps, plan)
         return plan

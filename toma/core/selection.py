@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from toma.core.tiling import TileLayout
+from toma.core.tiling import TileLayout, tile_extents
 
 SELECTIONS = ("facility", "random", "grid")
 
@@ -122,10 +122,10 @@ def grid_selection(layout: TileLayout, device: torch.device | str | None = None)
     """
     rows = []
     for t, keep in enumerate(layout.keep):
-        ti, tj = divmod(t, layout.gw)
-        real_rows = min(layout.th, layout.h - ti * layout.th)
-        real_cols = min(layout.tw, layout.w - tj * layout.tw)
-        real = [r * layout.tw + c for r in range(real_rows) for c in range(real_cols)]
+        frames, real_rows, real_cols = tile_extents(layout, t)
+        real = [
+            (f * layout.th + r) * layout.tw + c for f in range(frames) for r in range(real_rows) for c in range(real_cols)
+        ]
         picks = [real[((2 * j + 1) * len(real)) // (2 * keep)] for j in range(keep)]
         rows.append(picks + [picks[-1]] * (layout.slots - keep))
     return torch.tensor(rows, dtype=torch.long, device=device)

@@ -1,10 +1,11 @@
-"""Spatial tiles of a raster-ordered token grid.
+"""Spatial and spatio-temporal tiles of a raster-ordered token grid.
 
-Tokens arrive as ``(B, N, C)`` with ``N = h * w`` in raster order. Selection and merging
-happen independently inside tiles of ``th x tw`` tokens, batched as ``(B, T, n, C)`` with
-``T`` tiles of ``n = th * tw`` slots each. Grids whose sides the tile does not divide are
-padded at the bottom/right; padded slots are masked out of selection and merging, and
-each tile keeps destinations in proportion to its real tokens.
+Tokens arrive as ``(B, N, C)`` with ``N = t * h * w`` in raster order (frames, then rows,
+then columns; ``t = 1`` for images). Selection and merging happen independently inside
+tiles of ``tt x th x tw`` tokens, batched as ``(B, T, n, C)`` with ``T`` tiles of
+``n = tt * th * tw`` slots each. Grids whose sides the tile does not divide are padded at
+the end of each axis; padded slots are masked out of selection and merging, and each tile
+keeps destinations in proportion to its real tokens.
 
 Moving between the raster and the tile layout is a view, a pad when needed and one
 permute: no gather or scatter over the sequence.
@@ -21,13 +22,15 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class TileLayout:
-    """How an ``h x w`` token grid is cut into tiles, and how many tokens each tile keeps.
+    """How a ``t x h x w`` token grid is cut into tiles, and how many tokens each tile keeps.
 
     Attributes:
-        h, w: token grid size.
-        th, tw: tile size in tokens.
+        h, w: token grid rows and columns.
+        th, tw: tile size in tokens along rows and columns.
         gh, gw: number of tile rows and columns (the grid is padded up to ``gh*th x gw*tw``).
-        keep: tokens each tile keeps, one entry per tile in row-major tile order.
+        keep: tokens each tile keeps, one entry per tile in row-major tile order
+            (tile frames, then tile rows, then tile columns).
+        t, tt, gt: frames, tile extent in frames and tiles along time (1 for images).
     """
 
     h: int
@@ -37,21 +40,29 @@ class TileLayout:
     gh: int
     gw: int
     keep: tuple[int, ...] = field(repr=False)
+    t: int = 1
+    tt: int = 1
+    gt: int = 1
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """``(t, h, w)``."""
+        return (self.t, self.h, self.w)
 
     @property
     def num_tokens(self) -> int:
         """N, the real tokens in the grid."""
-        return self.h * self.w
+        return self.t * self.h * self.w
 
     @property
     def num_tiles(self) -> int:
         """T, the number of tiles."""
-        return self.gh * self.gw
+        return self.gt * self.gh * self.gw
 
     @property
     def tile_area(self) -> int:
         """n, the slots per tile (including padding)."""
-        return self.th * self.tw
+        return self.tt * self.th * self.tw
 
     @property
     def slots(self) -> int:
@@ -66,7 +77,7 @@ class TileLayout:
     @property
     def padded(self) -> bool:
         """Whether the tiles overhang the grid."""
-        return self.gh * self.th != self.h or self.gw * self.tw != self.w
+        return self.gt * self.tt != self.t or self.gh * self.th != self.h or self.gw * self.tw != self.w
 
     @property
     def uniform(self) -> bool:
@@ -74,30 +85,45 @@ class TileLayout:
         return min(self.keep) == max(self.keep)
 
 
-def make_layout(h: int, w: int, tile: tuple[int, int], ratio: float) -> TileLayout:
-    """Cut an ``h x w`` grid into tiles of ``tile = (th, tw)`` and size each tile's keep.
+def make_layout(h: int, w: int, tile: tuple[int, ...], ratio: float, t: int = 1) -> TileLayout:
+    """Cut a ``t x h x w`` grid into tiles of ``tile`` and size each tile's keep.
 
-    A tile with ``p`` real tokens keeps ``round(p * (1 - ratio))`` of them, at least one.
-    A tile larger than the grid is shrunk to the grid.
+    ``tile`` is ``(th, tw)`` or ``(tt, th, tw)``. A tile with ``p`` real tokens keeps
+    ``round(p * (1 - ratio))`` of them, at least one. A tile larger than the grid is
+    shrunk to the grid.
     """
-    th, tw = min(tile[0], h), min(tile[1], w)
-    gh, gw = math.ceil(h / th), math.ceil(w / tw)
+    tt, th, tw = (1, *tile) if len(tile) == 2 else tile
+    tt, th, tw = min(tt, t), min(th, h), min(tw, w)
+    gt, gh, gw = math.ceil(t / tt), math.ceil(h / th), math.ceil(w / tw)
     keep = []
-    for i in range(gh):
-        rows = min(th, h - i * th)
-        for j in range(gw):
-            real = rows * min(tw, w - j * tw)
-            keep.append(max(1, min(real, math.floor(real * (1.0 - ratio) + 0.5))))
-    return TileLayout(h=h, w=w, th=th, tw=tw, gh=gh, gw=gw, keep=tuple(keep))
+    for f in range(gt):
+        frames = min(tt, t - f * tt)
+        for i in range(gh):
+            rows = min(th, h - i * th)
+            for j in range(gw):
+                real = frames * rows * min(tw, w - j * tw)
+                keep.append(max(1, min(real, math.floor(real * (1.0 - ratio) + 0.5))))
+    return TileLayout(h=h, w=w, th=th, tw=tw, gh=gh, gw=gw, keep=tuple(keep), t=t, tt=tt, gt=gt)
+
+
+def tile_extents(layout: TileLayout, tile: int) -> tuple[int, int, int]:
+    """Real ``(frames, rows, columns)`` of tile number ``tile`` (edge tiles are cut by the grid)."""
+    f, rest = divmod(tile, layout.gh * layout.gw)
+    i, j = divmod(rest, layout.gw)
+    return (
+        min(layout.tt, layout.t - f * layout.tt),
+        min(layout.th, layout.h - i * layout.th),
+        min(layout.tw, layout.w - j * layout.tw),
+    )
 
 
 def token_mask(layout: TileLayout, device: torch.device | str | None = None) -> torch.Tensor | None:
     """Which tile slots hold real tokens: ``(T, n)`` bool, or None when nothing is padded."""
     if not layout.padded:
         return None
-    grid = torch.zeros(layout.gh * layout.th, layout.gw * layout.tw, dtype=torch.bool, device=device)
-    grid[: layout.h, : layout.w] = True
-    return _grid_to_tiles(grid[None, :, :, None], layout)[0, :, :, 0]
+    grid = torch.zeros(*_padded_shape(layout), dtype=torch.bool, device=device)
+    grid[: layout.t, : layout.h, : layout.w] = True
+    return _grid_to_tiles(grid[None, ..., None], layout)[0, :, :, 0]
 
 
 def slot_mask(layout: TileLayout, device: torch.device | str | None = None) -> torch.Tensor | None:
@@ -149,10 +175,11 @@ def to_tiles(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     """Raster tokens ``(B, N, C)`` to tiles ``(B, T, n, C)``; padded slots hold zeros."""
     b, n, c = x.shape
     if n != layout.num_tokens:
-        raise ValueError(f"expected {layout.num_tokens} tokens for a {layout.h}x{layout.w} grid, got {n}")
-    grid = x.view(b, layout.h, layout.w, c)
+        raise ValueError(f"expected {layout.num_tokens} tokens for a {layout.t}x{layout.h}x{layout.w} grid, got {n}")
+    grid = x.view(b, layout.t, layout.h, layout.w, c)
     if layout.padded:
-        grid = F.pad(grid, (0, 0, 0, layout.gw * layout.tw - layout.w, 0, layout.gh * layout.th - layout.h))
+        pt, ph, pw = _padded_shape(layout)
+        grid = F.pad(grid, (0, 0, 0, pw - layout.w, 0, ph - layout.h, 0, pt - layout.t))
     return _grid_to_tiles(grid, layout)
 
 
@@ -162,7 +189,7 @@ def tile_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     Only for layouts without padding, whose tile order is a permutation of the tokens.
     """
     if layout.padded:
-        raise ValueError(f"a {layout.h}x{layout.w} grid is padded by {layout.th}x{layout.tw} tiles: no tile order")
+        raise ValueError(f"a {layout.t}x{layout.h}x{layout.w} grid is padded by {layout.tt}x{layout.th}x{layout.tw} tiles: no tile order")
     return to_tiles(x, layout).flatten(1, 2)
 
 
@@ -178,23 +205,32 @@ def slot_raster_index(layout: TileLayout, device: torch.device | str | None = No
     point at the nearest real token (their rows and columns are clamped), so that
     indexing with it never goes out of range.
     """
-    rows = torch.arange(layout.gh * layout.th, device=device).clamp_max(layout.h - 1)
-    cols = torch.arange(layout.gw * layout.tw, device=device).clamp_max(layout.w - 1)
-    grid = rows[:, None] * layout.w + cols[None, :]
-    return _grid_to_tiles(grid[None, :, :, None], layout).flatten()
+    pt, ph, pw = _padded_shape(layout)
+    frames = torch.arange(pt, device=device).clamp_max(layout.t - 1)
+    rows = torch.arange(ph, device=device).clamp_max(layout.h - 1)
+    cols = torch.arange(pw, device=device).clamp_max(layout.w - 1)
+    grid = (frames[:, None, None] * layout.h + rows[None, :, None]) * layout.w + cols[None, None, :]
+    return _grid_to_tiles(grid[None, ..., None], layout).flatten()
 
 
 def from_tiles(t: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     """Tiles ``(B, T, n, C)`` back to raster tokens ``(B, N, C)``, dropping padded slots."""
     b, c = t.shape[0], t.shape[-1]
-    grid = t.view(b, layout.gh, layout.gw, layout.th, layout.tw, c).permute(0, 1, 3, 2, 4, 5)
-    grid = grid.reshape(b, layout.gh * layout.th, layout.gw * layout.tw, c)
-    if layout.padded:
-        grid = grid[:, : layout.h, : layout.w]
-    return grid.reshape(b, layout.num_tokens, c)
+    lay = layout
+    grid = t.view(b, lay.gt, lay.gh, lay.gw, lay.tt, lay.th, lay.tw, c).permute(0, 1, 4, 2, 5, 3, 6, 7)
+    grid = grid.reshape(b, *_padded_shape(lay), c)
+    if lay.padded:
+        grid = grid[:, : lay.t, : lay.h, : lay.w]
+    return grid.reshape(b, lay.num_tokens, c)
+
+
+def _padded_shape(layout: TileLayout) -> tuple[int, int, int]:
+    return (layout.gt * layout.tt, layout.gh * layout.th, layout.gw * layout.tw)
 
 
 def _grid_to_tiles(grid: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """``(B, t', h', w', C)`` padded grid to ``(B, T, n, C)`` tiles."""
     b, c = grid.shape[0], grid.shape[-1]
-    t = grid.reshape(b, layout.gh, layout.th, layout.gw, layout.tw, c).permute(0, 1, 3, 2, 4, 5)
-    return t.reshape(b, layout.num_tiles, layout.tile_area, c)
+    lay = layout
+    t = grid.reshape(b, lay.gt, lay.tt, lay.gh, lay.th, lay.gw, lay.tw, c).permute(0, 1, 3, 5, 2, 4, 6, 7)
+    return t.reshape(b, lay.num_tiles, lay.tile_area, c)

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
 
 from toma.adapters import adapter_for
-from toma.adapters import flux as flux_adapter
 from toma.adapters.unet import UNetStepHook
 from toma.adapters.base import HOOK_NAME, Patched, remove_hook
 from toma.api import get_toma
@@ -58,7 +57,7 @@ class BaselinePatch:
     patched: list[Patched]
     settings: dict[str, Any] = field(default_factory=dict)
     _hooked: list[tuple[torch.nn.Module, str]] = field(default_factory=list, repr=False)
-    _adapter: str = ""
+    _adapter: Any = None
 
 
 def get_baseline(model: torch.nn.Module) -> BaselinePatch | None:
@@ -77,8 +76,8 @@ def remove_baseline(model: torch.nn.Module) -> bool:
         tomesd.remove_patch(model)
     for module, name in patch._hooked:
         remove_hook(module, name)
-    if patch._adapter == "flux":
-        flux_adapter.detach(patch.patched)
+    if patch._adapter is not None:
+        patch._adapter.detach(patch.patched)
     delattr(model, _ATTR)
     return True
 
@@ -132,22 +131,22 @@ class IdealPlan(Memo):
 class IdealPlanCache(PlanCache):
     """A :class:`PlanCache` whose plans are :class:`IdealPlan`: same ``K``, no selection."""
 
-    def __init__(self, config: ToMAConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ToMAConfig, tile_frames: int = 1) -> None:
+        super().__init__(config, tile_frames)
         self._ideal: dict[Hashable, IdealPlan] = {}
 
-    def tile_order_layout(self, grid: tuple[int, int]) -> None:  # type: ignore[override]
+    def tile_order_layout(self, grid: tuple[int, ...]) -> None:  # type: ignore[override]
         """Never: the ideal keeps tokens in raster order (reordering would cost it copies)."""
         return None
 
-    def get(self, x: torch.Tensor, grid: tuple[int, int], group: Hashable, tiled: bool = False) -> IdealPlan | None:  # type: ignore[override]
+    def get(self, x: torch.Tensor, grid: tuple[int, ...], group: Hashable, tiled: bool = False) -> IdealPlan | None:  # type: ignore[override]
         """The ideal plan for tokens ``x`` ``(B, N, C)`` on ``grid``, or None (see PlanCache.get)."""
-        h, w = grid
-        if self.config.ratio == 0 or x.shape[1] != h * w:
+        n = math.prod(grid)
+        if self.config.ratio == 0 or x.shape[1] != n or n == 0:
             return None
-        key = (h, w, x.device)
+        key = (grid, x.device)
         if key not in self._ideal:
-            self._ideal[key] = IdealPlan(h * w, self.layout(h, w).num_merged, x.device)
+            self._ideal[key] = IdealPlan(n, self.layout(*grid).num_merged, x.device)
         return self._ideal[key]
 
 
@@ -170,10 +169,10 @@ def apply_ideal(model: torch.nn.Module, ratio: float = 0.5, **options: Any) -> B
     targets, _ = adapter.find_targets(model, config)
     if not targets:
         raise ValueError(f"no blocks of {type(model).__name__} would be merged with these settings")
-    hooked = adapter.attach(model, targets, IdealPlanCache(config))
+    hooked = adapter.attach(model, targets, IdealPlanCache(config, adapter.tile_frames(config)))
     patch = BaselinePatch("ideal", ratio, targets, {"placement": _placement(config, name)})
     patch._hooked = [(m, HOOK_NAME) for m in hooked]
-    patch._adapter = name
+    patch._adapter = adapter
     setattr(model, _ATTR, patch)
     return patch
 
@@ -216,7 +215,7 @@ def apply_todo(model: torch.nn.Module, ratio: float = 0.5, **options: Any) -> Ba
         hooked.append((target.module, _TODO_HOOK))
     patch = BaselinePatch("todo", ratio, targets, {"pool": pool, "placement": _placement(config, "unet")})
     patch._hooked = hooked
-    patch._adapter = "unet"
+    patch._adapter = found[1]
     setattr(model, _ATTR, patch)
     return patch
 

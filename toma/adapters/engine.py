@@ -1,0 +1,385 @@
+"""The family engine: merging around sub-modules of transformer blocks, declared per family.
+
+A family states, in a :class:`FamilySpec`, where its blocks are, which sub-modules of a
+block merge (:class:`Site`), how to read the token grid from the model's call, where its
+rotary tables come from and which modules bracket the token sequence. The engine does the
+rest, the same way for every family:
+
+* a hook on each merged sub-module merges its image tokens ``(B, N, C)`` before the call
+  and unmerges its output after it, so ``x + U F(M x)`` replaces ``x + F(x)`` on the
+  residual stream; rotary tables passed to the call are gathered to the merged tokens'
+  destinations, and the family's own attention processor (hence diffusers' attention
+  dispatch and ``set_attention_backend``) runs unchanged on fewer tokens;
+* a hook on the model records the grid and the timestep (plan reuse across steps) and
+  decides whether the forward runs in tile order: every op of these blocks but attention
+  treats tokens one at a time, and attention does not depend on their order once rotary
+  positions follow the tokens. So the tokens are put in tile order once where they enter
+  the blocks and back in raster order where they leave, and merging is a matmul on a view.
+  Padded grids and calls that add raster-ordered residuals (ControlNet) stay in raster order.
+
+Text tokens are never merged: only a call's image hidden states are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, registry_of, step_timestep
+from toma.config import ToMAConfig
+from toma.core.plan import Plan, PlanCache, profiled
+from toma.core.tiling import TileLayout, raster_order, tile_order
+
+Grid = tuple[int, int, int]
+GridReader = Callable[[torch.nn.Module, tuple, dict], "Grid | None"]
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """Where a merged call receives rotary tables, and how to gather them to merged tokens.
+
+    Attributes:
+        name: keyword of the tables in the call.
+        index: their position when passed positionally (None if never).
+        gather: ``gather(table, dest)`` takes one table over the ``N`` image tokens (in the
+            order the tokens are in) and ``dest`` ``(Bp, K)`` token indices, and returns the
+            table for the merged tokens, shaped so that the family's processor broadcasts
+            it over a batch of ``Bp`` (or any batch when ``Bp`` is 1).
+    """
+
+    name: str
+    index: int | None
+    gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Site:
+    """A sub-module of a block whose image tokens merge.
+
+    Attributes:
+        path: the sub-module's name inside the block (``"attn1"``, ``"ff"``).
+        part: ``"attn"`` (self or joint attention), ``"cross"`` (queries of
+            cross-attention) or ``"mlp"``: which of the config's ``merge_*`` switches it obeys.
+        rotary: where its call takes rotary tables, if it does.
+        mask: keyword of the call's additive attention mask, when the family's processor
+            takes one over merged keys (proportional attention); None if it cannot.
+        mask_layout: ``mask_layout(log_mass, batch, heads)`` turns the plan's ``(Bp, K)``
+            log masses into the mask the processor wants.
+    """
+
+    path: str
+    part: str
+    rotary: Rotary | None = None
+    mask: str | None = None
+    mask_layout: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What the engine needs to know about one model family.
+
+    Attributes:
+        name: short name (``"sd3"``, ``"wan"``), shown in summaries.
+        classes: class names of the denoisers of this family (matched by name, so that
+            matching imports no model code).
+        stacks: attribute names of the block lists, in call order.
+        sites: the mergeable sub-modules of a block, given the stack name and the block.
+        grid: reads the ``(t, h, w)`` token grid from the model's forward arguments, or
+            None when it cannot (the forward then runs unmerged).
+        enter: where tokens enter the blocks: ``("output", path)`` for a module whose
+            output is the ``(B, N, C)`` tokens, or ``("block", "")`` for the first block's
+            ``hidden_states`` input.
+        leave: a module after the blocks whose first input (``hidden_states``) is the
+            ``(B, N, C)`` tokens; they go back to raster order there.
+        rope: path of the module whose output tuple holds the rotary tables, and the
+            sequence dimension of each table (their image rows are put in tile order), or
+            None.
+        raster_kwargs: forward keywords that add raster-ordered residuals between blocks;
+            a call that passes one runs in raster order.
+        tile_order_ok: optional check of the forward's arguments; False keeps raster order
+            (e.g. per-token modulation laid out over the raster sequence).
+        default_blocks: the block indices merged by default in each stack, given the
+            stack name and its length.
+        video: whether tiles span frames by default (``tile_frames``).
+    """
+
+    name: str
+    classes: tuple[str, ...]
+    stacks: tuple[str, ...]
+    sites: Callable[[str, torch.nn.Module], list[Site]]
+    grid: GridReader
+    enter: tuple[str, str]
+    leave: str
+    rope: tuple[str, int] | None = None
+    raster_kwargs: tuple[str, ...] = ()
+    tile_order_ok: Callable[[tuple, dict], bool] | None = None
+    default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
+    video: bool = False
+
+    def matches(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` is (a subclass of) one of this family's classes."""
+        return any(cls.__name__ in self.classes for cls in type(model).__mro__)
+
+
+def chosen_blocks(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -> dict[str, tuple[int, ...]]:
+    """The merged block indices per stack: ``config.blocks`` where given, else the family's default.
+
+    Raises:
+        ValueError: a stack the model does not have, or an index past a stack's end.
+    """
+    chosen = dict(config.blocks or ())
+    unknown = sorted(set(chosen) - set(spec.stacks))
+    if unknown:
+        raise ValueError(f"blocks names {unknown}, which {spec.name} does not have; its block stacks are {list(spec.stacks)}")
+    out = {}
+    for stack in spec.stacks:
+        count = len(getattr(model, stack))
+        indices = chosen.get(stack, spec.default_blocks(stack, count) if config.blocks is None else ())
+        bad = [i for i in indices if i >= count]
+        if bad:
+            raise ValueError(f"blocks[{stack!r}] must hold indices in [0, {count - 1}]; got {bad}")
+        out[stack] = tuple(indices)
+    return out
+
+
+def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
+    """The sub-modules to merge and the blocks left alone, with why. Touches nothing."""
+    wanted = {"attn": config.merge_attn, "cross": config.merge_crossattn, "mlp": config.merge_mlp}
+    targets: list[Patched] = []
+    skipped: list[Skipped] = []
+    for stack, indices in chosen_blocks(spec, model, config).items():
+        for i, block in enumerate(getattr(model, stack)):
+            name = f"{stack}.{i}"
+            if i not in indices:
+                skipped.append(Skipped(name, "not among the merged blocks"))
+                continue
+            sites = [s for s in spec.sites(stack, block) if wanted[s.part]]
+            if config.proportional_attention:
+                lacking = [s.path for s in sites if s.part == "attn" and s.mask is None]
+                if lacking:
+                    raise ValueError(
+                        f"proportional_attention=True needs an attention mask, which {spec.name}'s "
+                        f"{name}.{lacking[0]} cannot take; use proportional_attention=False or None"
+                    )
+            if not sites:
+                skipped.append(Skipped(name, "none of its parts is merged with these settings"))
+            for site in sites:
+                targets.append(Patched(f"{name}.{site.path}", block.get_submodule(site.path), f"{stack} {site.part}", site=site))
+    return targets, skipped
+
+
+def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
+    """Register the engine's hooks; returns every module that got one (for removal)."""
+    order = TileState()
+    first_stack = next(getattr(model, s) for s in spec.stacks if len(getattr(model, s)))
+    kind, path = spec.enter
+    hooks: list[tuple[torch.nn.Module, Any]] = [
+        (model, StepHook(spec, cache, order)),
+        (first_stack[0] if kind == "block" else model.get_submodule(path), Reorder(order, enter=True, on_output=kind == "output")),
+        (model.get_submodule(spec.leave), Reorder(order, enter=False, on_output=False)),
+    ]
+    if spec.rope is not None:
+        hooks.append((model.get_submodule(spec.rope[0]), RotaryToTileOrder(order, spec.rope[1])))
+    for target in targets:
+        hooks.append((target.module, MergeHook(cache, 1, order, site=target.site)))
+    for module, hook in hooks:
+        registry_of(module).register_hook(hook, HOOK_NAME)
+    return [module for module, _ in hooks]
+
+
+class EngineAdapter:
+    """A family's adapter on the engine: what :func:`toma.apply_toma` calls, for one spec."""
+
+    def __init__(self, spec: FamilySpec) -> None:
+        self.spec = spec
+
+    def matches(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` belongs to this family."""
+        return self.spec.matches(model)
+
+    def find_targets(self, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
+        """See :func:`find_targets`."""
+        return find_targets(self.spec, model, config)
+
+    def attach(self, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
+        """See :func:`attach`."""
+        return attach(self.spec, model, targets, cache)
+
+    def detach(self, targets: list[Patched]) -> None:
+        """Nothing beyond the hooks to undo."""
+
+    def tile_frames(self, config: ToMAConfig) -> int:
+        """Frames a tile spans: ``config.tile_frames``, else 2 for video families and 1 for images."""
+        if not self.spec.video:
+            return 1
+        return config.tile_frames if config.tile_frames is not None else 2
+
+
+class TileState:
+    """The tile layout the tokens are in between two reorder points, or None for raster order."""
+
+    def __init__(self) -> None:
+        self.layout: TileLayout | None = None
+
+
+class StepHook(Hook):
+    """On the denoiser: records the grid and timestep in the cache and picks the token order."""
+
+    def __init__(self, spec: FamilySpec, cache: PlanCache, order: TileState) -> None:
+        self.spec = spec
+        self.cache = cache
+        self.order = order
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        grid = self.spec.grid(module, args, kwargs)
+        timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+        self.cache.begin_forward(grid if grid is not None else (0, 0, 0), step_timestep(self.cache, timestep))
+        raster = grid is None or any(kwargs.get(k) is not None for k in self.spec.raster_kwargs)
+        if not raster and self.spec.tile_order_ok is not None:
+            raster = not self.spec.tile_order_ok(args, kwargs)
+        self.order.layout = None if raster else self.cache.tile_order_layout(grid)
+        return args, kwargs
+
+
+class Reorder(Hook):
+    """Puts the tokens in tile order where they enter the blocks, back in raster order where they leave."""
+
+    def __init__(self, order: TileState, enter: bool, on_output: bool) -> None:
+        self.order = order
+        self.enter = enter
+        self.on_output = on_output
+
+    def _convert(self, x: torch.Tensor) -> torch.Tensor:
+        layout = self.order.layout
+        if layout is None or x.ndim != 3 or x.shape[1] != layout.num_tokens:
+            return x
+        with profiled("toma::merge" if self.enter else "toma::unmerge"):  # reordering is part of merging's cost
+            return tile_order(x, layout) if self.enter else raster_order(x, layout)
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if self.on_output:
+            return args, kwargs
+        x = hidden_states_of(args, kwargs)
+        return (args, kwargs) if x is None else with_hidden_states(args, kwargs, self._convert(x))
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        return self._convert(output) if self.on_output else output
+
+
+class RotaryToTileOrder(Hook):
+    """On the rotary module: the image rows of its tables to tile order (text rows lead)."""
+
+    def __init__(self, order: TileState, seq_dim: int) -> None:
+        self.order = order
+        self.seq_dim = seq_dim
+        self._rows: dict[tuple[int, TileLayout, torch.device], torch.Tensor] = {}
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        layout = self.order.layout
+        if layout is None:
+            return output
+        table = output[0]
+        text = table.shape[self.seq_dim] - layout.num_tokens
+        key = (text, layout, table.device)
+        rows = self._rows.get(key)
+        if rows is None:  # built on the device once per grid: no host-to-device copy per step
+            image = tile_order(torch.arange(layout.num_tokens, device=table.device)[None, :, None], layout).flatten()
+            rows = self._rows[key] = torch.cat([torch.arange(text, device=table.device), image + text])
+        with profiled("toma::merge"):
+            return tuple(t.index_select(self.seq_dim, rows) for t in output)
+
+
+class MergeHook(Hook):
+    """Merges the image hidden states ``(B, N, C)`` of a sub-module's call and unmerges its output.
+
+    Tokens are in raster order, or in tile order while ``order`` says so. A call with an
+    attention mask of its own (laid out over the raster sequence) runs unmerged. With a
+    site that takes rotary tables, they are gathered to the merged tokens; under
+    proportional attention the plan's log masses go in as the site's attention mask.
+    """
+
+    def __init__(self, cache: PlanCache, downsample: int, order: TileState, site: Site | None = None, bias: bool = False) -> None:
+        self.cache = cache
+        self.downsample = downsample
+        self.order = order
+        self.site = site
+        self.bias = bias or (site is not None and site.part == "attn" and bool(cache.config.proportional_attention))
+        self._plan: Plan | None = None
+        self._tiled = False
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        self._plan = None
+        x = hidden_states_of(args, kwargs)
+        grid = self.cache.grid_at(self.downsample)
+        if x is None or x.ndim != 3 or grid is None or kwargs.get("attention_mask") is not None:
+            return args, kwargs
+        tiled = self.order.layout is not None
+        plan = self.cache.get(x, grid, group=grid, tiled=tiled)
+        if plan is None:
+            return args, kwargs
+        self._plan, self._tiled = plan, tiled
+        merged = plan.merge(x, tiled)
+        args, kwargs = with_hidden_states(args, kwargs, merged)
+        site = self.site
+        if site is not None and site.rotary is not None:
+            args, kwargs = _gather_rotary(site.rotary, plan, tiled, args, kwargs)
+        if self.bias:
+            if site is None:  # UNet attention processors: (batch * heads, 1, K)
+                kwargs = {**kwargs, "attention_mask": _head_bias(plan, merged.shape[0], module.heads)}
+            else:
+                mask = plan.memo(f"mask_{site.path}", lambda: site.mask_layout(plan.log_mass, merged.shape[0], module.heads))
+                kwargs = {**kwargs, site.mask: mask}
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return output
+        if isinstance(output, tuple):  # joint attention: (image, text)
+            return (plan.unmerge(output[0], self._tiled), *output[1:])
+        return plan.unmerge(output, self._tiled)
+
+
+def _gather_rotary(rotary: Rotary, plan: Plan, tiled: bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    positional = rotary.index is not None and len(args) > rotary.index
+    tables = args[rotary.index] if positional else kwargs.get(rotary.name)
+    if tables is None:
+        return args, kwargs
+
+    def make() -> tuple:
+        dest = plan.dest_slots if tiled else plan.dest_tokens
+        return tuple(rotary.gather(t, dest) for t in tables)
+
+    # every block of a forward passes the same tables: gather once per plan
+    merged = plan.memo(f"rotary_{rotary.name}_{tiled}", make)
+    if positional:
+        return (*args[: rotary.index], merged, *args[rotary.index + 1 :]), kwargs
+    return args, {**kwargs, rotary.name: merged}
+
+
+def hidden_states_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A call's hidden states: its first positional argument, or ``hidden_states=``."""
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def with_hidden_states(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
+    """The call's arguments with ``x`` in place of its hidden states."""
+    if args:
+        return (x, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": x}
+
+
+def _head_bias(plan: Plan, batch: int, heads: int) -> torch.Tensor:
+    """The plan's log masses as the ``(batch * heads, 1, K)`` mask diffusers' attention
+    processors take as is (a smaller one they repeat over heads in every block).
+
+    Built once per plan: a view when the plan is shared by the batch, else a copy.
+    """
+
+    def make() -> torch.Tensor:
+        bias = plan.log_mass[:, None, :]  # (Bp, 1, K)
+        return bias.expand(batch * heads, 1, -1) if bias.shape[0] == 1 else bias.repeat_interleave(heads, dim=0)
+
+    return plan.memo(f"head_bias_{batch}_{heads}", make)
