@@ -118,3 +118,46 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def make_sd3(seed: int = 0, layers: int = 4, dual: tuple[int, ...] = (0, 1)):
+    """SD3.5-like: joint attention, the first blocks with an image-only second attention."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    return SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=layers, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=CROSS_DIM, caption_projection_dim=16, pooled_projection_dim=16,
+        pos_embed_max_size=32, dual_attention_layers=dual,
+    ).eval()
+
+
+def sd3_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Latents of ``h x w`` (tokens ``h/2 x w/2``)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, 4, h, w, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "pooled_projections": torch.randn(batch, 16, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+    }
+
+
+def make_wan(seed: int = 0, layers: int = 3, in_channels: int = 4, text_dim: int = CROSS_DIM):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=in_channels,
+        out_channels=in_channels, text_dim=text_dim, freq_dim=16, ffn_dim=32, num_layers=layers, rope_max_seq_len=32,
+    ).eval()
+
+
+def wan_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Latents of ``frames x h x w`` (tokens ``frames x h/2 x w/2``)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, 4, frames, h, w, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+    }

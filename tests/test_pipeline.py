@@ -101,3 +101,76 @@ def test_flux_pipeline_round_trip(tmp_path):
     assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
     toma.remove_toma(pipe)
     assert np.array_equal(pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images, ref)
+
+
+def test_sd3_pipeline_round_trip(tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    from tests.conftest import make_sd3
+
+    torch.manual_seed(0)
+    pipe = StableDiffusion3Pipeline(
+        transformer=make_sd3(),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_vae(),
+        # the two CLIP encoders side by side fill the T5 width (2 x 16 = 32); pooled: 2 x 8
+        text_encoder=CLIPTextModelWithProjection(clip_config(projection_dim=8)),
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+        text_encoder_2=CLIPTextModelWithProjection(clip_config(projection_dim=8)),
+        tokenizer_2=tiny_clip_tokenizer(tmp_path / "tok2"),
+        text_encoder_3=T5EncoderModel(T5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)),
+        tokenizer_3=tiny_clip_tokenizer(tmp_path / "tok3"),
+    )
+    pipe.save_pretrained(tmp_path / "pipe")
+    pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
+    kw = dict(height=64, width=48, num_inference_steps=2, max_sequence_length=16, output_type="np")
+
+    def generate():
+        return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images
+
+    ref = generate()
+    patch = toma.apply_toma(pipe, ratio=0.5, blocks={"transformer_blocks": range(4)})
+    calls = []
+    handle = patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
+    merged = generate()
+    handle.remove()
+    # 64x48 px -> 32x24 latent (the tiny VAE halves) -> 16x12 tokens, half kept; one CFG batch of 2 per step
+    assert calls == [(2, 96)] * 2
+    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
+    toma.remove_toma(pipe)
+    assert np.array_equal(generate(), ref)
+
+
+def test_wan_pipeline_round_trip(tmp_path):
+    from diffusers import AutoencoderKLWan, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from tests.conftest import make_wan
+
+    torch.manual_seed(0)
+    pipe = WanPipeline(
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+        text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)),
+        transformer=make_wan(in_channels=16),
+        vae=AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    pipe.save_pretrained(tmp_path / "pipe")
+    pipe = WanPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
+    kw = dict(height=64, width=48, num_frames=5, num_inference_steps=2, max_sequence_length=16, output_type="np")
+
+    def generate():
+        return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).frames
+
+    ref = generate()
+    patch = toma.apply_toma(pipe, ratio=0.5, blocks={"blocks": range(3)})
+    calls = []
+    handle = patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
+    merged = generate()
+    handle.remove()
+    # 5 frames x 64x48 px -> 2 x 8x6 latent -> 2 x 4x3 tokens; 2x4x4 tiles shrink to the
+    # grid (2x4x3 = 24 tokens, 12 kept); the conditional and unconditional passes run apart
+    assert calls == [(1, 12)] * 4
+    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
+    toma.remove_toma(pipe)
+    assert np.array_equal(generate(), ref)

@@ -63,8 +63,9 @@ class Site:
         part: ``"attn"`` (self or joint attention), ``"cross"`` (queries of
             cross-attention) or ``"mlp"``: which of the config's ``merge_*`` switches it obeys.
         rotary: where its call takes rotary tables, if it does.
-        mask: keyword of the call's additive attention mask, when the family's processor
-            takes one over merged keys (proportional attention); None if it cannot.
+        mask: ``(keyword, position)`` of the call's additive attention mask, when the
+            family's processor takes one over merged keys (proportional attention); None if
+            it cannot.
         mask_layout: ``mask_layout(log_mass, batch, heads)`` turns the plan's ``(Bp, K)``
             log masses into the mask the processor wants.
     """
@@ -72,7 +73,7 @@ class Site:
     path: str
     part: str
     rotary: Rotary | None = None
-    mask: str | None = None
+    mask: tuple[str, int | None] | None = None
     mask_layout: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
 
 
@@ -313,7 +314,7 @@ class MergeHook(Hook):
         self._plan = None
         x = hidden_states_of(args, kwargs)
         grid = self.cache.grid_at(self.downsample)
-        if x is None or x.ndim != 3 or grid is None or kwargs.get("attention_mask") is not None:
+        if x is None or x.ndim != 3 or grid is None or self._own_mask(args, kwargs) is not None:
             return args, kwargs
         tiled = self.order.layout is not None
         plan = self.cache.get(x, grid, group=grid, tiled=tiled)
@@ -330,8 +331,13 @@ class MergeHook(Hook):
                 kwargs = {**kwargs, "attention_mask": _head_bias(plan, merged.shape[0], module.heads)}
             else:
                 mask = plan.memo(f"mask_{site.path}", lambda: site.mask_layout(plan.log_mass, merged.shape[0], module.heads))
-                kwargs = {**kwargs, site.mask: mask}
+                args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
         return args, kwargs
+
+    def _own_mask(self, args: tuple, kwargs: dict) -> Any:
+        """The attention mask the model itself passes (over the raster sequence), if any."""
+        name, index = self.site.mask if self.site is not None and self.site.mask else ("attention_mask", None)
+        return args[index] if index is not None and len(args) > index else kwargs.get(name)
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         plan, self._plan = self._plan, None
@@ -354,9 +360,14 @@ def _gather_rotary(rotary: Rotary, plan: Plan, tiled: bool, args: tuple, kwargs:
 
     # every block of a forward passes the same tables: gather once per plan
     merged = plan.memo(f"rotary_{rotary.name}_{tiled}", make)
-    if positional:
-        return (*args[: rotary.index], merged, *args[rotary.index + 1 :]), kwargs
-    return args, {**kwargs, rotary.name: merged}
+    return replace_arg(args, kwargs, rotary.name, rotary.index, merged)
+
+
+def replace_arg(args: tuple, kwargs: dict, name: str, index: int | None, value: Any) -> tuple[tuple, dict]:
+    """The call's arguments with ``value`` for the parameter ``name`` at position ``index``."""
+    if index is not None and len(args) > index:
+        return (*args[:index], value, *args[index + 1 :]), kwargs
+    return args, {**kwargs, name: value}
 
 
 def hidden_states_of(args: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -1,0 +1,229 @@
+"""Transformer families on the adapter engine (SD3, Wan) on tiny models with random weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import toma
+from tests.conftest import make_sd3, make_wan, sd3_inputs, wan_inputs
+
+ALL_SD3 = {"blocks": {"transformer_blocks": range(4)}}
+ALL_WAN = {"blocks": {"blocks": range(3)}}
+
+
+def run(model, **kw):
+    with torch.no_grad():
+        return model(**kw).sample
+
+
+def count_queries(model, suffixes):
+    """Token counts reaching ``to_q`` of every attention whose name ends with one of ``suffixes``."""
+    seen: list[int] = []
+    handles = [
+        m.to_q.register_forward_hook(lambda mod, a, o: seen.append(a[0].shape[1]))
+        for name, m in model.named_modules()
+        if name.endswith(suffixes) and hasattr(m, "to_q")
+    ]
+    return seen, handles
+
+
+FAMILIES = {
+    "sd3": (make_sd3, lambda b=2, h=16, w=20: sd3_inputs(b, h, w), ALL_SD3),
+    "wan": (make_wan, lambda b=2, h=12, w=16: wan_inputs(b, 4, h, w), ALL_WAN),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ratio_zero_and_remove_are_bitwise_identical(family):
+    make, inputs, blocks = FAMILIES[family]
+    model, kw = make(), inputs()
+    ref = run(model, **kw)
+    toma.apply_toma(model, ratio=0.0, merge_mlp=True, **blocks)
+    assert torch.equal(run(model, **kw), ref)
+    patch = toma.apply_toma(model, ratio=0.5, merge_mlp=True, merge_crossattn=True, **blocks)
+    assert patch.adapter == family
+    out = run(model, **kw)
+    assert out.shape == ref.shape and torch.isfinite(out).all() and not torch.equal(out, ref)
+    assert toma.remove_toma(model) and not hasattr(model, "_diffusers_hook")
+    assert torch.equal(run(model, **kw), ref)
+
+
+def test_sd3_merges_image_tokens_only():
+    model = make_sd3()
+    kw = sd3_inputs(1, 16, 20, text=5)  # 8 x 10 tokens, tiles 4x4 -> (8, 2, 8, 2) ... half kept
+    patch = toma.apply_toma(model, ratio=0.5, **ALL_SD3)
+    image, handles = count_queries(model, (".attn", ".attn2"))
+    text: list[int] = []
+    handles += [b.attn.add_q_proj.register_forward_hook(lambda m, a, o: text.append(a[0].shape[1])) for b in model.transformer_blocks]
+    run(model, **kw)
+    for h in handles:
+        h.remove()
+    kept = patch.cache.layout(1, 8, 10).num_merged
+    assert kept == 40
+    assert image == [kept] * 6  # 4 joint attentions and the 2 image-only ones of blocks 0-1
+    assert text == [5] * 4  # text queries pass whole
+
+
+def test_sd3_default_skips_the_first_blocks():
+    model = make_sd3(layers=12, dual=())
+    patch = toma.apply_toma(model, ratio=0.5)
+    assert [p.name for p in patch.patched] == [f"transformer_blocks.{i}.attn" for i in range(5, 12)]
+    assert all(s.reason == "not among the merged blocks" for s in patch.skipped)
+
+
+def test_wan_merges_video_self_attention_and_keeps_text_whole():
+    model = make_wan()
+    kw = wan_inputs(1, 4, 12, 16, text=5)  # 4 x 6 x 8 tokens
+    patch = toma.apply_toma(model, ratio=0.5, merge_crossattn=True, **ALL_WAN)
+    queries, handles = count_queries(model, (".attn1", ".attn2"))
+    keys: list[int] = []
+    handles += [b.attn2.to_k.register_forward_hook(lambda m, a, o: keys.append(a[0].shape[1])) for b in model.blocks]
+    run(model, **kw)
+    for h in handles:
+        h.remove()
+    layout = patch.cache.layout(4, 6, 8)
+    assert (layout.tt, layout.th, layout.tw) == (2, 4, 4)  # spatio-temporal tiles by default
+    assert queries == [layout.num_merged] * 6 == [96] * 6
+    assert keys == [5] * 3  # cross-attention keys are the text, whole
+
+
+@pytest.mark.parametrize("frames,h,w", [(1, 12, 16), (3, 10, 14), (5, 8, 20)])
+def test_wan_frames_and_grids_the_tiles_do_not_divide(frames, h, w):
+    model = make_wan()
+    kw = wan_inputs(2, frames, h, w)
+    ref = run(model, **kw)
+    patch = toma.apply_toma(model, ratio=0.5, **ALL_WAN)
+    queries, handles = count_queries(model, (".attn1",))
+    out = run(model, **kw)
+    for handle in handles:
+        handle.remove()
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert queries == [patch.cache.layout(frames, h // 2, w // 2).num_merged] * 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tile_order_matches_raster_order(family, monkeypatch):
+    # tokens reordered once per forward compute what per-site raster merging computes
+    make, inputs, blocks = FAMILIES[family]
+    model, kw = make(), inputs(2, 16, 16)
+    toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
+    from toma.adapters import engine
+
+    conversions = []
+    real = engine.tile_order
+    monkeypatch.setattr(engine, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
+    tiled = run(model, **kw)
+    converted = len(conversions)
+    monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid: None)
+    raster = run(model, **kw)
+    assert converted >= 1 and len(conversions) == converted  # the raster run converted nothing
+    torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_elements_get_their_own_plan(family):
+    make, inputs, blocks = FAMILIES[family]
+    model, kw = make(), inputs(2)
+    toma.apply_toma(model, ratio=0.5, **blocks)
+    both = run(model, **kw)
+    for b in range(2):
+        alone = run(model, **{k: v[b : b + 1] for k, v in kw.items()})
+        torch.testing.assert_close(both[b : b + 1], alone, rtol=1e-4, atol=1e-5)
+
+
+def duplicated_video(seed: int = 0) -> torch.Tensor:
+    """Latents ``(1, 4, 2, 8, 8)`` whose ``2 x 2 x 2``-token tiles (tokens are 1x2x2 patches)
+    hold one patch 5 times and three other patches once each, in shuffled places."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.empty(2, 4, 4, 16)  # (t, h, w) tokens of 4 channels x 2 x 2 pixels
+    for i in range(2):
+        for j in range(2):
+            distinct = torch.randn(4, 16, generator=g)
+            values = torch.cat([distinct[:1].expand(5, -1), distinct[1:]])[torch.randperm(8, generator=g)]
+            tokens[:, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2] = values.reshape(2, 2, 2, 16)
+    patches = tokens.reshape(2, 4, 4, 4, 2, 2)  # (t, h, w, c, ph, pw)
+    return patches.permute(3, 0, 1, 4, 2, 5).reshape(1, 4, 2, 8, 8)
+
+
+def test_wan_proportional_attention_is_exact_on_duplicate_tokens():
+    # 4 distinct tokens per tile and 4 destinations: merging loses nothing, and with the
+    # log(mass) bias the kept copy of the 5-fold token draws the attention its 5 copies
+    # did, so merged self-attention computes what unmerged self-attention does
+    model = make_wan(layers=2)
+    model.rope.freqs_cos.fill_(1.0)  # no positions: copies are duplicates for attention too
+    model.rope.freqs_sin.fill_(0.0)
+    kw = wan_inputs(1, 2, 8, 8)
+    kw["hidden_states"] = duplicated_video()
+    ref = run(model, **kw)
+    options = dict(ratio=0.5, tile_size=2, tile_frames=2, blocks={"blocks": range(2)})
+    toma.apply_toma(model, proportional_attention=True, **options)
+    exact = run(model, **kw)
+    toma.apply_toma(model, proportional_attention=False, **options)
+    plain = run(model, **kw)
+    torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
+    assert (plain - ref).abs().max() > 1e-3  # without the bias the 5-fold token is under-weighted
+
+
+def test_rotary_follows_the_merged_tokens():
+    # the rotary rows handed to a merged self-attention are those of its destinations
+    model = make_wan(layers=1)
+    kw = wan_inputs(2, 2, 8, 8)
+    patch = toma.apply_toma(model, ratio=0.5, blocks={"blocks": [0]})
+    attn = model.blocks[0].attn1
+    seen = []
+    original = attn.processor
+
+    def recording(attn_, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None, **kw_):
+        seen.append(rotary_emb)
+        return original(attn_, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kw_)
+
+    attn.processor = recording
+    run(model, **kw)
+    attn.processor = original
+    full_cos = model.rope(kw["hidden_states"])[0][0]  # (N, 1, D) in raster order
+    [plan] = [p for _, p in patch.cache._plans.values()]
+    cos = seen[0][0]
+    assert cos.shape == (2, plan.num_merged, 1, full_cos.shape[-1])
+    assert torch.equal(cos, full_cos[plan.dest_tokens])
+
+
+def test_unknown_stack_and_index_are_clear_errors():
+    model = make_wan()
+    with pytest.raises(ValueError, match="does not have; its block stacks are \\['blocks'\\]"):
+        toma.apply_toma(model, blocks={"transformer_blocks": [0]})
+    with pytest.raises(ValueError, match=r"blocks\['blocks'\] must hold indices in \[0, 2\]"):
+        toma.apply_toma(model, blocks={"blocks": [3]})
+    with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
+        toma.apply_toma(make_sd3(), proportional_attention=True)
+    assert toma.get_toma(model) is None and not hasattr(model, "_diffusers_hook")
+
+
+def test_sd3_controlnet_residuals_stay_in_raster_order(monkeypatch):
+    model = make_sd3()
+    kw = sd3_inputs(1, 16, 16)
+    toma.apply_toma(model, ratio=0.5, **ALL_SD3)
+    residuals = [torch.randn(1, 64, model.inner_dim, generator=torch.Generator().manual_seed(3))] * 2
+    from toma.adapters import engine
+
+    conversions = []
+    monkeypatch.setattr(engine, "tile_order", lambda x, lay: conversions.append(1) or x)
+    out = run(model, **kw, block_controlnet_hidden_states=residuals)
+    assert conversions == [] and torch.isfinite(out).all()
+    toma.remove_toma(model)
+    unmerged = run(model, **kw, block_controlnet_hidden_states=residuals)
+    assert not torch.equal(out, unmerged)  # merged all the same, in raster order
+
+
+def test_kept_token_count_follows_ratio():
+    model = make_wan()
+    for ratio in (0.25, 0.75):
+        patch = toma.apply_toma(model, ratio=ratio, **ALL_WAN)
+        queries, handles = count_queries(model, (".attn1",))
+        run(model, **wan_inputs(1, 4, 16, 16))
+        for h in handles:
+            h.remove()
+        # 4 x 8 x 8 tokens in 2 x 4 x 4 tiles of 32: each keeps round(32 * (1 - ratio))
+        assert queries == [8 * math.floor(32 * (1 - ratio) + 0.5)] * 3

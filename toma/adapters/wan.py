@@ -1,0 +1,62 @@
+"""Wan 2.x (``WanTransformer3DModel``): video self-attention with 3-D rotary, then cross-attention.
+
+Each block merges the video tokens of its self-attention (rotary tables gathered to the
+merged tokens' destinations, so a merged token keeps its destination's position);
+``merge_crossattn`` merges the queries of the cross-attention to text, ``merge_mlp`` the
+MLP. Tiles span ``tile_frames`` latent frames (2 by default) as well as space.
+Wan 2.2 TI2V modulates every token with its own timestep, laid out in raster order: those
+forwards merge in raster order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, hidden_states_of
+
+SKIP_FIRST = 5  # as the authors do for Flux; not yet measured on Wan
+
+# rotary tables are (1, N, 1, D); per-batch destinations give (Bp, K, 1, D), which the
+# processor's broadcast over (B, K, heads, D) takes as is
+_ROTARY = Rotary("rotary_emb", 3, lambda table, dest: table[0][dest])
+
+
+def _self_attention_mask(log_mass: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    return log_mass[:, None, None, :]  # (Bp, 1, 1, K) over (B, heads, queries, keys)
+
+
+def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
+    return [
+        Site("attn1", "attn", rotary=_ROTARY, mask=("attention_mask", 2), mask_layout=_self_attention_mask),
+        Site("attn2", "cross", mask=("attention_mask", 2)),
+        Site("ffn", "mlp"),
+    ]
+
+
+def _grid(model: torch.nn.Module, args: tuple, kwargs: dict) -> Grid | None:
+    video = hidden_states_of(args, kwargs)
+    if video is None or video.ndim != 5:
+        return None
+    pt, ph, pw = model.config.patch_size
+    return (video.shape[2] // pt, video.shape[3] // ph, video.shape[4] // pw)
+
+
+def _tile_order_ok(args: tuple, kwargs: dict) -> bool:
+    timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+    return not (isinstance(timestep, torch.Tensor) and timestep.ndim == 2)
+
+
+SPEC = FamilySpec(
+    name="wan",
+    classes=("WanTransformer3DModel",),
+    stacks=("blocks",),
+    sites=_sites,
+    grid=_grid,
+    enter=("block", ""),
+    leave="norm_out",
+    rope=("rope", 1),
+    tile_order_ok=_tile_order_ok,
+    default_blocks=lambda stack, n: tuple(range(min(SKIP_FIRST, n // 2), n)),
+    video=True,
+)
+ADAPTER = EngineAdapter(SPEC)
