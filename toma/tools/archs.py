@@ -60,6 +60,38 @@ FLUX_DEV: dict[str, Any] = {
     "axes_dims_rope": (16, 56, 56),
 }
 
+SD35_MEDIUM: dict[str, Any] = {
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_layers": 24,
+    "attention_head_dim": 64,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048,
+    "pos_embed_max_size": 384,
+    "qk_norm": "rms_norm",
+    "dual_attention_layers": tuple(range(13)),
+}
+
+WAN21_1_3B: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 12,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 8960,
+    "num_layers": 30,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+}
+
 # Small stand-ins with the same structure, for tests.
 TINY_UNET: dict[str, Any] = {
     "sample_size": 16,
@@ -88,13 +120,38 @@ TINY_FLUX: dict[str, Any] = {
 }
 
 
+TINY_SD3: dict[str, Any] = {
+    "sample_size": 16, "patch_size": 2, "in_channels": 4, "out_channels": 4, "num_layers": 2,
+    "attention_head_dim": 8, "num_attention_heads": 2, "joint_attention_dim": 32, "caption_projection_dim": 16,
+    "pooled_projection_dim": 16, "pos_embed_max_size": 32, "dual_attention_layers": (0,),
+}
+
+TINY_WAN: dict[str, Any] = {
+    "patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4, "out_channels": 4,
+    "text_dim": 32, "freq_dim": 16, "ffn_dim": 32, "num_layers": 2, "rope_max_seq_len": 32,
+}
+
+# the config keys that count blocks, per family (what --depth divides)
+DEPTH_KEYS: dict[str, tuple[str, ...]] = {
+    "flux": ("num_layers", "num_single_layers"),
+    "sd3": ("num_layers",),
+    "wan": ("num_layers",),
+}
+# the block stacks of each transformer family, in the order of DEPTH_KEYS
+STACKS: dict[str, tuple[str, ...]] = {
+    "flux": ("transformer_blocks", "single_transformer_blocks"),
+    "sd3": ("transformer_blocks",),
+    "wan": ("blocks",),
+}
+
+
 @dataclass(frozen=True)
 class Arch:
     """One benchmarkable denoiser.
 
     Attributes:
         name: the ``--arch`` value.
-        family: ``"unet"`` or ``"flux"``.
+        family: ``"unet"``, ``"flux"``, ``"sd3"`` or ``"wan"``.
         config: constructor keyword arguments of the diffusers model class.
         resolution: default image resolution in pixels.
         text_tokens: prompt length the pipeline feeds the denoiser.
@@ -102,6 +159,8 @@ class Arch:
         pooled_dim: width of the pooled prompt embedding (SDXL text_embeds, Flux pooled), or 0.
         vae_scale: pixels per latent pixel.
         description: one line for the report.
+        aspect: width over height of the default frame (Wan's 480p is 832 x 480).
+        frames: video: default frames in pixels (latent frames are ``(frames - 1) / 4 + 1``); 0 for images.
     """
 
     name: str
@@ -113,6 +172,14 @@ class Arch:
     pooled_dim: int
     vae_scale: int
     description: str
+    aspect: float = 1.0
+    frames: int = 0
+
+    def size(self, resolution: int) -> tuple[int, int]:
+        """``(height, width)`` in pixels for ``resolution`` (the height), a multiple of
+        two latent pixels on each side."""
+        step = 2 * self.vae_scale
+        return resolution, max(step, round(resolution * self.aspect / step) * step)
 
 
 ARCHS: dict[str, Arch] = {
@@ -121,6 +188,17 @@ ARCHS: dict[str, Arch] = {
     "flux": Arch("flux", "flux", FLUX_DEV, 1024, 512, 4096, 768, 8, "Flux.1-dev transformer"),
     "tiny-unet": Arch("tiny-unet", "unet", TINY_UNET, 128, 8, 32, 0, 8, "tiny SD-like UNet (tests)"),
     "tiny-flux": Arch("tiny-flux", "flux", TINY_FLUX, 128, 8, 32, 16, 8, "tiny Flux-like transformer (tests)"),
+    "sd35": Arch("sd35", "sd3", SD35_MEDIUM, 1024, 333, 4096, 2048, 8, "SD3.5-Medium transformer"),
+    "wan": Arch("wan", "wan", WAN21_1_3B, 480, 512, 4096, 0, 8, "Wan 2.1 T2V 1.3B transformer", 832 / 480, 81),
+    "tiny-sd3": Arch("tiny-sd3", "sd3", TINY_SD3, 128, 8, 32, 16, 8, "tiny SD3-like transformer (tests)"),
+    "tiny-wan": Arch("tiny-wan", "wan", TINY_WAN, 64, 8, 32, 0, 8, "tiny Wan-like transformer (tests)", 1.0, 5),
+}
+
+_CLASSES = {
+    "unet": "UNet2DConditionModel",
+    "flux": "FluxTransformer2DModel",
+    "sd3": "SD3Transformer2DModel",
+    "wan": "WanTransformer3DModel",
 }
 
 
@@ -131,18 +209,21 @@ def get_arch(name: str) -> Arch:
     return ARCHS[name]
 
 
-def reduced_flux_config(config: dict[str, Any], depth: int) -> dict[str, Any]:
-    """Flux config with ``depth`` times fewer double- and single-stream blocks (at least one each).
+def reduced_config(family: str, config: dict[str, Any], depth: int) -> dict[str, Any]:
+    """A transformer config with ``depth`` times fewer blocks in every stack (at least one each).
 
     Width (heads, head size, MLP) is unchanged, so every block costs what a full one costs.
+    SD3.5's image-only second attention stays on the same share of the first blocks.
     """
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an int >= 1 (1 = full depth); got {depth!r}")
-    return {
-        **config,
-        "num_layers": max(1, round(config["num_layers"] / depth)),
-        "num_single_layers": max(1, round(config["num_single_layers"] / depth)),
-    }
+    if family not in DEPTH_KEYS:
+        raise ValueError(f"depth applies to transformers ({', '.join(DEPTH_KEYS)}); got depth={depth} for a {family}")
+    out = {**config, **{key: max(1, round(config[key] / depth)) for key in DEPTH_KEYS[family]}}
+    if config.get("dual_attention_layers"):
+        dual = round(len(config["dual_attention_layers"]) / depth)
+        out["dual_attention_layers"] = tuple(range(min(dual, out["num_layers"])))
+    return out
 
 
 def build_model(
@@ -157,16 +238,16 @@ def build_model(
 
     Args:
         arch: the architecture.
-        depth: Flux only: build ``depth`` times fewer blocks (see :func:`reduced_flux_config`).
+        depth: transformers: build ``depth`` times fewer blocks (see :func:`reduced_config`).
         model_path: a local directory or an already-cached hub id with real weights (looked up
             without network access, in ``unet/`` or ``transformer/`` or at the top level).
             None builds random weights from ``arch.config``.
         dtype, device: where the weights live.
         seed: seed of the random weights.
     """
-    from diffusers import FluxTransformer2DModel, UNet2DConditionModel
+    import diffusers
 
-    cls = UNet2DConditionModel if arch.family == "unet" else FluxTransformer2DModel
+    cls = getattr(diffusers, _CLASSES[arch.family])
     if model_path is not None:
         sub = "unet" if arch.family == "unet" else "transformer"
         errors = []
@@ -180,10 +261,8 @@ def build_model(
             raise FileNotFoundError(f"no {cls.__name__} weights found at --model {model_path!r} (no download is tried): {errors}")
         return model.to(device).eval()
     config = dict(arch.config)
-    if arch.family == "flux":
-        config = reduced_flux_config(config, depth)
-    elif depth != 1:
-        raise ValueError(f"depth applies to Flux only; got depth={depth} for {arch.name}")
+    if depth != 1 or arch.family in DEPTH_KEYS:
+        config = reduced_config(arch.family, config, depth)
     device = torch.device(device)
     forked = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked), device:
@@ -201,43 +280,60 @@ def make_inputs(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    frames: int | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of one denoiser call at ``resolution x resolution`` pixels.
+    """Keyword arguments of one denoiser call at ``resolution`` pixels high (see :meth:`Arch.size`).
 
     UNet: ``sample (B, 4, R/8, R/8)``, ``encoder_hidden_states (B, L, text_dim)``, plus SDXL's
     ``added_cond_kwargs``. Flux: packed latents ``hidden_states (B, (R/16)^2, 64)``, text
     ``(B, 512, 4096)``, ``pooled_projections (B, 768)``, ``img_ids``, ``txt_ids``, ``guidance``.
+    SD3: latents ``(B, 16, R/8, R/8)``, text, pooled. Wan: latents ``(B, 16, F', H/8, W/8)``
+    with ``F' = (frames - 1) / 4 + 1`` latent frames (``frames`` defaults to the arch's), text.
     The timestep is a placeholder; :func:`set_timestep` changes it per step.
     """
     g = torch.Generator().manual_seed(seed)
-    latent = resolution // arch.vae_scale
-    if latent < 2 or resolution % (2 * arch.vae_scale):
+    height, width = arch.size(resolution)
+    if height // arch.vae_scale < 2 or resolution % (2 * arch.vae_scale):
         raise ValueError(f"resolution must be a multiple of {2 * arch.vae_scale} pixels; got {resolution}")
+    lh, lw = height // arch.vae_scale, width // arch.vae_scale
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
     text = rand(batch, arch.text_tokens, arch.text_dim)
+    channels = arch.config["in_channels"]
     if arch.family == "unet":
         inputs: dict[str, Any] = {
-            "sample": rand(batch, arch.config["in_channels"], latent, latent),
+            "sample": rand(batch, channels, lh, lw),
             "timestep": torch.tensor(999.0, device=device),
             "encoder_hidden_states": text,
         }
         if arch.config.get("addition_embed_type") == "text_time":
-            size = [float(resolution), float(resolution), 0.0, 0.0, float(resolution), float(resolution)]
+            size = [float(height), float(width), 0.0, 0.0, float(height), float(width)]
             inputs["added_cond_kwargs"] = {
                 "text_embeds": rand(batch, arch.pooled_dim),
                 "time_ids": torch.tensor([size] * batch, device=device, dtype=dtype),
             }
         return inputs
+    timestep = torch.full((batch,), 999.0, device=device, dtype=dtype)
+    if arch.family == "sd3":
+        return {
+            "hidden_states": rand(batch, channels, lh, lw),
+            "encoder_hidden_states": text,
+            "pooled_projections": rand(batch, arch.pooled_dim),
+            "timestep": timestep,
+            "return_dict": False,
+        }
+    if arch.family == "wan":
+        count = latent_frames(arch, frames)
+        return {"hidden_states": rand(batch, channels, count, lh, lw), "timestep": timestep, "encoder_hidden_states": text, "return_dict": False}
     # Flux packs 2x2 latent patches into one token
-    side = latent // 2
-    ids = torch.zeros(side, side, 3)
-    ids[..., 1] = torch.arange(side)[:, None]
-    ids[..., 2] = torch.arange(side)[None, :]
+    th, tw = lh // 2, lw // 2
+    ids = torch.zeros(th, tw, 3)
+    ids[..., 1] = torch.arange(th)[:, None]
+    ids[..., 2] = torch.arange(tw)[None, :]
     return {
-        "hidden_states": rand(batch, side * side, arch.config["in_channels"]),
+        "hidden_states": rand(batch, th * tw, channels),
         "encoder_hidden_states": text,
         "pooled_projections": rand(batch, arch.pooled_dim),
         "timestep": torch.full((batch,), 1.0, device=device, dtype=dtype),
@@ -248,11 +344,24 @@ def make_inputs(
     }
 
 
+def latent_frames(arch: Arch, frames: int | None = None) -> int:
+    """Latent frames of a video arch for ``frames`` pixel frames (its default if None): the
+    VAE keeps the first frame and compresses the rest 4x in time. 1 for images."""
+    if not arch.frames:
+        if frames not in (None, 0, 1):
+            raise ValueError(f"frames applies to video archs; {arch.name} draws images")
+        return 1
+    frames = arch.frames if frames is None else frames
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % 4:
+        raise ValueError(f"frames must be 1 + 4k (the video VAE keeps the first frame and compresses 4 into 1); got {frames!r}")
+    return (frames - 1) // 4 + 1
+
+
 def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> dict[str, Any]:
     """``inputs`` at denoising step ``step`` of ``steps`` (timesteps decrease, as in a sampler)."""
     frac = 1.0 - step / max(steps, 1)
     t = inputs["timestep"]
-    value = 999.0 * frac if arch.family == "unet" else max(frac, 1e-3)
+    value = max(frac, 1e-3) if arch.family == "flux" else 999.0 * frac
     return {**inputs, "timestep": torch.full_like(t, value)}
 
 
@@ -261,18 +370,30 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def token_grid(arch: Arch, resolution: int) -> tuple[int, int]:
-    """Token grid of the first attention level (UNet at downsample 1, Flux image tokens)."""
-    latent = resolution // arch.vae_scale
-    side = latent // 2 if arch.family == "flux" else latent
-    return side, side
+def token_grid(arch: Arch, resolution: int, frames: int | None = None) -> tuple[int, ...]:
+    """Token grid of the first attention level: ``(h, w)`` for images (UNet at downsample 1,
+    transformer image tokens), ``(t, h, w)`` for video."""
+    height, width = arch.size(resolution)
+    h, w = height // arch.vae_scale, width // arch.vae_scale
+    if arch.family != "unet":
+        h, w = h // 2, w // 2
+    return (latent_frames(arch, frames), h, w) if arch.frames else (h, w)
 
 
-def flux_merged_blocks(count: int, full_count: int, skip: int = 5) -> tuple[int, ...]:
+def merged_blocks(count: int, full_count: int, skip: int = 5) -> tuple[int, ...]:
     """Merged block indices when ``count`` of ``full_count`` blocks are built: the default
     skip of the first ``skip`` blocks, scaled by ``count / full_count`` (at least one merged)."""
     scaled = min(count - 1, math.floor(skip * count / full_count + 0.5))
     return tuple(range(max(scaled, 0), count))
+
+
+def default_placement(arch: Arch, model: torch.nn.Module) -> dict[str, Any]:
+    """ToMA's default placement on a (possibly reduced-depth) transformer, as ``blocks``:
+    the full model's skip of the first 5 blocks per stack, scaled to the blocks built."""
+    if arch.family not in STACKS:
+        return {}
+    full = dict(zip(STACKS[arch.family], (arch.config[k] for k in DEPTH_KEYS[arch.family])))
+    return {"blocks": {s: merged_blocks(len(getattr(model, s)), full[s]) for s in STACKS[arch.family]}}
 
 
 def call_denoiser(arch: Arch, model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
@@ -285,3 +406,11 @@ def call_denoiser(arch: Arch, model: torch.nn.Module, inputs: dict[str, Any]) ->
         rest = {k: v for k, v in inputs.items() if k not in ("sample", "timestep")}
         return model(inputs["sample"], inputs["timestep"], return_dict=False, **rest)
     return model(**inputs)
+
+
+# TEMPORARY (until the bench split lands): the old names
+flux_merged_blocks = merged_blocks
+
+
+def reduced_flux_config(config: dict[str, Any], depth: int) -> dict[str, Any]:
+    return reduced_config("flux", config, depth)
