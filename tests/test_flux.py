@@ -129,14 +129,14 @@ def test_bf16(flux):
 def test_tile_order_forward_matches_raster_order(flux, monkeypatch, proportional):
     # From the patch embedding to the final norm the image tokens run in tile order (with
     # their rotary rows): the same maths as raster order with per-block reordering.
-    from toma.adapters import flux as flux_adapter
+    from toma.adapters import engine
 
     kw = flux_inputs(2, 8, 12)
     with torch.no_grad():
         ref = flux(**kw).sample
     conversions = []
-    real = flux_adapter.tile_order
-    monkeypatch.setattr(flux_adapter, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
+    real = engine.tile_order
+    monkeypatch.setattr(engine, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
     # patched before applying: the hooks take the reordering function when they are made
     toma.apply_toma(flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1), proportional_attention=proportional)
     with torch.no_grad():
@@ -154,12 +154,11 @@ def test_tile_order_forward_matches_raster_order(flux, monkeypatch, proportional
 
 
 def test_controlnet_residuals_keep_raster_order(flux, monkeypatch):
-    from toma.adapters import flux as flux_adapter
+    from toma.adapters import engine
 
     kw = flux_inputs(1, 8, 8)
     residual = [torch.randn(1, 64, flux.inner_dim)]
-    # patched before applying: the hooks take the reordering function when they are made
-    monkeypatch.setattr(flux_adapter, "tile_order", lambda x, lay: pytest.fail("reordered a controlled forward"))
+    monkeypatch.setattr(engine, "tile_order", lambda x, lay: pytest.fail("reordered a controlled forward"))
     toma.apply_toma(flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
     with torch.no_grad():
         plain = flux(**kw, controlnet_block_samples=residual).sample

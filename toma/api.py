@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +99,8 @@ def apply_toma(
     remove_toma(model)
     patch = ToMAPatch(cfg, name, targets, skipped, PlanCache(cfg, adapter.tile_frames(cfg)), _adapter=adapter)
     setattr(model, _ATTR, patch)
+    # copy.deepcopy looks __deepcopy__ up on the instance: see _deepcopy_patched
+    model.__dict__["__deepcopy__"] = functools.partial(_deepcopy_patched, model)
     try:
         patch._hooked = adapter.attach(model, targets, patch.cache)
     except BaseException:
@@ -145,3 +149,21 @@ def _detach(model: torch.nn.Module, patch: ToMAPatch, everything: bool) -> None:
     patch.cache.reset()
     if getattr(model, _ATTR, None) is patch:
         delattr(model, _ATTR)
+        model.__dict__.pop("__deepcopy__", None)
+
+
+def _deepcopy_patched(model: torch.nn.Module, memo: dict) -> torch.nn.Module:
+    """``copy.deepcopy`` of a patched denoiser: an independent copy with its own ToMA.
+
+    diffusers' hooks live in closures over the original module, which a plain deep copy
+    shares, so that the copy would run the original's weights and fill its plan cache.
+    Instead the model is copied unpatched and both are patched again with the same settings.
+    """
+    patch = getattr(model, _ATTR)
+    _detach(model, patch, everything=False)
+    try:
+        clone = copy.deepcopy(model, memo)
+    finally:
+        apply_toma(model, config=patch.config)
+    apply_toma(clone, config=patch.config)
+    return clone

@@ -22,7 +22,9 @@ Text tokens are never merged: only a call's image hidden states are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import inspect
+import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -33,7 +35,9 @@ from toma.core.plan import Plan, PlanCache, profiled
 from toma.core.tiling import TileLayout, raster_order, tile_order
 
 Grid = tuple[int, int, int]
-GridReader = Callable[[torch.nn.Module, tuple, dict], "Grid | None"]
+# reads the token grid from the model and the named arguments of its forward call; None
+# (or a reason, which is shown once as a warning) when the call cannot merge
+GridReader = Callable[[torch.nn.Module, dict], "Grid | str | None"]
 
 
 @dataclass(frozen=True)
@@ -87,8 +91,9 @@ class FamilySpec:
             matching imports no model code).
         stacks: attribute names of the block lists, in call order.
         sites: the mergeable sub-modules of a block, given the stack name and the block.
-        grid: reads the ``(t, h, w)`` token grid from the model's forward arguments, or
-            None when it cannot (the forward then runs unmerged).
+        grid: reads the ``(t, h, w)`` token grid from the model and its forward call's
+            arguments by name (positional ones included), or None when the call cannot be
+            merged (the forward then runs unmerged).
         enter: where tokens enter the blocks: ``("output", path)`` for a module whose
             output is the ``(B, N, C)`` tokens, or ``("block", "")`` for the first block's
             ``hidden_states`` input.
@@ -99,8 +104,8 @@ class FamilySpec:
             None.
         raster_kwargs: forward keywords that add raster-ordered residuals between blocks;
             a call that passes one runs in raster order.
-        tile_order_ok: optional check of the forward's arguments; False keeps raster order
-            (e.g. per-token modulation laid out over the raster sequence).
+        tile_order_ok: optional check of the forward's named arguments; False keeps raster
+            order (e.g. per-token modulation laid out over the raster sequence).
         default_blocks: the block indices merged by default in each stack, given the
             stack name and its length.
         video: whether tiles span frames by default (``tile_frames``).
@@ -115,7 +120,7 @@ class FamilySpec:
     leave: str
     rope: tuple[str, int] | None = None
     raster_kwargs: tuple[str, ...] = ()
-    tile_order_ok: Callable[[tuple, dict], bool] | None = None
+    tile_order_ok: Callable[[dict], bool] | None = None
     default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
     video: bool = False
 
@@ -171,23 +176,37 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
     return targets, skipped
 
 
-def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
-    """Register the engine's hooks; returns every module that got one (for removal)."""
+def order_hooks(spec: FamilySpec, model: torch.nn.Module, cache: PlanCache) -> tuple[TileState, list[tuple[torch.nn.Module, Hook]]]:
+    """The hooks every family needs: the step hook on the model, the reorderings where
+    tokens enter and leave the blocks, and the rotary tables' reordering. Not registered."""
     order = TileState()
-    first_stack = next(getattr(model, s) for s in spec.stacks if len(getattr(model, s)))
     kind, path = spec.enter
-    hooks: list[tuple[torch.nn.Module, Any]] = [
+    if kind == "block":
+        entry = next(getattr(model, s) for s in spec.stacks if len(getattr(model, s)))[0]
+    else:
+        entry = model.get_submodule(path)
+    hooks: list[tuple[torch.nn.Module, Hook]] = [
         (model, StepHook(spec, cache, order)),
-        (first_stack[0] if kind == "block" else model.get_submodule(path), Reorder(order, enter=True, on_output=kind == "output")),
+        (entry, Reorder(order, enter=True, on_output=kind == "output")),
         (model.get_submodule(spec.leave), Reorder(order, enter=False, on_output=False)),
     ]
     if spec.rope is not None:
         hooks.append((model.get_submodule(spec.rope[0]), RotaryToTileOrder(order, spec.rope[1])))
-    for target in targets:
-        hooks.append((target.module, MergeHook(cache, 1, order, site=target.site)))
+    return order, hooks
+
+
+def register(hooks: list[tuple[torch.nn.Module, Hook]]) -> list[torch.nn.Module]:
+    """Register ``hooks`` under toma's hook name; returns the hooked modules (for removal)."""
     for module, hook in hooks:
         registry_of(module).register_hook(hook, HOOK_NAME)
     return [module for module, _ in hooks]
+
+
+def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
+    """Register the engine's hooks; returns every module that got one (for removal)."""
+    order, hooks = order_hooks(spec, model, cache)
+    hooks += [(target.module, MergeHook(cache, 1, order, site=target.site)) for target in targets]
+    return register(hooks)
 
 
 class EngineAdapter:
@@ -232,14 +251,20 @@ class StepHook(Hook):
         self.spec = spec
         self.cache = cache
         self.order = order
+        self._warned: set[str] = set()
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        grid = self.spec.grid(module, args, kwargs)
-        timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
-        self.cache.begin_forward(grid if grid is not None else (0, 0, 0), step_timestep(self.cache, timestep))
-        raster = grid is None or any(kwargs.get(k) is not None for k in self.spec.raster_kwargs)
+        named = named_arguments(module, args, kwargs)
+        grid = self.spec.grid(module, named)
+        if isinstance(grid, str):  # a reason why this call cannot merge: say it, once
+            if grid not in self._warned:
+                self._warned.add(grid)
+                warnings.warn(f"ToMA: {grid}; such calls run unmerged", stacklevel=4)
+            grid = None
+        self.cache.begin_forward(grid if grid is not None else (0, 0, 0), step_timestep(self.cache, named.get("timestep")))
+        raster = grid is None or any(named.get(k) is not None for k in self.spec.raster_kwargs)
         if not raster and self.spec.tile_order_ok is not None:
-            raster = not self.spec.tile_order_ok(args, kwargs)
+            raster = not self.spec.tile_order_ok(named)
         self.order.layout = None if raster else self.cache.tile_order_layout(grid)
         return args, kwargs
 
@@ -286,10 +311,20 @@ class RotaryToTileOrder(Hook):
         key = (text, layout, table.device)
         rows = self._rows.get(key)
         if rows is None:  # built on the device once per grid: no host-to-device copy per step
-            image = tile_order(torch.arange(layout.num_tokens, device=table.device)[None, :, None], layout).flatten()
-            rows = self._rows[key] = torch.cat([torch.arange(text, device=table.device), image + text])
+            rows = self._rows[key] = rotary_rows(layout, text, table.device)
         with profiled("toma::merge"):
             return tuple(t.index_select(self.seq_dim, rows) for t in output)
+
+
+def rotary_rows(layout: TileLayout, text: int, device: torch.device) -> torch.Tensor:
+    """Row order that puts the image rows of a ``(text + N, ...)`` table in tile order, text first.
+
+    Made as an ordinary tensor even under inference_mode: it is kept for later calls, which
+    may train and save it for backward.
+    """
+    with torch.inference_mode(False):
+        image = tile_order(torch.arange(layout.num_tokens, device=device)[None, :, None], layout).flatten()
+        return torch.cat([torch.arange(text, device=device), image + text])
 
 
 class MergeHook(Hook):
@@ -368,6 +403,26 @@ def replace_arg(args: tuple, kwargs: dict, name: str, index: int | None, value: 
     if index is not None and len(args) > index:
         return (*args[:index], value, *args[index + 1 :]), kwargs
     return args, {**kwargs, name: value}
+
+
+def named_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by parameter name of the module's ``forward``, positional ones
+    included (a model called positionally must merge as one called by keyword)."""
+    if not args:
+        return kwargs
+    names = _parameter_names(type(module))
+    return {**dict(zip(names, args)), **kwargs}
+
+
+_PARAMETERS: dict[type, tuple[str, ...]] = {}  # a cache of class signatures, not state
+
+
+def _parameter_names(cls: type) -> tuple[str, ...]:
+    names = _PARAMETERS.get(cls)
+    if names is None:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+        names = _PARAMETERS[cls] = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return names
 
 
 def hidden_states_of(args: tuple, kwargs: dict) -> torch.Tensor | None:

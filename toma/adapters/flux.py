@@ -15,16 +15,19 @@ takes the rotary position of its destination.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import math
+import warnings
+from dataclasses import replace
+from typing import Any
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxTransformer2DModel
 
-from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, registry_of, step_timestep
+from toma.adapters.base import Hook, Patched, Skipped
+from toma.adapters.engine import FamilySpec, Grid, TileState, chosen_blocks, order_hooks, register
 from toma.config import ToMAConfig
-from toma.core.plan import Plan, PlanCache, profiled
-from toma.core.tiling import TileLayout, raster_order, tile_order
+from toma.core.plan import Plan, PlanCache
 
 DEFAULT_SKIP = 5  # the authors leave the first 5 double and 5 single blocks unmerged
 
@@ -41,23 +44,25 @@ def default_blocks(count: int) -> tuple[int, ...]:
 
 def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
     """List the blocks to merge (and those skipped, with why). Touches nothing."""
+    aliases = {"transformer_blocks": config.flux_double_blocks, "single_transformer_blocks": config.flux_single_blocks}
+    if config.blocks is not None and any(v is not None for v in aliases.values()):
+        raise ValueError("give blocks or flux_double_blocks/flux_single_blocks, not both (they say the same)")
+    if config.blocks is None:
+        counts = {stack: len(getattr(model, stack)) for stack in aliases}
+        for (stack, chosen), option in zip(aliases.items(), ("flux_double_blocks", "flux_single_blocks")):
+            bad = [i for i in chosen or () if i >= counts[stack]]
+            if bad:
+                raise ValueError(f"{option} must hold indices in [0, {counts[stack] - 1}]; got {bad}")
+        chosen = {stack: default_blocks(counts[stack]) if v is None else v for stack, v in aliases.items()}
+        config = replace(config, blocks=chosen)
     targets: list[Patched] = []
     skipped: list[Skipped] = []
-    streams = [
-        ("transformer_blocks", "flux_double_blocks", config.flux_double_blocks, "double"),
-        ("single_transformer_blocks", "flux_single_blocks", config.flux_single_blocks, "single"),
-    ]
-    for attr, option, chosen, stream in streams:
-        blocks = getattr(model, attr)
-        if chosen is None:
-            chosen = default_blocks(len(blocks))
-        bad = [i for i in chosen if i >= len(blocks)]
-        if bad:
-            raise ValueError(f"{option} must hold indices in [0, {len(blocks) - 1}]; got {bad}")
-        for i, block in enumerate(blocks):
-            name = f"{attr}.{i}"
-            if i not in chosen:
-                skipped.append(Skipped(name, f"not in {option}"))
+    for stack, indices in chosen_blocks(SPEC, model, config).items():
+        stream = "double" if stack == "transformer_blocks" else "single"
+        for i, block in enumerate(getattr(model, stack)):
+            name = f"{stack}.{i}"
+            if i not in indices:
+                skipped.append(Skipped(name, "not among the merged blocks"))
             elif type(_original_processor(block)) is not FluxAttnProcessor:
                 kind = type(_original_processor(block)).__name__
                 skipped.append(Skipped(name, f"attention processor {kind} is not FluxAttnProcessor"))
@@ -68,24 +73,16 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
 
 def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register hooks and processors; returns every module that got a hook (for removal)."""
-    order = _ImageOrder()
-    hooks: list[tuple[torch.nn.Module, Hook]] = [
-        (model, _FluxStepHook(cache, order)),
-        (model.x_embedder, _Reorder(order, tile_order, "merge")),
-        (model.pos_embed, _RotaryToTileOrder(order)),
-        (model.norm_out, _Reorder(order, raster_order, "unmerge")),
-    ]
+    order, hooks = order_hooks(replace(SPEC, grid=_IdsGrid()), model, cache)
     for target in targets:
         block = target.module
-        if target.where.startswith("double"):
-            block.attn.set_processor(_MergedFluxProcessor(cache, block.attn.processor, None, order))
-            continue
-        state = _SingleBlockState()
-        block.attn.set_processor(_MergedFluxProcessor(cache, block.attn.processor, state, order))
-        hooks += [(block.norm, _SingleMergeHook(cache, state, order)), (block.proj_out, _SingleUnmergeHook(state))]
-    for module, hook in hooks:
-        registry_of(module).register_hook(hook, HOOK_NAME)
-    return [module for module, _ in hooks]
+        state = _SingleBlockState() if target.where.startswith("single") else None
+        processor = _MergedFluxProcessor(cache, block.attn.processor, state, order)
+        block.attn.set_processor(processor)
+        hooks.append((block, _ProcessorWatch(target.name, processor, state)))
+        if state is not None:
+            hooks += [(block.norm, _SingleMergeHook(cache, state, order)), (block.proj_out, _SingleUnmergeHook(state))]
+    return register(hooks)
 
 
 def detach(targets: list[Patched]) -> None:
@@ -109,51 +106,30 @@ def image_grid(img_ids: torch.Tensor) -> tuple[int, int]:
     return int(last[0] - first[0]) + 1, int(last[1] - first[1]) + 1
 
 
-class _ImageOrder:
-    """The tile layout the image tokens of the running forward are in, or None (raster).
+class _IdsGrid:
+    """Reads the image token grid from ``img_ids``; one per patched model.
 
-    Every Flux block is indifferent to the order of the image tokens as long as their
-    rotary positions follow them, so a forward may run in tile order from the patch
-    embedding to the final norm; merging and unmerging are then matmuls on views, with two
-    reorderings per forward instead of two per merged block.
+    Reading the ids waits for the GPU; pipelines pass the same ids tensor at every step, so
+    they are read once per denoising run rather than once per forward.
     """
 
     def __init__(self) -> None:
-        self.layout: TileLayout | None = None
-
-
-class _FluxStepHook(Hook):
-    """Records the image token grid (from ``img_ids``) and the timestep at each forward,
-    and decides whether the forward runs in tile order."""
-
-    def __init__(self, cache: PlanCache, order: _ImageOrder) -> None:
-        super().__init__()
-        self.cache = cache
-        self.order = order
         self._known: tuple[torch.Tensor, int, tuple[int, int]] | None = None  # (ids, version, grid)
 
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        img_ids = kwargs.get("img_ids")
-        grid = self._grid(img_ids) if img_ids is not None else (0, 0)
-        # grids we cannot read (extra conditioning tokens, odd ids) simply get no merging
-        if grid[0] * grid[1] != hidden.shape[1]:
-            grid = (0, 0)
-        self.cache.begin_forward(grid, step_timestep(self.cache, kwargs.get("timestep")))
-        # ControlNet residuals are added in raster order between blocks: stay in raster order
-        controlled = any(kwargs.get(k) is not None for k in ("controlnet_block_samples", "controlnet_single_block_samples"))
-        self.order.layout = None if controlled or grid[0] * grid[1] == 0 else self.cache.tile_order_layout(grid)
-        return args, kwargs
-
-    def _grid(self, img_ids: torch.Tensor) -> tuple[int, int]:
-        # Reading the ids waits for the GPU; pipelines pass the same ids tensor at every
-        # step, so they are read once per denoising run rather than once per forward.
+    def __call__(self, model: torch.nn.Module, call: dict) -> Grid | str | None:
+        hidden, img_ids = call.get("hidden_states"), call.get("img_ids")
+        if hidden is None or img_ids is None:
+            return "a Flux call without img_ids gives no token grid"
+        if (call.get("joint_attention_kwargs") or {}).get("attention_mask") is not None:
+            return "joint_attention_kwargs has an attention_mask, laid out over the unmerged sequence"
         known = self._known
         if known is not None and known[0] is img_ids and known[1] == _version(img_ids):
-            return known[2]
-        grid = image_grid(img_ids)
-        self._known = (img_ids, _version(img_ids), grid)
-        return grid
+            grid = known[2]
+        else:
+            grid = image_grid(img_ids)
+            self._known = (img_ids, _version(img_ids), grid)
+        # grids we cannot read (extra conditioning tokens, odd ids) simply get no merging
+        return (1, *grid) if grid[0] * grid[1] == hidden.shape[1] else None
 
 
 def _version(t: torch.Tensor) -> int:
@@ -161,48 +137,18 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-class _Reorder(Hook):
-    """Reorders a module's image-token output ``(B, N, C)`` when the forward runs in tile order.
-
-    On the patch embedding with ``tile_order`` (counted as merging), on the final norm with
-    ``raster_order`` (counted as unmerging).
-    """
-
-    def __init__(self, order: _ImageOrder, reorder: Callable[[torch.Tensor, TileLayout], torch.Tensor], part: str) -> None:
-        super().__init__()
-        self.order = order
-        self.reorder = reorder
-        self.part = part
-
-    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        layout = self.order.layout
-        if layout is None:
-            return output
-        with profiled(f"toma::{self.part}"):  # reordering is part of what merging costs
-            return self.reorder(output, layout)
-
-
-class _RotaryToTileOrder(Hook):
-    """On the rotary embedding: the image rows of the ``(text + N, D)`` tables to tile order."""
-
-    def __init__(self, order: _ImageOrder) -> None:
-        super().__init__()
-        self.order = order
-        self._rows: dict[tuple[int, TileLayout, torch.device], torch.Tensor] = {}
-
-    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        layout = self.order.layout
-        if layout is None:
-            return output
-        table = output[0]
-        text = table.shape[0] - layout.num_tokens
-        key = (text, layout, table.device)
-        rows = self._rows.get(key)
-        if rows is None:  # built on the device once per grid: no host-to-device copy per step
-            image = tile_order(torch.arange(layout.num_tokens, device=table.device)[None, :, None], layout).flatten()
-            rows = self._rows[key] = torch.cat([torch.arange(text, device=table.device), image + text])
-        with profiled("toma::merge"):
-            return tuple(t.index_select(0, rows) for t in output)
+SPEC = FamilySpec(
+    name="flux",
+    classes=("FluxTransformer2DModel",),
+    stacks=("transformer_blocks", "single_transformer_blocks"),
+    sites=lambda stack, block: [],  # merged by the processor and hooks below, not by engine sites
+    grid=_IdsGrid,  # replaced by a fresh reader per patched model
+    enter=("output", "x_embedder"),
+    leave="norm_out",
+    rope=("pos_embed", 0),
+    # ControlNet residuals are added in raster order between blocks
+    raster_kwargs=("controlnet_block_samples", "controlnet_single_block_samples"),
+)
 
 
 class _SingleBlockState:
@@ -212,12 +158,38 @@ class _SingleBlockState:
         self.plan: Plan | None = None
         self.text_len = 0
         self.tiled = False
+        self.active = True  # False once the block's attention processor was replaced
+
+
+class _ProcessorWatch(Hook):
+    """On a merged block: notices when its attention processor was replaced after
+    :func:`toma.apply_toma` (``set_attn_processor``). The block then runs unmerged with the
+    new processor, and a warning says so once."""
+
+    def __init__(self, name: str, processor: Any, state: _SingleBlockState | None) -> None:
+        self.name = name
+        self.processor = processor
+        self.state = state
+        self._warned = False
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        active = module.attn.processor is self.processor
+        if self.state is not None:
+            self.state.active = active
+        if not active and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"ToMA: the attention processor of {self.name} was replaced after apply_toma; the block "
+                "runs unmerged. Call toma.apply_toma again to merge with the new processor.",
+                stacklevel=3,
+            )
+        return args, kwargs
 
 
 class _SingleMergeHook(Hook):
     """On the single-stream norm: merges the image part of the normalised tokens."""
 
-    def __init__(self, cache: PlanCache, state: _SingleBlockState, order: _ImageOrder) -> None:
+    def __init__(self, cache: PlanCache, state: _SingleBlockState, order: TileState) -> None:
         super().__init__()
         self.cache = cache
         self.state = state
@@ -227,9 +199,12 @@ class _SingleMergeHook(Hook):
         normed, gate = output
         grid = self.cache.grid_at(1)
         self.state.plan = None
-        if grid is None or grid[0] * grid[1] == 0 or normed.shape[1] <= grid[0] * grid[1]:
+        if not self.state.active:
             return output
-        text_len = normed.shape[1] - grid[0] * grid[1]
+        tokens = 0 if grid is None else math.prod(grid)
+        if tokens == 0 or normed.shape[1] <= tokens:
+            return output
+        text_len = normed.shape[1] - tokens
         tiled = self.order.layout is not None
         plan = self.cache.get(normed[:, text_len:], grid, group="single", tiled=tiled)
         if plan is None:
@@ -261,7 +236,7 @@ class _MergedFluxProcessor:
     an attention mask).
     """
 
-    def __init__(self, cache: PlanCache, original: Any, single: _SingleBlockState | None, order: _ImageOrder) -> None:
+    def __init__(self, cache: PlanCache, original: Any, single: _SingleBlockState | None, order: TileState) -> None:
         self.cache = cache
         self.original = original
         self.single = single

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Site, hidden_states_of
+from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Site
 
 SKIP_FIRST = 5  # as the authors do for Flux; not yet measured on SD3
 
@@ -24,8 +24,8 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return sites
 
 
-def _grid(model: torch.nn.Module, args: tuple, kwargs: dict) -> Grid | None:
-    latents = hidden_states_of(args, kwargs)
+def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
+    latents = call.get("hidden_states")
     p = model.config.patch_size
     if latents is None or latents.ndim != 4:
         return None

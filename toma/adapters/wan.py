@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, hidden_states_of
+from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site
 
 SKIP_FIRST = 5  # as the authors do for Flux; not yet measured on Wan
 
@@ -33,16 +33,16 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     ]
 
 
-def _grid(model: torch.nn.Module, args: tuple, kwargs: dict) -> Grid | None:
-    video = hidden_states_of(args, kwargs)
+def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
+    video = call.get("hidden_states")
     if video is None or video.ndim != 5:
         return None
     pt, ph, pw = model.config.patch_size
     return (video.shape[2] // pt, video.shape[3] // ph, video.shape[4] // pw)
 
 
-def _tile_order_ok(args: tuple, kwargs: dict) -> bool:
-    timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+def _tile_order_ok(call: dict) -> bool:
+    timestep = call.get("timestep")
     return not (isinstance(timestep, torch.Tensor) and timestep.ndim == 2)
 
 

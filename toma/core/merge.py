@@ -61,7 +61,9 @@ def assignment(
     if temperature == 0:
         a = F.one_hot(logits.argmax(-2), dest.shape[-1]).transpose(-1, -2).to(sim.dtype)
     else:
-        a = torch.softmax(logits / temperature, dim=-2)
+        # shifted so that the best destination sits at 0: a tiny temperature then sends
+        # the others to -inf rather than every logit to +-inf (which would give NaN)
+        a = torch.softmax((logits - logits.amax(-2, keepdim=True)) / temperature, dim=-2)
     if token_mask is not None:
         a = a * token_mask.unsqueeze(-2).to(a.dtype)
     return a

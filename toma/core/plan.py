@@ -147,6 +147,24 @@ def build_plan(
         generator: random source for ``selection="random"``.
         index: the layout's :func:`toma.core.tiling.layout_index` on ``tiles.device``, if already built.
     """
+    # Plans are constants for autograd: no gradient flows through the choice of destinations
+    # or the merge weights (the tokens still get theirs through the merge itself). So a
+    # plan holds no graph: it can be reused across training steps, and a checkpointed block
+    # saves the same tensors when it recomputes with the cached plan. Non-finite tokens
+    # count as zero vectors, so that one bad sample cannot turn a plan shared with the
+    # rest of its batch into NaNs.
+    with torch.no_grad():
+        return _build_plan(torch.nan_to_num(tiles.detach(), nan=0.0, posinf=0.0, neginf=0.0), layout, config, dtype, generator, index)
+
+
+def _build_plan(
+    tiles: torch.Tensor,
+    layout: TileLayout,
+    config: ToMAConfig,
+    dtype: torch.dtype,
+    generator: torch.Generator | None,
+    index: LayoutIndex | None,
+) -> Plan:
     device = tiles.device
     k = layout.slots
     index = index if index is not None else layout_index(layout, device)
@@ -217,6 +235,7 @@ class PlanCache:
         self._layouts: dict[tuple[int, ...], TileLayout] = {}
         self._indices: dict[tuple[tuple[int, ...], torch.device], LayoutIndex] = {}
         self._generator: torch.Generator | None = None
+        self._inference = False
 
     @torch.compiler.disable
     def begin_forward(self, base_grid: tuple[int, ...], timestep: float | None) -> None:
@@ -226,7 +245,9 @@ class PlanCache:
         previous run are dropped so that they never carry over to another image.
         """
         new_run = timestep is None or self._last_timestep is None or timestep >= self._last_timestep
-        if new_run or base_grid != self.base_grid:
+        # plans made under inference_mode are inference tensors, which autograd cannot save
+        inference = torch.is_inference_mode_enabled()
+        if new_run or base_grid != self.base_grid or inference != self._inference:
             self._plans.clear()
             self.step = 0
         else:
@@ -238,6 +259,7 @@ class PlanCache:
             self._plans = {k: (age + 1, p) for k, (age, p) in self._plans.items() if age + 1 < every}
         self.base_grid = base_grid
         self._last_timestep = timestep
+        self._inference = inference
 
     def reset(self) -> None:
         """Forget every plan and the step count."""
@@ -287,7 +309,10 @@ class PlanCache:
         tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout)
         index = self._indices.get((grid, x.device))
         if index is None:
-            index = self._indices[(grid, x.device)] = layout_index(layout, x.device)
+            # kept for every later call: made as ordinary tensors even under inference_mode,
+            # so that a training call after an inference call may save them for backward
+            with torch.inference_mode(False):
+                index = self._indices[(grid, x.device)] = layout_index(layout, x.device)
         plan = build_plan(tiles, layout, self.config, x.dtype, self._random(x.device), index)
         self._plans[key] = (0, plan)  # (age in steps, plan)
         return plan

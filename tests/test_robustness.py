@@ -1,0 +1,148 @@
+"""ToMA beyond plain inference: training, checkpointing, copies, odd calls and settings."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import toma
+from tests.conftest import flux_inputs, make_flux, make_sd15_unet, make_wan, unet_inputs, wan_inputs
+
+FLUX_ALL = dict(flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
+
+
+def train_step(model, kw, out="sample"):
+    """One forward and backward; returns the loss and the parameters' gradients."""
+    model.zero_grad()
+    loss = getattr(model(**kw), out).square().mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("family", ["unet", "flux", "wan"])
+def test_gradient_checkpointing_matches_plain_backward(family):
+    make, kw, opts = {
+        "unet": (make_sd15_unet, unet_inputs(2, 16, 16, False), {}),
+        "flux": (make_flux, flux_inputs(2, 8, 8), FLUX_ALL),
+        "wan": (make_wan, wan_inputs(2, 2, 8, 8), {"blocks": {"blocks": range(3)}}),
+    }[family]
+    model = make().train()
+    toma.apply_toma(model, ratio=0.5, merge_mlp=family != "flux", **opts)
+    loss, grads = train_step(model, kw)
+    model.enable_gradient_checkpointing()
+    ckpt_loss, ckpt_grads = train_step(model, kw)  # failed: "a different number of tensors was saved"
+    torch.testing.assert_close(ckpt_loss, loss)
+    assert len(ckpt_grads) == len(grads)
+    for a, b in zip(ckpt_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_plans_kept_across_steps_hold_no_graph():
+    # recompute_every=2 reuses a step's plans at the next step: a training loop's second
+    # backward failed with "backward through the graph a second time"
+    unet = make_sd15_unet().train()
+    toma.apply_toma(unet, ratio=0.5, recompute_every=2)
+    kw = unet_inputs(1, 16, 16, False)
+    for t in (900, 800, 700):
+        loss, grads = train_step(unet, {**kw, "timestep": torch.tensor(t)})
+        assert torch.isfinite(loss) and grads
+
+
+def test_training_after_an_inference_mode_call():
+    # index tensors cached under inference_mode could not be saved for backward
+    unet = make_sd15_unet()
+    toma.apply_toma(unet, ratio=0.5, merge_mlp=True)
+    kw = unet_inputs(1, 10, 14, False)  # a grid the 4x4 tiles do not divide: padded tiles
+    with torch.inference_mode():
+        unet(**kw)
+    unet.train()
+    loss, grads = train_step(unet, kw)
+    assert torch.isfinite(loss) and grads
+
+
+def test_flux_called_positionally_merges():
+    model = make_flux()
+    kw = flux_inputs(1, 8, 8)
+    order = ["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids", "txt_ids"]
+    with torch.no_grad():
+        ref = model(*[kw[k] for k in order]).sample
+        toma.apply_toma(model, ratio=0.5, **FLUX_ALL)
+        positional = model(*[kw[k] for k in order]).sample
+        keyword = model(**kw).sample
+    assert not torch.equal(positional, ref)  # was bitwise the unpatched output
+    assert torch.equal(positional, keyword)
+
+
+def test_flux_attention_mask_runs_unmerged_and_says_so():
+    model = make_flux()
+    kw = flux_inputs(1, 8, 8, text=5)
+    mask = torch.ones(1, 5 + 64, dtype=torch.bool)
+    kw["joint_attention_kwargs"] = {"attention_mask": mask}
+    with torch.no_grad():
+        ref = model(**kw).sample
+        toma.apply_toma(model, ratio=0.5, **FLUX_ALL)
+        with pytest.warns(UserWarning, match="attention_mask"):
+            out = model(**kw).sample  # raised "ToMA merged a single-stream block ..."
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once, not at every step
+            model(**kw)
+    assert torch.equal(out, ref)
+
+
+def test_flux_processor_replaced_after_apply():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    model = make_flux()
+    kw = flux_inputs(1, 8, 8)
+    with torch.no_grad():
+        ref = model(**kw).sample
+        toma.apply_toma(model, ratio=0.5, **FLUX_ALL)
+        model.set_attn_processor(FluxAttnProcessor())
+        with pytest.warns(UserWarning, match="was replaced after apply_toma"):
+            out = model(**kw).sample  # raised a shape mismatch
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)  # unmerged, in tile order
+        toma.apply_toma(model, ratio=0.5, **FLUX_ALL)  # merges again with the new processor
+        assert not torch.allclose(model(**kw).sample, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["unet", "flux"])
+def test_deepcopy_is_independent(family):
+    if family == "unet":
+        model, kw, out = make_sd15_unet(), unet_inputs(1, 16, 16, False), "sample"
+        toma.apply_toma(model, ratio=0.5)
+    else:
+        model, kw, out = make_flux(), flux_inputs(1, 8, 8), "sample"
+        toma.apply_toma(model, ratio=0.5, **FLUX_ALL)
+    with torch.no_grad():
+        before = getattr(model(**kw), out)
+        clone = copy.deepcopy(model)
+        for p in clone.parameters():  # an EMA update of the copy
+            p.mul_(0.9)
+        moved = getattr(clone(**kw), out)
+        after = getattr(model(**kw), out)
+    assert torch.equal(after, before)  # the original is untouched
+    assert not torch.equal(moved, before)  # the copy runs its own weights
+    patch, copied = toma.get_toma(model), toma.get_toma(clone)
+    assert copied is not patch and copied.cache is not patch.cache and copied.config == patch.config
+    assert all(t.module is clone.get_submodule(t.name) for t in copied.patched)
+
+
+def test_non_finite_sample_does_not_poison_a_shared_plan():
+    unet = make_sd15_unet()
+    kw = unet_inputs(2, 16, 16, False)
+    kw["sample"][0, :, 3, 5] = float("nan")
+    toma.apply_toma(unet, ratio=0.5, share_batch_plan=True)  # the plan is built from sample 0
+    with torch.no_grad():
+        out = unet(**kw).sample
+    assert torch.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-39, 1e6])  # 1/t overflows float32 below ~3e-39
+def test_extreme_temperatures_stay_finite(temperature):
+    unet = make_sd15_unet()
+    toma.apply_toma(unet, ratio=0.5, temperature=temperature)
+    with torch.no_grad():
+        assert torch.isfinite(unet(**unet_inputs(2, 16, 16, False)).sample).all()
