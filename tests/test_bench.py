@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import toma
-from toma.tools import bench
+from toma.tools import bench_harness
 from toma.tools.archs import ARCHS, build_model, call_denoiser, flux_merged_blocks, make_inputs, reduced_flux_config
 from toma.tools.baselines import (
     IdealPlan,
@@ -130,8 +130,8 @@ def test_missing_tomesd_is_skipped_with_a_message(monkeypatch, capsys):
 
     monkeypatch.setattr(toma.tools.baselines, "tomesd_available", lambda: False)
     logged = []
-    report = bench.benchmark(ARCHS["tiny-unet"], 64, ["none", "tomesd"], [0.5], repeats=1, warmup=0,
-                             profile=False, log=logged.append)
+    report = bench_harness.benchmark(ARCHS["tiny-unet"], 64, ["none", "tomesd"], [0.5], repeats=1, warmup=0,
+                                     profile=False, log=logged.append)
     assert "tomesd is not installed" in report["skipped"]["tomesd"]
     assert any("skipping tomesd" in line for line in logged)
     assert [r["method"] for r in report["results"]] == ["none"]
@@ -154,7 +154,7 @@ def test_bench_rejects_bad_arguments(argv, message, capsys):
 
 def test_interrupt_reports_partial_results(monkeypatch):
     calls = {"n": 0}
-    real = bench._time_sample
+    real = bench_harness._time_sample
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -162,8 +162,8 @@ def test_interrupt_reports_partial_results(monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "_time_sample", flaky)
-    report = bench.benchmark(ARCHS["tiny-unet"], 64, ["none", "toma", "ideal"], [0.5], repeats=2, warmup=0)
+    monkeypatch.setattr(bench_harness, "_time_sample", flaky)
+    report = bench_harness.benchmark(ARCHS["tiny-unet"], 64, ["none", "toma", "ideal"], [0.5], repeats=2, warmup=0)
     assert report["interrupted"]
     assert [r["method"] for r in report["results"]] == ["none", "toma", "ideal"]
     # round 1 timed none, toma, ideal; round 2 (rotated: toma first) was cut at its first sample

@@ -1,0 +1,350 @@
+"""The timing harness of ``toma bench``: variants, their timed samples and profiles.
+
+:func:`benchmark` builds one denoiser, applies each method in turn
+(:class:`MethodPatcher`) and times denoiser forwards round by round, interleaved, so
+that a slow spell of a shared machine hits every variant alike; optionally as CUDA graph
+replays or under torch.compile. It returns the report dict of :mod:`toma.tools.bench_report`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from toma.tools.archs import ARCHS, Arch, build_model, call_denoiser, flux_merged_blocks, make_inputs, set_timestep
+from toma.tools.bench_report import OVERHEAD_PARTS, build_report
+from toma.tools.opcount import count_kernels
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One timed configuration: a method at a ratio (None for the unpatched model)."""
+
+    method: str
+    ratio: float | None
+    compiled: bool = False
+
+    @property
+    def label(self) -> str:
+        """Readable name, e.g. ``toma@0.5`` or ``none+compile``."""
+        name = self.method if self.ratio is None else f"{self.method}@{self.ratio:g}"
+        return name + ("+compile" if self.compiled else "")
+
+
+@dataclass
+class Measurement:
+    """Per-forward seconds of one variant at one batch size, and its overhead profile."""
+
+    variant: Variant
+    batch: int
+    times: list[float] = field(default_factory=list)
+    overhead: dict[str, float] | None = None  # part -> share of the forward
+    kernels: int | None = None  # kernel-launching ops in one forward
+
+
+class MethodPatcher:
+    """Applies and removes each method on one model."""
+
+    def __init__(self, model: torch.nn.Module, arch: Arch, placement: dict[str, Any],
+                 toma_options: dict[str, Any], tomesd_max_downsample: int | None) -> None:
+        self.model = model
+        self.arch = arch
+        self.placement = dict(placement)
+        if arch.family == "flux":
+            self.placement = {
+                "tile_size": placement["tile_size"],
+                "flux_double_blocks": flux_merged_blocks(len(model.transformer_blocks), ARCHS["flux"].config["num_layers"]),
+                "flux_single_blocks": flux_merged_blocks(
+                    len(model.single_transformer_blocks), ARCHS["flux"].config["num_single_layers"]
+                ),
+            }
+        self.toma_options = toma_options
+        self.tomesd_max_downsample = tomesd_max_downsample
+
+    def unavailable(self, method: str) -> str | None:
+        """Why ``method`` cannot run here, or None."""
+        from toma.tools.baselines import tomesd_available
+
+        if method in ("tomesd", "todo") and self.arch.family != "unet":
+            return f"{method} supports UNets only"
+        if method == "tomesd" and not tomesd_available():
+            return "tomesd is not installed (pip install 'toma-diffusion[peers]')"
+        return None
+
+    def apply(self, variant: Variant) -> dict[str, Any]:
+        """Patch the model for ``variant``; returns the settings in force."""
+        import toma
+        from toma.tools import baselines
+
+        r, m = variant.ratio, variant.method
+        if m == "none":
+            return {}
+        if m == "toma":
+            patch = toma.apply_toma(self.model, ratio=r, **self.placement, **self.toma_options)
+            return {"merged_modules": len(patch.patched), **patch.config.to_dict()}
+        if m == "ideal":
+            patch = baselines.apply_ideal(self.model, r, **self.placement)
+        elif m == "todo":
+            patch = baselines.apply_todo(self.model, r, **self.placement)
+        else:
+            patch = baselines.apply_tomesd(self.model, r, self.tomesd_max_downsample, **self.placement)
+        return {"merged_modules": len(patch.patched), **patch.settings}
+
+    def remove(self) -> None:
+        """Undo whatever is applied."""
+        import toma
+        from toma.tools import baselines
+
+        toma.remove_toma(self.model)
+        baselines.remove_baseline(self.model)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_sample(call: Callable[[dict[str, Any]], Any], inputs: list[dict[str, Any]], device: torch.device) -> float:
+    """Seconds per forward over one run of ``len(inputs)`` consecutive steps."""
+    _sync(device)
+    start = time.perf_counter()
+    for step_inputs in inputs:
+        call(step_inputs)
+    _sync(device)
+    return (time.perf_counter() - start) / len(inputs)
+
+
+def _profile_forward(call: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], device: torch.device,
+                     method: str) -> dict[str, float]:
+    """Share of one forward spent in each overhead part of ``method``, from profiler ranges."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from toma.tools.baselines import tomesd_profiled
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with tomesd_profiled(), profile(activities=activities) as prof:
+        with record_function("bench::forward"):
+            call(inputs)
+        _sync(device)
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        # on CUDA the device time is what counts; CPU ranges then only measure launches
+        us = max(event.cpu_time_total, getattr(event, "device_time_total", 0.0) or 0.0)
+        totals[event.key] = totals.get(event.key, 0.0) + us
+    forward = totals.get("bench::forward", 0.0)
+    if forward <= 0:
+        return {}
+    prefix = {"toma": "toma", "ideal": "ideal", "todo": "todo", "tomesd": "tomesd"}[method]
+    shares = {part: totals.get(f"{prefix}::{part}", 0.0) / forward for part in OVERHEAD_PARTS}
+    shares["total"] = sum(shares.values())
+    return shares
+
+
+def benchmark(
+    arch: Arch,
+    resolution: int,
+    methods: list[str],
+    ratios: list[float],
+    batches: list[int] = (1,),  # type: ignore[assignment]
+    steps: int = 1,
+    repeats: int = 3,
+    warmup: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    model_path: str | None = None,
+    depth: int = 1,
+    placement: dict[str, Any] | None = None,
+    toma_options: dict[str, Any] | None = None,
+    tomesd_max_downsample: int | None = None,
+    compile: bool = False,
+    cuda_graph: bool = False,
+    profile: bool = True,
+    seed: int = 0,
+    progress: bool = False,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
+    """Time every method side by side on one denoiser; returns the report dict.
+
+    Each timed sample is ``steps`` consecutive denoiser forwards with falling timesteps
+    (a fresh denoising run each sample), reported as seconds per forward. Variants are
+    timed round-robin (with the order rotated every round) after ``warmup`` untimed
+    samples each. With ``cuda_graph`` every variant's forward is captured once as a CUDA
+    graph (on the first step's inputs) and a sample times ``steps`` replays of it. Ctrl-C
+    stops the rounds and returns what was measured, with ``report["interrupted"] = True``.
+    """
+    device = torch.device(device)
+    placement = {"levels": 1, "merge_mlp": False, "tile_size": 4, **(placement or {})}
+    toma_options = dict(toma_options or {})
+    notes: list[str] = []
+    log(f"building {arch.description} ({'weights from ' + model_path if model_path else 'random weights'}) "
+        f"in {str(dtype).replace('torch.', '')} on {device}")
+    model = build_model(arch, depth=depth, model_path=model_path, dtype=dtype, device=device, seed=seed)
+    if arch.family == "flux" and depth != 1:
+        notes.append(
+            f"Flux at full width but reduced depth: {len(model.transformer_blocks)} double-stream and "
+            f"{len(model.single_transformer_blocks)} single-stream blocks (--depth {depth}; the full model has "
+            f"{arch.config['num_layers']} and {arch.config['num_single_layers']})"
+        )
+    harness = MethodPatcher(model, arch, placement, toma_options, tomesd_max_downsample)
+    skipped: dict[str, str] = {}
+    variants = [Variant("none", None)] if "none" in methods else []
+    for m in methods:
+        if m == "none":
+            continue
+        why = harness.unavailable(m)
+        if why:
+            skipped[m] = why
+            log(f"skipping {m}: {why}")
+            continue
+        variants += [Variant(m, r) for r in ratios]
+    step_inputs = {
+        b: [set_timestep(arch, make_inputs(arch, resolution, b, dtype, device, seed), s, steps) for s in range(steps)]
+        for b in batches
+    }
+
+    def call(inputs: dict[str, Any]) -> Any:
+        return call_denoiser(arch, model, inputs)
+
+    settings: dict[str, Any] = {}
+    graphs: dict[tuple[Variant, int], Callable[[], None]] = {}
+    if cuda_graph:
+        notes.append("timed as CUDA graph replays of one captured forward per variant (no Python or launch overhead)")
+        with torch.inference_mode():
+            variants = _capture_graphs(harness, call, variants, batches, step_inputs, device, graphs, settings,
+                                       skipped, log)
+    results = {(v, b): Measurement(v, b) for v in variants for b in batches}
+    interrupted = False
+    total = len(variants) * len(batches) * (warmup + repeats)
+    bar = _progress(total, progress)
+    try:
+        with torch.inference_mode():
+            for rnd in range(warmup + repeats):
+                order = variants[rnd % len(variants):] + variants[: rnd % len(variants)] if variants else []
+                for v in order:
+                    if not cuda_graph:
+                        settings[v.label] = harness.apply(v)
+                    try:
+                        for b in batches:
+                            bar.set_postfix_str(f"{v.label} b{b} {'warm-up' if rnd < warmup else f'round {rnd - warmup + 1}'}")
+                            if cuda_graph:
+                                replay = graphs[(v, b)]
+                                t = _time_sample(lambda _: replay(), step_inputs[b], device)
+                            else:
+                                t = _time_sample(call, step_inputs[b], device)
+                            if rnd >= warmup:
+                                results[(v, b)].times.append(t)
+                            bar.update(1)
+                    finally:
+                        harness.remove()
+            if profile:
+                for v in variants:
+                    bar.set_postfix_str(f"profiling {v.label}")
+                    harness.apply(v)
+                    try:
+                        first = step_inputs[batches[0]][0]
+                        results[(v, batches[0])].kernels = sum(count_kernels(lambda: call(first)).values())
+                        if v.method != "none":
+                            results[(v, batches[0])].overhead = _profile_forward(call, first, device, v.method)
+                    finally:
+                        harness.remove()
+            if compile:
+                results.update(_compiled(harness, call, variants, batches, step_inputs, warmup, repeats, device, log))
+    except KeyboardInterrupt:
+        interrupted = True
+        harness.remove()
+        log("interrupted: reporting what was measured so far")
+    finally:
+        bar.close()
+    report = build_report(arch, model, resolution, dtype, device, depth, steps, repeats, warmup, methods, ratios,
+                          batches, harness, settings, skipped, notes, results, interrupted, compile)
+    report["cuda_graph"] = cuda_graph
+    return report
+
+
+def _capture_graphs(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any],
+                    variants: list[Variant], batches: list[int], step_inputs: dict[int, list[dict[str, Any]]],
+                    device: torch.device, graphs: dict[tuple[Variant, int], Callable[[], None]],
+                    settings: dict[str, Any], skipped: dict[str, str], log: Callable[[str], None]) -> list[Variant]:
+    """Capture one CUDA graph per variant and batch into ``graphs``; returns the variants captured.
+
+    A variant whose forward cannot be captured (it synchronises with the host, say) is
+    reported in ``skipped`` instead of stopping the benchmark.
+    """
+    kept = []
+    for v in variants:
+        settings[v.label] = harness.apply(v)
+        try:
+            for b in batches:
+                graphs[(v, b)] = _capture(call, step_inputs[b][0], device)
+            kept.append(v)
+        except RuntimeError as err:
+            skipped[v.label] = f"CUDA graph capture failed: {str(err).splitlines()[0]}"
+            log(f"skipping {v.label}: {skipped[v.label]}")
+            torch.cuda.synchronize(device)
+        finally:
+            harness.remove()
+    return kept
+
+
+def _capture(call: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], device: torch.device) -> Callable[[], None]:
+    """Record ``call(inputs)`` as a CUDA graph; returns its replay."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-ups off the default stream, as capture requires
+        for _ in range(2):
+            call(inputs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(inputs)
+    return graph.replay
+
+
+def _compiled(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], variants: list[Variant],
+              batches: list[int], step_inputs: dict[int, list[dict[str, Any]]], warmup: int, repeats: int,
+              device: torch.device, log: Callable[[str], None]) -> dict[tuple[Variant, int], Measurement]:
+    """Time ``none`` and ``toma`` (first ratio) under torch.compile, one after the other."""
+    picked = [v for v in variants if v.method == "none"][:1] + [v for v in variants if v.method == "toma"][:1]
+    out: dict[tuple[Variant, int], Measurement] = {}
+    for v in picked:
+        cv = Variant(v.method, v.ratio, compiled=True)
+        harness.apply(v)
+        try:
+            torch._dynamo.reset()
+            compiled = torch.compile(harness.model)
+
+            def ccall(inputs: dict[str, Any]) -> Any:
+                return call_denoiser(harness.arch, compiled, inputs)
+
+            for b in batches:
+                start = time.perf_counter()
+                # two warm-ups at least: the first step compiles, the second settles the guards
+                for _ in range(max(warmup, 2)):
+                    _time_sample(ccall, step_inputs[b], device)
+                log(f"{cv.label} b{b}: compiled and warmed up in {time.perf_counter() - start:.1f}s")
+                m = out[(cv, b)] = Measurement(cv, b)
+                for _ in range(repeats):
+                    m.times.append(_time_sample(ccall, step_inputs[b], device))
+        finally:
+            harness.remove()
+            torch._dynamo.reset()
+    return out
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+    def set_postfix_str(self, s: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="toma bench", unit="sample", file=sys.stderr, dynamic_ncols=True)
+

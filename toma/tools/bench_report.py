@@ -1,0 +1,232 @@
+"""Reports of ``toma bench``: the JSON report, its statistics, the text table and the plot.
+
+A report is a plain dict (what :func:`toma.tools.bench_harness.benchmark` returns and
+``--from-json`` reads back): the run's conditions and one row per method, ratio, batch
+size and compile state with its timed samples and the statistics derived from them.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from toma import __version__
+from toma.tools.archs import Arch, count_parameters
+from toma.tools.report import cell, processor_name, pyplot, save_figure, write_json
+
+if TYPE_CHECKING:
+    from toma.tools.bench_harness import Measurement, MethodPatcher, Variant
+
+# the report's vocabulary: rows are sorted by method in this order, overheads split in these parts
+METHODS = ("none", "toma", "tomesd", "ideal", "todo")
+OVERHEAD_PARTS = ("select", "weights", "merge", "unmerge")
+
+
+def build_report(arch: Arch, model: torch.nn.Module, resolution: int, dtype: torch.dtype, device: torch.device,
+                 depth: int, steps: int, repeats: int, warmup: int, methods: list[str], ratios: list[float],
+                 batches: list[int], harness: MethodPatcher, settings: dict[str, Any], skipped: dict[str, str],
+                 notes: list[str], results: dict[tuple[Variant, int], Measurement], interrupted: bool,
+                 compiled: bool) -> dict[str, Any]:
+    """The report of one benchmark run: its conditions, then one row per measured variant and batch."""
+    rows = [
+        {
+            "method": v.method,
+            "ratio": v.ratio,
+            "batch": b,
+            "compiled": v.compiled,
+            "times_s": m.times,
+            "overhead": m.overhead,
+            "kernels": m.kernels,
+            "settings": settings.get(v.label),
+        }
+        for (v, b), m in results.items()
+        if m.times
+    ]
+    derive(rows, batches[0])
+    placement = dict(harness.placement)
+    if "tomesd" in methods and "tomesd" not in skipped:
+        from toma.tools.baselines import tomesd_max_downsample
+
+        placement["tomesd_max_downsample"] = harness.tomesd_max_downsample or tomesd_max_downsample(
+            model, **harness.placement
+        )
+    return {
+        "toma_version": __version__,
+        "arch": arch.name,
+        "description": arch.description,
+        "parameters": count_parameters(model),
+        "resolution": resolution,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else processor_name(),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "diffusers": _package_version("diffusers"),
+        "tomesd": _package_version("tomesd"),
+        "depth": depth,
+        "blocks": _blocks(model, arch),
+        "steps_per_sample": steps,
+        "repeats": repeats,
+        "warmup": warmup,
+        "methods": methods,
+        "ratios": ratios,
+        "batches": batches,
+        "placement": placement,
+        "toma_options": harness.toma_options,
+        "skipped": skipped,
+        "notes": notes,
+        "compiled": compiled,
+        "interrupted": interrupted,
+        "results": sorted(rows, key=lambda r: (r["compiled"], r["batch"], r["ratio"] or 0, METHODS.index(r["method"]))),
+    }
+
+
+def derive(rows: list[dict[str, Any]], first_batch: int) -> list[dict[str, Any]]:
+    """Fill in the statistics of result rows from their ``times_s`` (in place; also returned).
+
+    Adds median/min/max, speedup over the unpatched row of the same batch (and compile
+    state), latency reduction, efficiency against the ideal row of the same ratio and batch,
+    each from medians and from the fastest samples (``*_min``: the least disturbed on a
+    shared machine), and ``vs_batch<first>``, the median's ratio to the first batch size.
+    """
+
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["method"], r["ratio"], r["batch"], r["compiled"])
+
+    by_key = {key(r): r for r in rows}
+    for r in rows:
+        r["median_s"] = statistics.median(r["times_s"])
+        r["min_s"], r["max_s"] = min(r["times_s"]), max(r["times_s"])
+    for r in rows:
+        base = by_key.get(("none", None, r["batch"], r["compiled"]))
+        ideal = by_key.get(("ideal", r["ratio"], r["batch"], r["compiled"]))
+        for stat, suffix in (("median_s", ""), ("min_s", "_min")):
+            t = r[stat]
+            b = base[stat] if base else None
+            i = ideal[stat] if ideal else None
+            r["speedup" + suffix] = b / t if b else None
+            r["latency_reduction" + suffix] = 1 - t / b if b else None
+            usable = b is not None and i is not None and r["ratio"] is not None and b - i > 0
+            r["efficiency" + suffix] = (b - t) / (b - i) if usable else None
+        if r.get("kernels") is not None and base and base.get("kernels") is not None:
+            r["extra_kernels"] = r["kernels"] - base["kernels"]
+        first = by_key.get((r["method"], r["ratio"], first_batch, r["compiled"]))
+        if r["batch"] != first_batch and first:
+            r[f"vs_batch{first_batch}"] = r["median_s"] / first["median_s"]
+    return rows
+
+
+def _blocks(model: torch.nn.Module, arch: Arch) -> dict[str, int]:
+    if arch.family == "flux":
+        return {"double": len(model.transformer_blocks), "single": len(model.single_transformer_blocks)}
+    from diffusers.models.attention import BasicTransformerBlock
+
+    return {"transformer_blocks": sum(isinstance(m, BasicTransformerBlock) for m in model.modules())}
+
+
+def _package_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a plain-text table with a header of the conditions."""
+    lines = [
+        f"toma bench: {report['description']} ({report['parameters'] / 1e9:.2f}B parameters), "
+        f"{report['resolution']}x{report['resolution']}, {report['dtype']}, {report['device']} "
+        f"({report['device_name']}), {report['threads']} torch threads",
+        f"  {report['steps_per_sample']} forward(s) per sample, {report['repeats']} timed samples per variant "
+        f"after {report['warmup']} warm-up, interleaved; placement {report['placement']}",
+    ]
+    lines += [f"  note: {n}" for n in report["notes"]]
+    lines += [f"  skipped {m}: {why}" for m, why in report["skipped"].items()]
+    if report["interrupted"]:
+        lines.append("  INTERRUPTED: partial results")
+    head = (f"{'method':<16}{'ratio':>6}{'batch':>6}{'median s':>10}{'min s':>9}{'max s':>9}{'n':>3}"
+            f"{'speedup':>9}{'effic.':>8}{'eff/min':>8}{'overhead':>10}  select/weights/merge/unmerge")
+    lines += ["", head, "-" * len(head)]
+    for r in report["results"]:
+        ov = r["overhead"] or {}
+        parts = "/".join(cell(ov.get(p, 0) * 100 if ov else None, "{:.1f}") for p in OVERHEAD_PARTS) if ov else ""
+        name = r["method"] + ("+compile" if r["compiled"] else "")
+        line = (f"{name:<16}{cell(r['ratio'], '{:g}'):>6}{r['batch']:>6}{r['median_s']:>10.3f}{r['min_s']:>9.3f}"
+                f"{r['max_s']:>9.3f}{len(r['times_s']):>3}{cell(r['speedup'], '{:.3f}x'):>9}"
+                f"{cell(None if r['efficiency'] is None else r['efficiency'] * 100, '{:.0f}%'):>8}"
+                f"{cell(None if r.get('efficiency_min') is None else r['efficiency_min'] * 100, '{:.0f}%'):>8}"
+                f"{cell(ov.get('total', 0) * 100 if ov else None, '{:.2f}%'):>10}  {parts}")
+        extra = [f"{k}={v:.2f}" for k, v in r.items() if k.startswith("vs_batch")]
+        lines.append(line + ("  " + " ".join(extra) if extra else ""))
+    counted = [r for r in report["results"] if r.get("kernels") is not None]
+    if counted:
+        lines.append("kernels per forward (batch {}): ".format(counted[0]["batch"]) + "; ".join(
+            (r["method"] if r["ratio"] is None else f"{r['method']}@{r['ratio']:g}") + " "
+            + (f"{r['extra_kernels']:+d}" if r["method"] != "none" and r.get("extra_kernels") is not None
+               else str(r["kernels"]))
+            for r in counted
+        ))
+    lines.append("")
+    lines.append("speedup = unpatched median / median; efficiency = (unpatched - method) / (unpatched - ideal) at the "
+                 "same ratio, from medians (effic.) and from the fastest samples (eff/min, the least disturbed on a "
+                 "shared machine); overhead = profiled share of one forward (% of it) in selection, weights, merge, "
+                 "unmerge; kernels = ATen ops that launch a kernel (views excluded), unpatched in full, others as "
+                 "the number they add")
+    return "\n".join(lines)
+
+
+def write_outputs(report: dict[str, Any], out: Path, name: str | None = None) -> list[Path]:
+    """Write ``<name>.json`` and ``<name>.png`` (latency against ratio) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = name or f"bench_{report['arch']}_{report['resolution']}"
+    paths = [write_json(out / f"{stem}.json", report)]
+    png = out / f"{stem}.png"
+    if plot_report(report, png):
+        paths.append(png)
+    return paths
+
+
+def plot_report(report: dict[str, Any], path: Path) -> bool:
+    """Plot median latency against ratio, one line per method (first batch size, eager).
+
+    Returns False (and writes nothing) when matplotlib is missing or nothing was measured.
+    """
+    try:
+        plt = pyplot()
+    except ImportError:
+        return False
+    batch = report["batches"][0]
+    rows = [r for r in report["results"] if r["batch"] == batch and not r["compiled"]]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ratios = sorted({r["ratio"] for r in rows if r["ratio"] is not None}) or [0.0]
+    for method in METHODS:
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["ratio"] or 0)
+        if not mine:
+            continue
+        if method == "none":
+            ax.axhline(mine[0]["median_s"], color="gray", linestyle="--", label="none (unpatched)")
+            continue
+        # a small sideways offset per method keeps error bars at the same ratio apart
+        shift = 0.006 * (METHODS.index(method) - 2.5)
+        xs = [r["ratio"] + shift for r in mine]
+        ax.errorbar(xs, [r["median_s"] for r in mine],
+                    yerr=[[r["median_s"] - r["min_s"] for r in mine], [r["max_s"] - r["median_s"] for r in mine]],
+                    marker="o", capsize=3, label=method)
+    ax.set_xticks(ratios)
+    ax.set_xlabel("merge ratio (fraction of tokens removed)")
+    ax.set_ylabel("seconds per denoiser forward (median)")
+    ax.set_title(f"{report['arch']} {report['resolution']}px {report['dtype']} {report['device']} batch {batch}",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_figure(fig, path)
+    return True

@@ -1,0 +1,169 @@
+"""The harness of ``toma eval``: methods, the processes that share the images, and statistics.
+
+Shared by the built-in model (:mod:`toma.tools.eval_builtin`) and diffusers pipelines
+(:mod:`toma.tools.eval_pipeline`): how each method is applied and removed, which
+(method, ratio) variants run, how a data-parallel launch splits and gathers work, and
+the per-variant statistics both summaries compute.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from toma.tools.metrics import feature_stats, frechet_distance, mean_finite
+
+METHODS = ("none", "toma", "toma-random", "toma-grid", "tomesd")
+TOMA_SELECTION = {"toma": "facility", "toma-random": "random", "toma-grid": "grid"}
+
+
+def first_attention_downsample(unet: Any) -> int:
+    """Downsampling factor of the UNet's highest-resolution level that has attention."""
+    for i, block in enumerate(getattr(unet, "down_blocks", [])):
+        if getattr(block, "attentions", None):
+            return 2**i
+    return 1
+
+
+def apply_method(denoiser: Any, method: str, ratio: float, options: dict[str, Any]) -> Callable[[], None]:
+    """Patch ``denoiser`` with a merging method; returns the function that removes it.
+
+    ``options`` are ToMA settings; ``levels`` is translated to tomesd's ``max_downsample``
+    so both merge the same UNet levels.
+
+    Raises:
+        ValueError: unknown method, or tomesd on a model without a UNet.
+        ImportError: tomesd requested but not installed.
+    """
+    if method == "none":
+        return lambda: None
+    if method in TOMA_SELECTION:
+        from toma import apply_toma, remove_toma
+
+        apply_toma(denoiser, ratio=ratio, selection=TOMA_SELECTION[method], **options)
+        return lambda: remove_toma(denoiser)
+    if method == "tomesd":
+        import tomesd
+
+        unet = getattr(denoiser, "unet", denoiser)
+        if not hasattr(unet, "down_blocks"):
+            raise ValueError("tomesd only supports UNet models (SD 1.x/2.x, SDXL, the built-in model)")
+        max_downsample = first_attention_downsample(unet) * 2 ** (options.get("levels", 1) - 1)
+        tomesd.apply_patch(unet, ratio=ratio, max_downsample=max_downsample)
+        return lambda: tomesd.remove_patch(unet)
+    raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+
+
+def variants(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, float]]:
+    """(method, ratio) pairs to run; the reference ``none`` once, with ratio 0."""
+    return [("none", 0.0)] + [(m, r) for m in methods if m != "none" for r in ratios]
+
+
+def tomesd_available() -> bool:
+    """Whether ToMeSD can be imported."""
+    try:
+        import tomesd  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Processes:
+    """Data-parallel context: this process's rank and how to gather Python objects."""
+
+    rank: int
+    world: int
+    state: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is the process that summarises and writes the outputs."""
+        return self.rank == 0
+
+    def split(self, items: list[Any]) -> list[Any]:
+        """This process's contiguous share of ``items``."""
+        if self.state is None:
+            return items
+        with self.state.split_between_processes(items) as mine:
+            return list(mine)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` from every process, in rank order (only meaningful on the main process)."""
+        if self.world == 1:
+            return [obj]
+        from accelerate.utils import gather_object
+
+        return gather_object([obj])
+
+    def barrier(self) -> None:
+        """Wait until every process gets here."""
+        if self.state is not None and self.world > 1:
+            self.state.wait_for_everyone()
+
+
+def init_processes(cpu: bool) -> Processes:
+    """Join the process group when started by ``accelerate launch``/``torchrun``, else run alone.
+
+    ``cpu`` selects the gloo backend; accelerate only picks it for multi-process runs
+    when told explicitly.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        try:
+            from accelerate import PartialState
+        except ImportError as err:
+            raise RuntimeError("multi-process eval needs accelerate: pip install accelerate") from err
+        state = PartialState(cpu=cpu)
+        if state.num_processes != world:
+            raise RuntimeError(
+                f"launched with WORLD_SIZE={world} but accelerate set up {state.num_processes} process(es); "
+                "launch with `accelerate launch --multi_gpu --num_processes N` or `torchrun --nproc_per_node N`"
+            )
+        return Processes(state.process_index, state.num_processes, state)
+    return Processes(0, 1, None)
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def mean_and_sem(name: str, values: torch.Tensor) -> dict[str, float]:
+    """``{name: mean, name_sem: standard error}`` over the finite per-image values.
+
+    The standard error says whether two methods' means differ by more than seed noise.
+    """
+    finite = values.double()[torch.isfinite(values.double())]
+    sem = float(finite.std() / math.sqrt(finite.numel())) if finite.numel() > 1 else float("nan")
+    return {name: mean_finite(values), f"{name}_sem": sem}
+
+
+def frechet_to(feats: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> float:
+    """Frechet distance of the features ``feats`` to the Gaussian ``(mu, sigma)``; NaN below 2 samples.
+
+    One feature vector has no covariance; a process or a variant with a single image
+    reports NaN (shown as n/a) rather than failing.
+    """
+    if len(feats) < 2:
+        return float("nan")
+    return frechet_distance(*feature_stats(feats), mu, sigma)
+
+
+def add_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add ``speedup`` = unmerged latency / latency to every row."""
+    base = rows[0]["latency_s"]
+    for row in rows:
+        row["speedup"] = base / row["latency_s"] if row["latency_s"] > 0 else float("nan")
+    return rows
+
+
+def key(method: str, ratio: float) -> str:
+    """The name a variant's records are kept under, e.g. ``toma@0.5``."""
+    return f"{method}@{ratio:g}"
+

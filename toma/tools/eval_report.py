@@ -1,0 +1,128 @@
+"""Outputs of ``toma eval``: results.json, the markdown table, the quality-vs-speedup plot and samples."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toma.tools.eval_harness import METHODS, Processes, key
+from toma.tools.generate import BUILTIN_UPSCALE, make_grid, side_by_side
+from toma.tools.report import cell, processor_name, pyplot, save_figure, write_json, wrote
+
+# (row key, column heading, format) in table order; a table shows the keys its rows have
+COLUMNS = [
+    ("method", "method", "{}"),
+    ("ratio", "ratio", "{:g}"),
+    ("n_images", "images", "{}"),
+    ("psnr", "PSNR vs unmerged (dB)", "{:.2f}"),
+    ("psnr_sem", "± s.e.", "{:.2f}"),
+    ("ssim", "SSIM vs unmerged", "{:.4f}"),
+    ("ssim_sem", "± s.e.", "{:.4f}"),
+    ("accuracy", "classifier acc.", "{:.3f}"),
+    ("fd_real", "FD to real digits", "{:.2f}"),
+    ("fd_vs_none", "FD to unmerged", "{:.2f}"),
+    ("clip_t", "CLIP-T", "{:.4f}"),
+    ("dino_delta", "DINO delta", "{:.4f}"),
+    ("fd_dino_reference", "FD (DINOv2) to reference", "{:.2f}"),
+    ("latency_s", "latency (s/image)", "{:.3f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+]
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Rows as a markdown table with the columns present in the first row."""
+    cols = [c for c in COLUMNS if c[0] in rows[0]]
+    lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row[c[0]], c[2], missing="n/a") for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Quality (PSNR, SSIM, and accuracy when present) against speedup, one series per method."""
+    plt = pyplot()
+    panels = [("psnr", "PSNR vs unmerged (dB)"), ("ssim", "SSIM vs unmerged")]
+    if "accuracy" in rows[0]:
+        panels.append(("accuracy", "classifier accuracy"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colours = plt.get_cmap("tab10")
+    for ax, (metric, label) in zip(axes[0], panels):
+        for method in methods:
+            pts = sorted((r["speedup"], r[metric], r["ratio"]) for r in rows if r["method"] == method)
+            finite = [(x, y, rt) for x, y, rt in pts if math.isfinite(y)]
+            if not finite:
+                continue  # the unmerged reference has infinite PSNR
+            # fixed colour per method so the panels agree
+            style = ({"color": "black", "marker": "*", "markersize": 10} if method == "none"
+                     else {"color": colours(METHODS.index(method)), "marker": "o"})
+            ax.plot([p[0] for p in finite], [p[1] for p in finite], label=method, **style)
+            for x, y, rt in finite:
+                if method != "none":
+                    ax.annotate(f"{rt:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel("speedup over unmerged (x)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title)
+    save_figure(fig, path)
+
+
+def write_samples(gathered: list[dict[str, Any]], runs: list[tuple[str, float]], path: Path, upscale: int) -> None:
+    """One row of preview images per variant (from the main process's share)."""
+
+    panels = []
+    for method, ratio in runs:
+        preview = gathered[0][key(method, ratio)]["preview"]
+        if preview:
+            images = torch.tensor(preview)
+            panels.append((f"{method} {ratio:g}", make_grid(images, ncols=min(len(images), 10), upscale=upscale)))
+    if not panels:
+        return
+    from PIL import Image
+
+    width = max(img.width for _, img in panels) + 20
+    rows = [side_by_side([p]) for p in panels]
+    sheet = Image.new("RGB", (width, sum(r.height for r in rows)), "white")
+    y = 0
+    for r in rows:
+        sheet.paste(r, (0, y))
+        y += r.height
+    sheet.save(path)
+
+
+def machine_info(procs: Processes) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    return {
+        "platform": platform.platform(),
+        "processor": processor_name(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "processes": procs.world,
+    }
+
+
+def write_outputs(args: argparse.Namespace, rows: list[dict[str, Any]], meta: dict[str, Any],
+                  gathered: list[dict[str, Any]], runs: list[tuple[str, float]]) -> None:
+    """Write results.json, results.md, the plot and the samples sheet."""
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", {**meta, "results": rows})
+    table = markdown_table(rows)
+    header = (f"# toma eval: {meta['model']}\n\n{meta['num_images']} images per variant, {meta['steps']} steps, "
+              f"seeds {meta['seed']}..{meta['seed'] + meta['num_images'] - 1}; {meta['machine']['processes']} process(es), "
+              f"torch {meta['machine']['torch']}, {meta['machine']['torch_threads']} thread(s) each.\n\n")
+    (out / "results.md").write_text(header + table, encoding="utf-8")
+    plot(rows, out / "quality_vs_speedup.png", f"{meta['model']}: quality vs speedup")
+    write_samples(gathered, runs, out / "samples.png", BUILTIN_UPSCALE if args.model is None else 1)
+    print(table)
+    print(wrote(out / name for name in ("results.json", "results.md", "quality_vs_speedup.png", "samples.png")))
+

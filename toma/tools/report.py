@@ -1,0 +1,78 @@
+"""Reporting pieces shared by ``toma bench`` and ``toma eval``: table cells, JSON and plots.
+
+Each command keeps its own tables and figures (:mod:`toma.tools.bench_report`,
+:mod:`toma.tools.eval_report`); what they do alike lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Any, Iterable
+
+
+def cell(value: Any, fmt: str = "{}", missing: str = "-") -> str:
+    """``fmt.format(value)`` for a table cell, or ``missing`` for None or NaN.
+
+    Both stand for a value that was not measured or is not defined (a speedup without an
+    unpatched row, the PSNR of an empty set), which a number would misreport.
+    """
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    return fmt.format(value)
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with non-finite floats replaced by ``None``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON to ``path``; returns ``path``.
+
+    JSON has no inf or NaN (``json`` would write invalid tokens), so non-finite floats
+    become null: the unmerged reference's PSNR, for one, is infinite.
+    """
+    path.write_text(json.dumps(json_safe(obj), indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def wrote(paths: Iterable[Path]) -> str:
+    """The ``wrote a, b, ...`` line that closes a command's output."""
+    return "wrote " + ", ".join(str(p) for p in paths)
+
+
+def processor_name() -> str:
+    """The CPU's name where the platform reports one, else the machine type."""
+    return platform.processor() or platform.machine()
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, which draws to files without a display.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, save as PNG and close ``fig`` (an open figure holds its memory until closed)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
