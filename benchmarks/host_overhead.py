@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from hot_path import median_ms  # benchmarks/ is on sys.path when this script runs
 
-from toma.tools.archs import ARCHS, Arch, build_model, call_denoiser, flux_merged_blocks, get_arch, make_inputs
+from toma.tools.archs import ARCHS, Arch, build_model, call_denoiser, default_placement, get_arch, make_inputs
 from toma.tools.opcount import count_kernels
 
 
@@ -106,10 +106,7 @@ def main() -> None:
     model = build_model(arch)
     inputs = make_inputs(arch, args.resolution, args.batch)
     if arch.family == "flux":
-        placement: dict[str, Any] = {
-            "flux_double_blocks": flux_merged_blocks(len(model.transformer_blocks), ARCHS["flux"].config["num_layers"]),
-            "flux_single_blocks": flux_merged_blocks(len(model.single_transformer_blocks), ARCHS["flux"].config["num_single_layers"]),
-        }
+        placement: dict[str, Any] = default_placement(arch, model)
         where = "default Flux blocks"
     else:
         placement = {"levels": args.levels}

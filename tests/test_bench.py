@@ -9,7 +9,7 @@ import torch
 
 import toma
 from toma.tools import bench_harness
-from toma.tools.archs import ARCHS, build_model, call_denoiser, flux_merged_blocks, make_inputs, reduced_flux_config
+from toma.tools.archs import ARCHS, build_model, call_denoiser, make_inputs, merged_blocks, reduced_config
 from toma.tools.baselines import (
     IdealPlan,
     apply_ideal,
@@ -125,6 +125,30 @@ def test_bench_flux_reduced_depth_says_so_and_skips_unet_peers(tmp_path, capsys)
     assert {r["method"] for r in report["results"]} == {"none", "toma", "ideal"}
 
 
+@pytest.mark.parametrize("tile_frames", ["1", "2"])
+def test_bench_video_arch_with_frames_and_tile_frames(tmp_path, capsys, tile_frames):
+    rc = main([
+        "bench", "--arch", "tiny-wan", "--frames", "9", "--tile-frames", tile_frames, "--resolution", "64",
+        "--ratios", "0.5", "--methods", "none,toma,ideal", "--repeats", "1", "--warmup", "0",
+        "--out", str(tmp_path), "--name", "w", "--no-progress",
+    ])
+    assert rc == 0
+    assert "3 latent frames" in capsys.readouterr().out
+    report = json.loads((tmp_path / "w.json").read_text())
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == {"none", "toma", "ideal"} and report["blocks"] == {"blocks": 2}
+    assert rows["toma"]["settings"]["tile_frames"] == int(tile_frames)
+
+
+def test_bench_rejects_frames_on_images_and_bad_frame_counts(capsys):
+    assert main(["bench", "--arch", "tiny-sd3", "--frames", "5"]) == 2
+    assert "--frames and --tile-frames apply to video archs" in capsys.readouterr().err
+    assert main(["bench", "--arch", "tiny-wan", "--frames", "6"]) == 2
+    assert "frames must be 1 + 4k" in capsys.readouterr().err
+    assert main(["bench", "--arch", "sdxl", "--depth", "2"]) == 2
+    assert "--depth applies to transformers" in capsys.readouterr().err
+
+
 def test_missing_tomesd_is_skipped_with_a_message(monkeypatch, capsys):
     import toma.tools.baselines
 
@@ -142,7 +166,7 @@ def test_missing_tomesd_is_skipped_with_a_message(monkeypatch, capsys):
     [
         (["--methods", "none,fast"], "--methods"),
         (["--ratios", "0.5,1.5"], "--ratios"),
-        (["--depth", "2"], "--depth applies to Flux only"),
+        (["--depth", "2"], "--depth applies to transformers"),
         (["--dtype", "float8"], "--dtype"),
         (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a CUDA device"),
     ],
@@ -254,11 +278,20 @@ def test_todo_pools_keys_values_only(tiny_unet):
 
 
 def test_reduced_flux_depth_and_scaled_skip_rule():
-    cfg = reduced_flux_config(ARCHS["flux"].config, 10)
+    cfg = reduced_config("flux", ARCHS["flux"].config, 10)
     assert (cfg["num_layers"], cfg["num_single_layers"]) == (2, 4)
     assert cfg["num_attention_heads"] * cfg["attention_head_dim"] == 3072  # full width
-    assert flux_merged_blocks(19, 19) == tuple(range(5, 19))  # the authors' default at full depth
-    assert flux_merged_blocks(38, 38) == tuple(range(5, 38))
-    assert flux_merged_blocks(2, 19) == (1,) and flux_merged_blocks(4, 38) == (1, 2, 3)
+    assert merged_blocks(19, 19) == tuple(range(5, 19))  # the authors' default at full depth
+    assert merged_blocks(38, 38) == tuple(range(5, 38))
+    assert merged_blocks(2, 19) == (1,) and merged_blocks(4, 38) == (1, 2, 3)
     with pytest.raises(ValueError, match="depth"):
-        reduced_flux_config(ARCHS["flux"].config, 0)
+        reduced_config("flux", ARCHS["flux"].config, 0)
+    with pytest.raises(ValueError, match="depth applies to transformers"):
+        reduced_config("unet", ARCHS["sdxl"].config, 2)
+
+
+def test_reduced_sd35_and_wan_keep_their_width_and_dual_attention_share():
+    sd3 = reduced_config("sd3", ARCHS["sd35"].config, 4)
+    assert sd3["num_layers"] == 6 and sd3["dual_attention_layers"] == (0, 1, 2)  # 13 of 24 -> 3 of 6
+    wan = reduced_config("wan", ARCHS["wan"].config, 10)
+    assert wan["num_layers"] == 3 and wan["ffn_dim"] == 8960 and wan["num_attention_heads"] == 12

@@ -406,11 +406,3 @@ def call_denoiser(arch: Arch, model: torch.nn.Module, inputs: dict[str, Any]) ->
         rest = {k: v for k, v in inputs.items() if k not in ("sample", "timestep")}
         return model(inputs["sample"], inputs["timestep"], return_dict=False, **rest)
     return model(**inputs)
-
-
-# TEMPORARY (until the bench split lands): the old names
-flux_merged_blocks = merged_blocks
-
-
-def reduced_flux_config(config: dict[str, Any], depth: int) -> dict[str, Any]:
-    return reduced_config("flux", config, depth)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from toma.tools.archs import ARCHS, get_arch
+from toma.tools.archs import ARCHS, DEPTH_KEYS, get_arch, latent_frames
 from toma.tools.bench_harness import benchmark
 from toma.tools.bench_report import METHODS, derive, format_report, write_outputs
 from toma.tools.report import wrote
@@ -52,10 +52,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--model", default=None, help="local path or cached hub id with real weights (never downloaded)")
-    p.add_argument("--depth", type=int, default=1, help="Flux: build DEPTH times fewer blocks at full width")
+    p.add_argument("--depth", type=int, default=1,
+                   help="transformers: build DEPTH times fewer blocks at full width (merged blocks scale with them)")
+    p.add_argument("--frames", type=int, default=None, help="video: frames in pixels, 1 + 4k (default: the arch's)")
     p.add_argument("--levels", type=int, default=1, help="UNet: attention levels merged, from the highest resolution")
-    p.add_argument("--merge-mlp", action="store_true", help="UNet: merge the MLPs too")
+    p.add_argument("--merge-mlp", action="store_true", help="merge the MLPs too")
     p.add_argument("--tile-size", type=int, default=4, help="ToMA tile side in tokens (also sets the ideal's K)")
+    p.add_argument("--tile-frames", type=int, default=None,
+                   help="video: frames a tile spans (1 = 2-D tiles; default 2, spatio-temporal)")
     p.add_argument("--share-batch-plan", action="store_true", help="ToMA: one plan for the whole batch")
     p.add_argument("--recompute-every", type=int, default=1, help="ToMA: fresh plans every this many steps")
     p.add_argument("--proportional-attention", dest="proportional_attention", action="store_true", default=None,
@@ -131,8 +135,13 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
-    if args.depth != 1 and arch.family != "flux":
-        raise ValueError(f"--depth applies to Flux only; got --depth {args.depth} with --arch {arch.name}")
+    if args.depth != 1 and arch.family not in DEPTH_KEYS:
+        raise ValueError(f"--depth applies to transformers ({', '.join(DEPTH_KEYS)}); got --depth {args.depth} with --arch {arch.name}")
+    if (args.frames is not None or args.tile_frames is not None) and not arch.frames:
+        raise ValueError(f"--frames and --tile-frames apply to video archs; {arch.name} draws images")
+    if args.tile_frames is not None and args.tile_frames < 1:
+        raise ValueError(f"--tile-frames must be >= 1; got {args.tile_frames}")
+    latent_frames(arch, args.frames)  # checks --frames
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if args.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -161,7 +170,9 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "device": device,
         "model_path": args.model,
         "depth": args.depth,
-        "placement": {"levels": args.levels, "merge_mlp": args.merge_mlp, "tile_size": args.tile_size},
+        "frames": args.frames,
+        "placement": {"levels": args.levels, "merge_mlp": args.merge_mlp, "tile_size": args.tile_size,
+                      "tile_frames": args.tile_frames},
         "toma_options": {"share_batch_plan": args.share_batch_plan, "recompute_every": args.recompute_every,
                          "proportional_attention": args.proportional_attention},
         "tomesd_max_downsample": args.tomesd_max_downsample,

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from toma.tools.archs import ARCHS, Arch, build_model, call_denoiser, flux_merged_blocks, make_inputs, set_timestep
+from toma.tools.archs import STACKS, Arch, build_model, call_denoiser, default_placement, latent_frames, make_inputs, set_timestep
 from toma.tools.bench_report import OVERHEAD_PARTS, build_report
 from toma.tools.opcount import count_kernels
 
@@ -53,15 +53,10 @@ class MethodPatcher:
                  toma_options: dict[str, Any], tomesd_max_downsample: int | None) -> None:
         self.model = model
         self.arch = arch
-        self.placement = dict(placement)
-        if arch.family == "flux":
-            self.placement = {
-                "tile_size": placement["tile_size"],
-                "flux_double_blocks": flux_merged_blocks(len(model.transformer_blocks), ARCHS["flux"].config["num_layers"]),
-                "flux_single_blocks": flux_merged_blocks(
-                    len(model.single_transformer_blocks), ARCHS["flux"].config["num_single_layers"]
-                ),
-            }
+        self.placement = {k: v for k, v in placement.items() if v is not None}
+        if arch.family in STACKS:  # transformers: no levels; the default blocks, scaled to --depth
+            self.placement.pop("levels", None)
+            self.placement.update(default_placement(arch, model))
         self.toma_options = toma_options
         self.tomesd_max_downsample = tomesd_max_downsample
 
@@ -157,6 +152,7 @@ def benchmark(
     device: torch.device | str = "cpu",
     model_path: str | None = None,
     depth: int = 1,
+    frames: int | None = None,
     placement: dict[str, Any] | None = None,
     toma_options: dict[str, Any] | None = None,
     tomesd_max_downsample: int | None = None,
@@ -183,12 +179,11 @@ def benchmark(
     log(f"building {arch.description} ({'weights from ' + model_path if model_path else 'random weights'}) "
         f"in {str(dtype).replace('torch.', '')} on {device}")
     model = build_model(arch, depth=depth, model_path=model_path, dtype=dtype, device=device, seed=seed)
-    if arch.family == "flux" and depth != 1:
-        notes.append(
-            f"Flux at full width but reduced depth: {len(model.transformer_blocks)} double-stream and "
-            f"{len(model.single_transformer_blocks)} single-stream blocks (--depth {depth}; the full model has "
-            f"{arch.config['num_layers']} and {arch.config['num_single_layers']})"
-        )
+    if depth != 1:
+        built = " and ".join(f"{len(getattr(model, s))} {s}" for s in STACKS[arch.family])
+        notes.append(f"{arch.description} at full width but reduced depth: {built} (--depth {depth} of the full model)")
+    if arch.frames:
+        notes.append(f"video of {frames or arch.frames} frames, {latent_frames(arch, frames)} latent frames")
     harness = MethodPatcher(model, arch, placement, toma_options, tomesd_max_downsample)
     skipped: dict[str, str] = {}
     variants = [Variant("none", None)] if "none" in methods else []
@@ -202,7 +197,7 @@ def benchmark(
             continue
         variants += [Variant(m, r) for r in ratios]
     step_inputs = {
-        b: [set_timestep(arch, make_inputs(arch, resolution, b, dtype, device, seed), s, steps) for s in range(steps)]
+        b: [set_timestep(arch, make_inputs(arch, resolution, b, dtype, device, seed, frames), s, steps) for s in range(steps)]
         for b in batches
     }
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from toma import __version__
-from toma.tools.archs import Arch, count_parameters
+from toma.tools.archs import STACKS, Arch, count_parameters
 from toma.tools.report import cell, processor_name, pyplot, save_figure, write_json
 
 if TYPE_CHECKING:
@@ -124,6 +124,8 @@ def derive(rows: list[dict[str, Any]], first_batch: int) -> list[dict[str, Any]]
 def _blocks(model: torch.nn.Module, arch: Arch) -> dict[str, int]:
     if arch.family == "flux":
         return {"double": len(model.transformer_blocks), "single": len(model.single_transformer_blocks)}
+    if arch.family in STACKS:
+        return {stack: len(getattr(model, stack)) for stack in STACKS[arch.family]}
     from diffusers.models.attention import BasicTransformerBlock
 
     return {"transformer_blocks": sum(isinstance(m, BasicTransformerBlock) for m in model.modules())}
