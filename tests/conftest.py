@@ -161,3 +161,54 @@ def wan_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int
         "timestep": torch.full((batch,), 500.0),
         "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
     }
+
+
+def make_pixart(seed: int = 0, layers: int = 3):
+    from diffusers import PixArtTransformer2DModel
+
+    torch.manual_seed(seed)
+    return PixArtTransformer2DModel(
+        sample_size=8, num_layers=layers, patch_size=2, attention_head_dim=8, num_attention_heads=2, caption_channels=CROSS_DIM,
+        in_channels=4, cross_attention_dim=16, out_channels=8, attention_bias=True, activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+    ).eval()
+
+
+def pixart_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Latents of ``h x w`` (tokens ``h/2 x w/2``), with a text mask that hides the last text token."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, text)
+    mask[:, -1] = 0
+    return {
+        "hidden_states": torch.randn(batch, 4, h, w, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "timestep": torch.full((batch,), 500),
+        "encoder_attention_mask": mask,
+        "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+    }
+
+
+def make_ltx(seed: int = 0, layers: int = 3):
+    from diffusers import LTXVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    return LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, num_layers=layers, caption_channels=CROSS_DIM,
+    ).eval()
+
+
+def ltx_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Flattened latents of ``frames x h x w`` tokens, with a text mask."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, text)
+    mask[:, -1] = 0
+    return {
+        "hidden_states": torch.randn(batch, frames * h * w, 8, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "timestep": torch.full((batch,), 500),
+        "encoder_attention_mask": mask,
+        "num_frames": frames,
+        "height": h,
+        "width": w,
+    }

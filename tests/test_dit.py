@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import make_sd3, make_wan, sd3_inputs, wan_inputs
+from tests.conftest import ltx_inputs, make_ltx, make_pixart, make_sd3, make_wan, pixart_inputs, sd3_inputs, wan_inputs
 
 ALL_SD3 = {"blocks": {"transformer_blocks": range(4)}}
 ALL_WAN = {"blocks": {"blocks": range(3)}}
+ALL_3 = {"blocks": {"transformer_blocks": range(3)}}
 
 
 def run(model, **kw):
@@ -30,9 +31,11 @@ def count_queries(model, suffixes):
     return seen, handles
 
 
-FAMILIES = {
+FAMILIES = {  # family -> (model maker, inputs(batch, latent height, latent width), every block)
     "sd3": (make_sd3, lambda b=2, h=16, w=20: sd3_inputs(b, h, w), ALL_SD3),
     "wan": (make_wan, lambda b=2, h=12, w=16: wan_inputs(b, 4, h, w), ALL_WAN),
+    "pixart": (make_pixart, lambda b=2, h=16, w=20: pixart_inputs(b, h, w), ALL_3),
+    "ltx": (make_ltx, lambda b=2, h=12, w=16: ltx_inputs(b, 4, h // 2, w // 2), ALL_3),
 }
 
 
@@ -130,7 +133,7 @@ def test_batch_elements_get_their_own_plan(family):
     toma.apply_toma(model, ratio=0.5, **blocks)
     both = run(model, **kw)
     for b in range(2):
-        alone = run(model, **{k: v[b : b + 1] for k, v in kw.items()})
+        alone = run(model, **{k: v[b : b + 1] if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
         torch.testing.assert_close(both[b : b + 1], alone, rtol=1e-4, atol=1e-5)
 
 
@@ -170,7 +173,7 @@ def test_wan_proportional_attention_is_exact_on_duplicate_tokens():
 def test_rotary_follows_the_merged_tokens():
     # the rotary rows handed to a merged self-attention are those of its destinations
     model = make_wan(layers=1)
-    kw = wan_inputs(2, 2, 8, 8)
+    kw = wan_inputs(2, 4, 8, 16)  # 4 x 4 x 8 tokens: 4 tiles, in tile order through the blocks
     patch = toma.apply_toma(model, ratio=0.5, blocks={"blocks": [0]})
     attn = model.blocks[0].attn1
     seen = []
@@ -183,8 +186,9 @@ def test_rotary_follows_the_merged_tokens():
     attn.processor = recording
     run(model, **kw)
     attn.processor = original
-    full_cos = model.rope(kw["hidden_states"])[0][0]  # (N, 1, D) in raster order
     [plan] = [p for _, p in patch.cache._plans.values()]
+    toma.remove_toma(model)  # the rotary module's own output again: raster order
+    full_cos = model.rope(kw["hidden_states"])[0][0]  # (N, 1, D)
     cos = seen[0][0]
     assert cos.shape == (2, plan.num_merged, 1, full_cos.shape[-1])
     assert torch.equal(cos, full_cos[plan.dest_tokens])
@@ -227,3 +231,45 @@ def test_kept_token_count_follows_ratio():
             h.remove()
         # 4 x 8 x 8 tokens in 2 x 4 x 4 tiles of 32: each keeps round(32 * (1 - ratio))
         assert queries == [8 * math.floor(32 * (1 - ratio) + 0.5)] * 3
+
+
+@pytest.mark.parametrize("family", ["pixart", "ltx"])
+def test_cross_attention_queries_merge_under_a_text_mask(family):
+    # the text mask covers the keys (text, whole): merged queries keep it
+    make, inputs, blocks = FAMILIES[family]
+    model, kw = make(), inputs(1, 16, 16)
+    ref = run(model, **kw)
+    patch = toma.apply_toma(model, ratio=0.5, merge_attn=False, merge_crossattn=True, **blocks)
+    queries, handles = count_queries(model, (".attn2",))
+    keys: list[int] = []
+    handles += [b.attn2.to_k.register_forward_hook(lambda m, a, o: keys.append(a[0].shape[1])) for b in model.transformer_blocks]
+    out = run(model, **kw)
+    for h in handles:
+        h.remove()
+    kept = patch.cache.layout(*((4, 8, 8) if family == "ltx" else (1, 8, 8))).num_merged
+    assert queries == [kept] * 3 and keys == [5] * 3
+    assert torch.isfinite(out).all() and not torch.equal(out, ref)
+
+
+def test_ltx_rotary_per_sample_follows_the_merged_tokens():
+    model = make_ltx(layers=1)
+    kw = ltx_inputs(2, 2, 4, 8)
+    patch = toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": [0]})
+    seen = []
+    attn = model.transformer_blocks[0].attn1
+    original = attn.processor
+
+    def recording(attn_, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        seen.append(image_rotary_emb)
+        return original(attn_, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+    attn.processor = recording
+    run(model, **kw)
+    attn.processor = original
+    [plan] = [p for _, p in patch.cache._plans.values()]
+    toma.remove_toma(model)  # the rotary module's own output again: raster order
+    full_cos = model.rope(kw["hidden_states"], 2, 4, 8)[0]  # (B, N, C)
+    cos = seen[0][0]
+    assert cos.shape == (2, plan.num_merged, full_cos.shape[-1])
+    for b in range(2):
+        assert torch.equal(cos[b], full_cos[b][plan.dest_tokens[b]])

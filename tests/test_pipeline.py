@@ -174,3 +174,36 @@ def test_wan_pipeline_round_trip(tmp_path):
     assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
     toma.remove_toma(pipe)
     assert np.array_equal(generate(), ref)
+
+
+def test_pixart_pipeline_round_trip(tmp_path):
+    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
+
+    from tests.conftest import make_pixart
+
+    torch.manual_seed(0)
+    pipe = PixArtSigmaPipeline(
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+        text_encoder=T5EncoderModel(T5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)),
+        vae=tiny_vae(),
+        transformer=make_pixart(),
+        scheduler=DPMSolverMultistepScheduler(),
+    )
+    pipe.save_pretrained(tmp_path / "pipe")
+    pipe = PixArtSigmaPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
+    kw = dict(height=32, width=48, num_inference_steps=2, max_sequence_length=16, output_type="np", use_resolution_binning=False)
+
+    def generate():
+        return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images
+
+    ref = generate()
+    patch = toma.apply_toma(pipe, ratio=0.5, blocks={"transformer_blocks": range(3)})
+    calls = []
+    handle = patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
+    merged = generate()
+    handle.remove()
+    # 32x48 px -> 16x24 latent (the tiny VAE halves) -> 8x12 tokens, half kept; one CFG batch of 2 per step
+    assert calls == [(2, 48)] * 2
+    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
+    toma.remove_toma(pipe)
+    assert np.array_equal(generate(), ref)

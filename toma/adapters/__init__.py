@@ -17,6 +17,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "flux": ("toma.adapters.flux", ("FluxTransformer2DModel",)),
     "sd3": ("toma.adapters.sd3", ("SD3Transformer2DModel",)),
     "wan": ("toma.adapters.wan", ("WanTransformer3DModel",)),
+    "ltx": ("toma.adapters.ltx", ("LTXVideoTransformer3DModel",)),
+    "pixart": ("toma.adapters.pixart", ("PixArtTransformer2DModel",)),
 }
 
 

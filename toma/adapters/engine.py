@@ -349,7 +349,11 @@ class MergeHook(Hook):
         self._plan = None
         x = hidden_states_of(args, kwargs)
         grid = self.cache.grid_at(self.downsample)
-        if x is None or x.ndim != 3 or grid is None or self._own_mask(args, kwargs) is not None:
+        if x is None or x.ndim != 3 or grid is None:
+            return args, kwargs
+        # a mask of the model's own is laid out over the unmerged keys; cross-attention's
+        # keys are the text, which stays whole, so only self-attention must then run unmerged
+        if (self.site is None or self.site.part != "cross") and self._own_mask(args, kwargs) is not None:
             return args, kwargs
         tiled = self.order.layout is not None
         plan = self.cache.get(x, grid, group=grid, tiled=tiled)
@@ -398,6 +402,22 @@ def _gather_rotary(rotary: Rotary, plan: Plan, tiled: bool, args: tuple, kwargs:
     return replace_arg(args, kwargs, rotary.name, rotary.index, merged)
 
 
+def gather_rows(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """Rows ``dest`` ``(Bp, K)`` of a per-batch table ``(Bt, N, D)`` (``Bt`` 1 or B): ``(max(Bt, Bp), K, D)``."""
+    if table.shape[0] == 1:
+        return table[0][dest]
+    if dest.shape[0] == 1:
+        return table[:, dest[0]]
+    return table.gather(1, dest[..., None].expand(-1, -1, table.shape[-1]))
+
+
+def head_mask(log_mass: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """Log masses ``(Bp, K)`` as the ``(batch * heads, 1, K)`` mask diffusers' classic
+    attention processors (``AttnProcessor2_0``) take as is."""
+    bias = log_mass[:, None, :]
+    return bias.expand(batch * heads, 1, -1) if bias.shape[0] == 1 else bias.repeat_interleave(heads, dim=0)
+
+
 def replace_arg(args: tuple, kwargs: dict, name: str, index: int | None, value: Any) -> tuple[tuple, dict]:
     """The call's arguments with ``value`` for the parameter ``name`` at position ``index``."""
     if index is not None and len(args) > index:
@@ -444,8 +464,4 @@ def _head_bias(plan: Plan, batch: int, heads: int) -> torch.Tensor:
     Built once per plan: a view when the plan is shared by the batch, else a copy.
     """
 
-    def make() -> torch.Tensor:
-        bias = plan.log_mass[:, None, :]  # (Bp, 1, K)
-        return bias.expand(batch * heads, 1, -1) if bias.shape[0] == 1 else bias.repeat_interleave(heads, dim=0)
-
-    return plan.memo(f"head_bias_{batch}_{heads}", make)
+    return plan.memo(f"head_bias_{batch}_{heads}", lambda: head_mask(plan.log_mass, batch, heads))

@@ -92,6 +92,39 @@ WAN21_1_3B: dict[str, Any] = {
     "rope_max_seq_len": 1024,
 }
 
+PIXART_SIGMA: dict[str, Any] = {
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 4,
+    "out_channels": 8,
+    "num_layers": 28,
+    "attention_head_dim": 72,
+    "num_attention_heads": 16,
+    "cross_attention_dim": 1152,
+    "caption_channels": 4096,
+    "attention_bias": True,
+    "activation_fn": "gelu-approximate",
+    "num_embeds_ada_norm": 1000,
+    "norm_type": "ada_norm_single",
+    "norm_elementwise_affine": False,
+    "norm_eps": 1e-6,
+    "interpolation_scale": 2,
+    "use_additional_conditions": False,
+}
+
+LTX_VIDEO: dict[str, Any] = {
+    "in_channels": 128,
+    "out_channels": 128,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "num_attention_heads": 32,
+    "attention_head_dim": 64,
+    "cross_attention_dim": 2048,
+    "num_layers": 28,
+    "caption_channels": 4096,
+    "qk_norm": "rms_norm_across_heads",
+}
+
 # Small stand-ins with the same structure, for tests.
 TINY_UNET: dict[str, Any] = {
     "sample_size": 16,
@@ -136,12 +169,16 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
     "sd3": ("num_layers",),
     "wan": ("num_layers",),
+    "pixart": ("num_layers",),
+    "ltx": ("num_layers",),
 }
 # the block stacks of each transformer family, in the order of DEPTH_KEYS
 STACKS: dict[str, tuple[str, ...]] = {
     "flux": ("transformer_blocks", "single_transformer_blocks"),
     "sd3": ("transformer_blocks",),
     "wan": ("blocks",),
+    "pixart": ("transformer_blocks",),
+    "ltx": ("transformer_blocks",),
 }
 
 
@@ -151,7 +188,7 @@ class Arch:
 
     Attributes:
         name: the ``--arch`` value.
-        family: ``"unet"``, ``"flux"``, ``"sd3"`` or ``"wan"``.
+        family: ``"unet"``, ``"flux"``, ``"sd3"``, ``"wan"``, ``"pixart"`` or ``"ltx"``.
         config: constructor keyword arguments of the diffusers model class.
         resolution: default image resolution in pixels.
         text_tokens: prompt length the pipeline feeds the denoiser.
@@ -160,7 +197,9 @@ class Arch:
         vae_scale: pixels per latent pixel.
         description: one line for the report.
         aspect: width over height of the default frame (Wan's 480p is 832 x 480).
-        frames: video: default frames in pixels (latent frames are ``(frames - 1) / 4 + 1``); 0 for images.
+        frames: video: default frames in pixels; 0 for images.
+        time_scale: video: frames per latent frame after the first (the VAE keeps the first).
+        patch: latent pixels per token side (1 for UNets and LTX, 2 for the other transformers).
     """
 
     name: str
@@ -174,24 +213,28 @@ class Arch:
     description: str
     aspect: float = 1.0
     frames: int = 0
+    time_scale: int = 4
+    patch: int = 2
 
     def size(self, resolution: int) -> tuple[int, int]:
-        """``(height, width)`` in pixels for ``resolution`` (the height), a multiple of
-        two latent pixels on each side."""
-        step = 2 * self.vae_scale
+        """``(height, width)`` in pixels for ``resolution`` (the height), a whole number of
+        tokens on each side."""
+        step = self.patch * self.vae_scale
         return resolution, max(step, round(resolution * self.aspect / step) * step)
 
 
 ARCHS: dict[str, Arch] = {
-    "sdxl": Arch("sdxl", "unet", SDXL_UNET, 1024, 77, 2048, 1280, 8, "SDXL-base UNet"),
-    "sd15": Arch("sd15", "unet", SD15_UNET, 512, 77, 768, 0, 8, "Stable Diffusion 1.5 UNet"),
+    "sdxl": Arch("sdxl", "unet", SDXL_UNET, 1024, 77, 2048, 1280, 8, "SDXL-base UNet", patch=1),
+    "sd15": Arch("sd15", "unet", SD15_UNET, 512, 77, 768, 0, 8, "Stable Diffusion 1.5 UNet", patch=1),
     "flux": Arch("flux", "flux", FLUX_DEV, 1024, 512, 4096, 768, 8, "Flux.1-dev transformer"),
-    "tiny-unet": Arch("tiny-unet", "unet", TINY_UNET, 128, 8, 32, 0, 8, "tiny SD-like UNet (tests)"),
+    "tiny-unet": Arch("tiny-unet", "unet", TINY_UNET, 128, 8, 32, 0, 8, "tiny SD-like UNet (tests)", patch=1),
     "tiny-flux": Arch("tiny-flux", "flux", TINY_FLUX, 128, 8, 32, 16, 8, "tiny Flux-like transformer (tests)"),
     "sd35": Arch("sd35", "sd3", SD35_MEDIUM, 1024, 333, 4096, 2048, 8, "SD3.5-Medium transformer"),
     "wan": Arch("wan", "wan", WAN21_1_3B, 480, 512, 4096, 0, 8, "Wan 2.1 T2V 1.3B transformer", 832 / 480, 81),
     "tiny-sd3": Arch("tiny-sd3", "sd3", TINY_SD3, 128, 8, 32, 16, 8, "tiny SD3-like transformer (tests)"),
     "tiny-wan": Arch("tiny-wan", "wan", TINY_WAN, 64, 8, 32, 0, 8, "tiny Wan-like transformer (tests)", 1.0, 5),
+    "pixart": Arch("pixart", "pixart", PIXART_SIGMA, 1024, 300, 4096, 0, 8, "PixArt-Sigma XL 1024 transformer"),
+    "ltx": Arch("ltx", "ltx", LTX_VIDEO, 512, 128, 4096, 0, 32, "LTX-Video 0.9 transformer", 768 / 512, 121, 8, 1),
 }
 
 _CLASSES = {
@@ -199,6 +242,8 @@ _CLASSES = {
     "flux": "FluxTransformer2DModel",
     "sd3": "SD3Transformer2DModel",
     "wan": "WanTransformer3DModel",
+    "pixart": "PixArtTransformer2DModel",
+    "ltx": "LTXVideoTransformer3DModel",
 }
 
 
@@ -293,8 +338,9 @@ def make_inputs(
     """
     g = torch.Generator().manual_seed(seed)
     height, width = arch.size(resolution)
-    if height // arch.vae_scale < 2 or resolution % (2 * arch.vae_scale):
-        raise ValueError(f"resolution must be a multiple of {2 * arch.vae_scale} pixels; got {resolution}")
+    step = arch.patch * arch.vae_scale
+    if height // arch.vae_scale < 2 or resolution % step:
+        raise ValueError(f"resolution must be a multiple of {step} pixels; got {resolution}")
     lh, lw = height // arch.vae_scale, width // arch.vae_scale
 
     def rand(*shape: int) -> torch.Tensor:
@@ -327,6 +373,14 @@ def make_inputs(
     if arch.family == "wan":
         count = latent_frames(arch, frames)
         return {"hidden_states": rand(batch, channels, count, lh, lw), "timestep": timestep, "encoder_hidden_states": text, "return_dict": False}
+    if arch.family == "pixart":
+        return {"hidden_states": rand(batch, channels, lh, lw), "encoder_hidden_states": text, "timestep": timestep,
+                "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}, "return_dict": False}
+    if arch.family == "ltx":
+        count = latent_frames(arch, frames)
+        return {"hidden_states": rand(batch, count * lh * lw, channels), "encoder_hidden_states": text, "timestep": timestep,
+                "encoder_attention_mask": torch.ones(batch, arch.text_tokens, device=device, dtype=dtype),
+                "num_frames": count, "height": lh, "width": lw, "return_dict": False}
     # Flux packs 2x2 latent patches into one token
     th, tw = lh // 2, lw // 2
     ids = torch.zeros(th, tw, 3)
@@ -346,15 +400,16 @@ def make_inputs(
 
 def latent_frames(arch: Arch, frames: int | None = None) -> int:
     """Latent frames of a video arch for ``frames`` pixel frames (its default if None): the
-    VAE keeps the first frame and compresses the rest 4x in time. 1 for images."""
+    VAE keeps the first frame and compresses the rest ``time_scale`` times. 1 for images."""
     if not arch.frames:
         if frames not in (None, 0, 1):
             raise ValueError(f"frames applies to video archs; {arch.name} draws images")
         return 1
     frames = arch.frames if frames is None else frames
-    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % 4:
-        raise ValueError(f"frames must be 1 + 4k (the video VAE keeps the first frame and compresses 4 into 1); got {frames!r}")
-    return (frames - 1) // 4 + 1
+    k = arch.time_scale
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % k:
+        raise ValueError(f"frames must be 1 + {k}k (the video VAE keeps the first frame and compresses {k} into 1); got {frames!r}")
+    return (frames - 1) // k + 1
 
 
 def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> dict[str, Any]:
@@ -374,9 +429,7 @@ def token_grid(arch: Arch, resolution: int, frames: int | None = None) -> tuple[
     """Token grid of the first attention level: ``(h, w)`` for images (UNet at downsample 1,
     transformer image tokens), ``(t, h, w)`` for video."""
     height, width = arch.size(resolution)
-    h, w = height // arch.vae_scale, width // arch.vae_scale
-    if arch.family != "unet":
-        h, w = h // 2, w // 2
+    h, w = height // arch.vae_scale // arch.patch, width // arch.vae_scale // arch.patch
     return (latent_frames(arch, frames), h, w) if arch.frames else (h, w)
 
 
