@@ -236,8 +236,10 @@ class PlanCache:
         self._indices: dict[tuple[tuple[int, ...], torch.device], LayoutIndex] = {}
         self._generator: torch.Generator | None = None
         self._inference = False
+        # kept out of torch.compile graphs (it reads and writes Python state); wrapped here
+        # rather than with a decorator, which would import torch._dynamo (~2 s) with toma
+        self.begin_forward = torch.compiler.disable(self.begin_forward)  # type: ignore[method-assign]
 
-    @torch.compiler.disable
     def begin_forward(self, base_grid: tuple[int, ...], timestep: float | None) -> None:
         """Start a denoiser forward on a token grid of ``base_grid`` (``(h, w)`` or ``(t, h, w)``) at downsample 1.
 
