@@ -273,3 +273,19 @@ def test_ltx_rotary_per_sample_follows_the_merged_tokens():
     assert cos.shape == (2, plan.num_merged, full_cos.shape[-1])
     for b in range(2):
         assert torch.equal(cos[b], full_cos[b][plan.dest_tokens[b]])
+
+
+def test_known_unsupported_families_are_refused_with_why():
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=8, text_embed_dim=16,
+        num_layers=1, sample_width=8, sample_height=8, sample_frames=5, patch_size=2, temporal_compression_ratio=4,
+        max_text_seq_length=8,
+    )
+    with pytest.raises(ValueError, match="CogVideoXTransformer3DModel: its attention applies rotary tables shared by the whole batch"):
+        toma.apply_toma(model)
+    assert not hasattr(model, "_diffusers_hook")
+    with pytest.raises(ValueError, match="WanTransformer3DModel"):  # an unknown module lists the supported ones
+        toma.apply_toma(torch.nn.Linear(2, 2))

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from toma.adapters import adapter_for
+from toma.adapters import FAMILIES, adapter_for, unsupported_reason
 from toma.adapters.base import HOOK_NAME, Patched, Skipped, remove_hook
 from toma.config import ToMAConfig, make_config
 from toma.core.plan import PlanCache
@@ -85,11 +85,14 @@ def apply_toma(
     cfg = make_config(config, **options)
     model = denoiser_of(pipe_or_model)
     found = adapter_for(model)
+    reason = unsupported_reason(model) if found is None else None
+    if reason is not None:
+        raise ValueError(f"ToMA does not merge {reason}")
     if found is None:
         raise ValueError(
             f"{type(model).__name__} has no blocks ToMA supports: expected a diffusers UNet with "
-            "BasicTransformerBlock attention (SD 1.x/2.x, SDXL), FluxTransformer2DModel, "
-            "SD3Transformer2DModel or WanTransformer3DModel"
+            "BasicTransformerBlock attention (SD 1.x/2.x, SDXL) or one of "
+            f"{', '.join(sorted(c for _, classes in FAMILIES.values() for c in classes))}"
         )
     name, adapter = found
     targets, skipped = adapter.find_targets(model, cfg)

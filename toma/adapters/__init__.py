@@ -22,6 +22,29 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+# denoiser classes toma knows and does not merge (yet), with why
+UNSUPPORTED: dict[str, str] = {
+    "QwenImageTransformer2DModel": "its attention applies complex rotary tables that one merge plan per sample "
+    "cannot pass through, and its text mask spans the joint sequence (not supported yet)",
+    "Flux2Transformer2DModel": "its single-stream blocks fuse the attention and MLP input projections in one layer, "
+    "which needs its own merged processor (not supported yet)",
+    "HunyuanVideoTransformer3DModel": "a padded text mask spans the joint [video; text] sequence of every block, "
+    "which merging would have to rebuild (not supported yet)",
+    "CogVideoXTransformer3DModel": "its attention applies rotary tables shared by the whole batch, which cannot "
+    "carry one merge plan per sample (not supported yet)",
+    "SanaTransformer2DModel": "its attention is linear and its MLP a convolution on the token grid, so merging "
+    "saves little (out of scope)",
+}
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s family is not merged, if toma knows it."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in UNSUPPORTED:
+            return f"{cls.__name__}: {UNSUPPORTED[cls.__name__]}"
+    return None
+
+
 def adapter_for(model: torch.nn.Module) -> tuple[str, Any] | None:
     """The adapter of ``model``'s family as ``(name, adapter)``, or None.
 
