@@ -289,3 +289,34 @@ def test_known_unsupported_families_are_refused_with_why():
     assert not hasattr(model, "_diffusers_hook")
     with pytest.raises(ValueError, match="WanTransformer3DModel"):  # an unknown module lists the supported ones
         toma.apply_toma(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("family", ["flux", "wan", "ltx"])
+def test_set_attention_backend_reaches_merged_attention(family, monkeypatch):
+    # merged attention runs through diffusers' dispatcher with the backend the user set,
+    # before or after apply_toma
+    import importlib
+
+    from tests.conftest import flux_inputs, make_flux
+
+    module = importlib.import_module(
+        {"flux": "toma.adapters.flux", "wan": "diffusers.models.transformers.transformer_wan",
+         "ltx": "diffusers.models.transformers.transformer_ltx"}[family]
+    )
+    if family == "flux":
+        model, kw, opts = make_flux(), flux_inputs(1, 8, 8), dict(flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
+    else:
+        make, inputs, opts = FAMILIES[family]
+        model, kw = make(), inputs(1, 16, 16)
+    seen = []
+    real = module.dispatch_attention_fn
+    monkeypatch.setattr(module, "dispatch_attention_fn", lambda *a, backend=None, **k: seen.append((a[0].shape[1], backend)) or real(*a, backend=backend, **k))
+    with torch.no_grad():
+        ref = model(**kw).sample
+        toma.apply_toma(model, ratio=0.5, **opts)
+        model.set_attention_backend("_native_math")
+        seen.clear()
+        merged = model(**kw).sample
+    merged_calls = [(n, b) for n, b in seen if n < ref.shape[1] or family != "flux"]
+    assert merged_calls and all(str(b) == "AttentionBackendName._NATIVE_MATH" for _, b in seen)
+    assert not torch.allclose(merged, ref, rtol=1e-4, atol=1e-5)

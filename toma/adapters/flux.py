@@ -242,6 +242,24 @@ class _MergedFluxProcessor:
         self.single = single
         self.order = order
 
+    # set_attention_backend and context parallelism set these on every processor that has
+    # them: they go to the original processor, which the merged path and the fallback share
+    @property
+    def _attention_backend(self) -> Any:
+        return getattr(self.original, "_attention_backend", None)
+
+    @_attention_backend.setter
+    def _attention_backend(self, backend: Any) -> None:
+        self.original._attention_backend = backend
+
+    @property
+    def _parallel_config(self) -> Any:
+        return getattr(self.original, "_parallel_config", None)
+
+    @_parallel_config.setter
+    def _parallel_config(self, config: Any) -> None:
+        self.original._parallel_config = config
+
     def __call__(
         self,
         attn: torch.nn.Module,
@@ -285,8 +303,8 @@ class _MergedFluxProcessor:
             key,
             value,
             attn_mask=mask,
-            backend=getattr(self.original, "_attention_backend", None),
-            parallel_config=getattr(self.original, "_parallel_config", None),
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
         )
         out = out.flatten(2, 3).to(query.dtype)
         if self.single is not None:
