@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU latency in one command, for a machine with a CUDA GPU and no internet (weights are
-# random, built from the published configs; nothing is downloaded). Full-size SDXL UNet
-# and full-depth Flux.1-dev transformer, bf16, 1024x1024, ratio 0.5: unpatched, ToMA,
-# tomesd (SDXL only; a UNet method) and the ideal, interleaved. Sized to finish in under
-# 5 minutes on one H200 (Flux needs ~75 GB of GPU memory while it is built).
+# random, built from the published configs; nothing is downloaded). Full-size SDXL UNet,
+# full-depth Flux.1-dev and SD3.5-Medium transformers, bf16, 1024x1024, and Wan 2.1 1.3B
+# at 832x480 x 81 frames (32,760 video tokens), ratio 0.5: unpatched, ToMA, tomesd (SDXL
+# only; a UNet method) and the ideal, interleaved. Sized to finish in about 7 minutes on
+# one H200 (Flux needs ~75 GB of GPU memory while it is built). ONLY=sd35,wan runs just those.
 #
 #   benchmarks/gpu.sh                          # results in bench-results/gpu/*.json|png
 #   RESULTS=/tmp/gpu REPEATS=20 benchmarks/gpu.sh
@@ -20,17 +21,29 @@ STEPS=${STEPS:-4}
 PY=${PYTHON:-python3}
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu.sh needs a CUDA GPU (torch.cuda.is_available() is False)')"
 bench() { "$PY" -m toma bench "$@"; }
+want() { [[ -z "${ONLY:-}" || ",$ONLY," == *",$1,"* ]]; }
 common=(--device cuda --dtype bfloat16 --resolution 1024 --ratios 0.5
         --steps "$STEPS" --repeats "$REPEATS" --warmup 2 --out "$RESULTS" --no-progress)
-# SDXL: both attention levels (64x64 and 32x32 tokens), self-attention; batch 2 = a CFG batch
-bench --arch sdxl --methods none,toma,tomesd,ideal --levels 2 --batch 1,2 --name sdxl_levels2_gpu "${common[@]}" "$@"
-# the same timed as CUDA graph replays: what a launch-free deployment (graphs, compile) sees
-bench --arch sdxl --methods none,toma,ideal,tomesd --levels 2 --batch 1,2 --cuda-graph --no-profile \
-  --name sdxl_levels2_cudagraph_gpu "${common[@]}" "$@"
-# the same with the MLPs merged too
-bench --arch sdxl --methods none,toma,tomesd,ideal --levels 2 --merge-mlp --name sdxl_levels2_mlp_gpu "${common[@]}" "$@"
+if want sdxl; then
+  # SDXL: both attention levels (64x64 and 32x32 tokens), self-attention; batch 2 = a CFG batch
+  bench --arch sdxl --methods none,toma,tomesd,ideal --levels 2 --batch 1,2 --name sdxl_levels2_gpu "${common[@]}" "$@"
+  # the same timed as CUDA graph replays: what a launch-free deployment (graphs, compile) sees
+  bench --arch sdxl --methods none,toma,ideal,tomesd --levels 2 --batch 1,2 --cuda-graph --no-profile \
+    --name sdxl_levels2_cudagraph_gpu "${common[@]}" "$@"
+  # the same with the MLPs merged too
+  bench --arch sdxl --methods none,toma,tomesd,ideal --levels 2 --merge-mlp --name sdxl_levels2_mlp_gpu "${common[@]}" "$@"
+fi
 # Flux.1-dev at full depth (19 double + 38 single blocks; the first 5 of each unmerged)
-bench --arch flux --methods none,toma,ideal --name flux_gpu "${common[@]}" "$@"
+want flux && bench --arch flux --methods none,toma,ideal --name flux_gpu "${common[@]}" "$@"
+# SD3.5-Medium at full depth (24 blocks; the first 5 unmerged), 4096 image tokens
+want sd35 && bench --arch sd35 --methods none,toma,ideal --name sd35_gpu "${common[@]}" "$@"
+# Wan 2.1 T2V 1.3B at 480p x 81 frames: 21 x 30 x 52 = 32,760 tokens in self-attention; one
+# forward per sample (a forward takes seconds), spatio-temporal 2x4x4 tiles
+if want wan; then
+  bench --arch wan --methods none,toma,ideal --device cuda --dtype bfloat16 --resolution 480 --frames 81 \
+    --ratios 0.5 --steps 1 --repeats "${WAN_REPEATS:-5}" --warmup 1 --out "$RESULTS" --no-progress \
+    --name wan_480p_81f_gpu "$@"
+fi
 if [[ "${COMPILE:-0}" == 1 ]]; then
   # eager and torch.compile'd, unpatched and ToMA (compiles take most of this run)
   bench --arch sdxl --methods none,toma --levels 2 --compile --no-profile --name sdxl_levels2_compile_gpu \
