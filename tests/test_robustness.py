@@ -146,3 +146,14 @@ def test_extreme_temperatures_stay_finite(temperature):
     toma.apply_toma(unet, ratio=0.5, temperature=temperature)
     with torch.no_grad():
         assert torch.isfinite(unet(**unet_inputs(2, 16, 16, False)).sample).all()
+
+
+def test_random_selection_draws_the_same_in_every_run():
+    # the generator carried on from run to run: the same call gave another image next time
+    unet = make_sd15_unet()
+    toma.apply_toma(unet, ratio=0.5, selection="random")
+    kw = unet_inputs(1, 16, 16, False)
+    with torch.no_grad():
+        first = [unet(**{**kw, "timestep": torch.tensor(t)}).sample for t in (900, 500)]
+        second = [unet(**{**kw, "timestep": torch.tensor(t)}).sample for t in (900, 500)]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -252,6 +252,9 @@ class PlanCache:
         if new_run or base_grid != self.base_grid or inference != self._inference:
             self._plans.clear()
             self.step = 0
+            if new_run:
+                # random selection draws the same destinations in every run, whatever ran before
+                self._generator = None
         else:
             self.step += 1
             # Plans age here rather than being compared with the step count in get(): under
