@@ -157,3 +157,20 @@ def test_random_selection_draws_the_same_in_every_run():
         first = [unet(**{**kw, "timestep": torch.tensor(t)}).sample for t in (900, 500)]
         second = [unet(**{**kw, "timestep": torch.tensor(t)}).sample for t in (900, 500)]
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_feed_forward_chunking_is_not_a_silent_no_op():
+    unet = make_sd15_unet()
+    kw = unet_inputs(1, 16, 16, False)
+    toma.apply_toma(unet, ratio=0.5, merge_mlp=True)
+    with torch.no_grad():
+        merged = unet(**kw).sample
+        blocks = [m for m in unet.modules() if hasattr(m, "set_chunk_feed_forward")]
+        for block in blocks:
+            block.set_chunk_feed_forward(2, dim=1)
+        with pytest.warns(UserWarning, match="feed-forward chunking"):
+            chunked = unet(**kw).sample
+        for block in blocks:
+            block.set_chunk_feed_forward(None)
+        assert torch.equal(unet(**kw).sample, merged)
+    assert torch.isfinite(chunked).all() and not torch.equal(chunked, merged)  # the MLP ran unmerged

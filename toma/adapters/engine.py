@@ -23,6 +23,7 @@ Text tokens are never merged: only a call's image hidden states are.
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -344,6 +345,7 @@ class MergeHook(Hook):
         self.bias = bias or (site is not None and site.part == "attn" and bool(cache.config.proportional_attention))
         self._plan: Plan | None = None
         self._tiled = False
+        self._warned = False
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         self._plan = None
@@ -358,6 +360,7 @@ class MergeHook(Hook):
         tiled = self.order.layout is not None
         plan = self.cache.get(x, grid, group=grid, tiled=tiled)
         if plan is None:
+            self._warn_if_chunked(module, x.shape[1], math.prod(grid))
             return args, kwargs
         self._plan, self._tiled = plan, tiled
         merged = plan.merge(x, tiled)
@@ -372,6 +375,19 @@ class MergeHook(Hook):
                 mask = plan.memo(f"mask_{site.path}", lambda: site.mask_layout(plan.log_mass, merged.shape[0], module.heads))
                 args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
         return args, kwargs
+
+    def _warn_if_chunked(self, module: torch.nn.Module, tokens: int, grid_tokens: int) -> None:
+        """Feed-forward chunking calls the MLP on slices of the tokens, which no plan fits:
+        say once that this MLP runs unmerged rather than let merging switch off silently."""
+        if self._warned or self.cache.config.ratio == 0 or not 0 < tokens < grid_tokens or grid_tokens % tokens:
+            return
+        self._warned = True
+        warnings.warn(
+            f"ToMA: {type(module).__name__} is called on {tokens} of the {grid_tokens} tokens at a time "
+            "(feed-forward chunking?); a slice cannot be merged, so it runs unmerged. Turn feed-forward "
+            "chunking off to merge it.",
+            stacklevel=4,
+        )
 
     def _own_mask(self, args: tuple, kwargs: dict) -> Any:
         """The attention mask the model itself passes (over the raster sequence), if any."""
