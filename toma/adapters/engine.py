@@ -130,6 +130,24 @@ class FamilySpec:
         return any(cls.__name__ in self.classes for cls in type(model).__mro__)
 
 
+def image_grid(model: torch.nn.Module, call: dict) -> Grid | None:
+    """The ``(1, h, w)`` token grid of image latents ``(B, C, H, W)`` patchified by the
+    model's ``config.patch_size`` (SD3, PixArt)."""
+    latents = call.get("hidden_states")
+    if latents is None or latents.ndim != 4:
+        return None
+    p = model.config.patch_size
+    return (1, latents.shape[-2] // p, latents.shape[-1] // p)
+
+
+def skip_first(count: int) -> Callable[[str, int], tuple[int, ...]]:
+    """Default blocks: every block of a stack but the first ``count`` (at most half of it).
+
+    The authors' rule for Flux (5); the other families use it until measured.
+    """
+    return lambda stack, n: tuple(range(min(count, n // 2), n))
+
+
 def chosen_blocks(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -> dict[str, tuple[int, ...]]:
     """The merged block indices per stack: ``config.blocks`` where given, else the family's default.
 

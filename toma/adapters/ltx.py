@@ -15,9 +15,7 @@ import math
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, gather_rows
-
-SKIP_FIRST = 5  # as the authors do for Flux; not yet measured on LTX
+from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
@@ -55,7 +53,7 @@ SPEC = FamilySpec(
     leave="norm_out",
     rope=("rope", 1),
     tile_order_ok=_tile_order_ok,
-    default_blocks=lambda stack, n: tuple(range(min(SKIP_FIRST, n // 2), n)),
+    default_blocks=skip_first(5),
     video=True,
 )
 ADAPTER = EngineAdapter(SPEC)

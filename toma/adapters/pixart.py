@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Site, head_mask
-
-SKIP_FIRST = 5  # as the authors do for Flux; not yet measured on PixArt
+from toma.adapters.engine import EngineAdapter, FamilySpec, Site, head_mask, image_grid, skip_first
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
@@ -23,22 +21,14 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     ]
 
 
-def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
-    latents = call.get("hidden_states")
-    p = model.config.patch_size
-    if latents is None or latents.ndim != 4:
-        return None
-    return (1, latents.shape[-2] // p, latents.shape[-1] // p)
-
-
 SPEC = FamilySpec(
     name="pixart",
     classes=("PixArtTransformer2DModel",),
     stacks=("transformer_blocks",),
     sites=_sites,
-    grid=_grid,
+    grid=image_grid,
     enter=("output", "pos_embed"),
     leave="norm_out",
-    default_blocks=lambda stack, n: tuple(range(min(SKIP_FIRST, n // 2), n)),
+    default_blocks=skip_first(5),
 )
 ADAPTER = EngineAdapter(SPEC)

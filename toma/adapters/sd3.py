@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Site
-
-SKIP_FIRST = 5  # as the authors do for Flux; not yet measured on SD3
+from toma.adapters.engine import EngineAdapter, FamilySpec, Site, image_grid, skip_first
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
@@ -24,23 +22,15 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return sites
 
 
-def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
-    latents = call.get("hidden_states")
-    p = model.config.patch_size
-    if latents is None or latents.ndim != 4:
-        return None
-    return (1, latents.shape[-2] // p, latents.shape[-1] // p)
-
-
 SPEC = FamilySpec(
     name="sd3",
     classes=("SD3Transformer2DModel",),
     stacks=("transformer_blocks",),
     sites=_sites,
-    grid=_grid,
+    grid=image_grid,
     enter=("output", "pos_embed"),
     leave="norm_out",
     raster_kwargs=("block_controlnet_hidden_states",),
-    default_blocks=lambda stack, n: tuple(range(min(SKIP_FIRST, n // 2), n)),
+    default_blocks=skip_first(5),
 )
 ADAPTER = EngineAdapter(SPEC)

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site
+from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 
-SKIP_FIRST = 5  # as the authors do for Flux; not yet measured on Wan
 
 # rotary tables are (1, N, 1, D); per-batch destinations give (Bp, K, 1, D), which the
 # processor's broadcast over (B, K, heads, D) takes as is
@@ -56,7 +55,7 @@ SPEC = FamilySpec(
     leave="norm_out",
     rope=("rope", 1),
     tile_order_ok=_tile_order_ok,
-    default_blocks=lambda stack, n: tuple(range(min(SKIP_FIRST, n // 2), n)),
+    default_blocks=skip_first(5),
     video=True,
 )
 ADAPTER = EngineAdapter(SPEC)
