@@ -47,6 +47,21 @@ def tiny_vae() -> AutoencoderKL:
     )
 
 
+def merged_round_trip(pipe, generate, expected_calls, **options) -> None:
+    """Generate unmerged, with ToMA (checking the (batch, tokens) the first merged module
+    sees at each call), and after removal (bitwise the unmerged output)."""
+    ref = generate()
+    patch = toma.apply_toma(pipe, ratio=0.5, **options)
+    calls = []
+    handle = patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
+    merged = generate()
+    handle.remove()
+    assert calls == expected_calls
+    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
+    toma.remove_toma(pipe)
+    assert np.array_equal(generate(), ref)
+
+
 def test_sdxl_pipeline_round_trip(tmp_path):
     torch.manual_seed(0)
     pipe = StableDiffusionXLPipeline(
@@ -128,17 +143,8 @@ def test_sd3_pipeline_round_trip(tmp_path):
     def generate():
         return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images
 
-    ref = generate()
-    patch = toma.apply_toma(pipe, ratio=0.5, blocks={"transformer_blocks": range(4)})
-    calls = []
-    handle = patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
-    merged = generate()
-    handle.remove()
     # 64x48 px -> 32x24 latent (the tiny VAE halves) -> 16x12 tokens, half kept; one CFG batch of 2 per step
-    assert calls == [(2, 96)] * 2
-    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
-    toma.remove_toma(pipe)
-    assert np.array_equal(generate(), ref)
+    merged_round_trip(pipe, generate, [(2, 96)] * 2, blocks={"transformer_blocks": range(4)})
 
 
 def test_wan_pipeline_round_trip(tmp_path):
@@ -162,18 +168,9 @@ def test_wan_pipeline_round_trip(tmp_path):
     def generate():
         return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).frames
 
-    ref = generate()
-    patch = toma.apply_toma(pipe, ratio=0.5, blocks={"blocks": range(3)})
-    calls = []
-    handle = patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
-    merged = generate()
-    handle.remove()
     # 5 frames x 64x48 px -> 2 x 8x6 latent -> 2 x 4x3 tokens; 2x4x4 tiles shrink to the
     # grid (2x4x3 = 24 tokens, 12 kept); the conditional and unconditional passes run apart
-    assert calls == [(1, 12)] * 4
-    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
-    toma.remove_toma(pipe)
-    assert np.array_equal(generate(), ref)
+    merged_round_trip(pipe, generate, [(1, 12)] * 4, blocks={"blocks": range(3)})
 
 
 def test_pixart_pipeline_round_trip(tmp_path):
@@ -196,14 +193,5 @@ def test_pixart_pipeline_round_trip(tmp_path):
     def generate():
         return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images
 
-    ref = generate()
-    patch = toma.apply_toma(pipe, ratio=0.5, blocks={"transformer_blocks": range(3)})
-    calls = []
-    handle = patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
-    merged = generate()
-    handle.remove()
     # 32x48 px -> 16x24 latent (the tiny VAE halves) -> 8x12 tokens, half kept; one CFG batch of 2 per step
-    assert calls == [(2, 48)] * 2
-    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
-    toma.remove_toma(pipe)
-    assert np.array_equal(generate(), ref)
+    merged_round_trip(pipe, generate, [(2, 48)] * 2, blocks={"transformer_blocks": range(3)})
