@@ -22,6 +22,7 @@ Text tokens are never merged: only a call's image hidden states are.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -468,15 +469,11 @@ def named_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[
     return {**dict(zip(names, args)), **kwargs}
 
 
-_PARAMETERS: dict[type, tuple[str, ...]] = {}  # a cache of class signatures, not state
-
-
+@functools.cache
 def _parameter_names(cls: type) -> tuple[str, ...]:
-    names = _PARAMETERS.get(cls)
-    if names is None:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
-        names = _PARAMETERS[cls] = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-    return names
+    """Names of the positional parameters of ``cls.forward`` (a class's signature never changes)."""
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def hidden_states_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
