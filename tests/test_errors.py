@@ -123,3 +123,24 @@ def test_failure_while_attaching_rolls_back(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         toma.apply_toma(unet)
     assert toma.get_toma(unet) is None and not hooked_modules(unet)
+
+
+def test_unusable_outputs_fail_before_any_work(tmp_path, capsys, monkeypatch):
+    from toma.tools import bench_harness, generate
+    from toma.tools.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(generate, "run_builtin", lambda args: pytest.fail("generated before checking --out"))
+    monkeypatch.setattr(bench_harness, "build_model", lambda *a, **k: pytest.fail("benchmarked before checking --out"))
+    cases = [
+        (["generate", "--out", str(blocker / "x.png")], "--out: cannot write to"),
+        (["generate", "--out", str(tmp_path / "name")], "--out must end in one of .png"),
+        (["generate", "--out", str(tmp_path)], "--out must end in one of"),
+        (["eval", "--out-dir", str(blocker / "d")], "--out-dir: cannot write to"),
+        (["bench", "--arch", "tiny-unet", "--out", str(blocker / "d")], "--out: cannot write to"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)

@@ -26,7 +26,7 @@ import torch
 from toma.tools.archs import ARCHS, DEPTH_KEYS, get_arch, latent_frames
 from toma.tools.bench_harness import benchmark
 from toma.tools.bench_report import METHODS, derive, format_report, write_outputs
-from toma.tools.report import wrote
+from toma.tools.report import check_output, wrote
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -157,6 +157,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1; got {args.threads}")
         torch.set_num_threads(args.threads)
+    check_output(Path(args.out), "--out", folder=True)  # before minutes of timing
     return {
         "arch": arch,
         "resolution": args.resolution or arch.resolution,

@@ -38,6 +38,7 @@ from toma.tools.generate import (
     validate_toma_options,
 )
 from toma.tools.metrics import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, MissingWeightsError
+from toma.tools.report import check_output
 
 
 def register(subparsers: Any) -> None:
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None and (args.clip or args.dino or args.fid_reference):
             raise ValueError("--clip, --dino and --fid-reference apply to --model pipelines; "
                              "the built-in model reports classifier accuracy and FD instead")
+        check_output(args.out_dir, "--out-dir", folder=True)  # before the whole run
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from toma.tools.report import IMAGE_SUFFIXES, check_output
+
 BUILTIN_UPSCALE = 4  # 32x32 digits are shown at 128x128
 
 
@@ -332,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1; got {args.steps}")
         validate_toma_options(args, [args.ratio])
+        check_output(args.out, "--out", folder=False, suffixes=IMAGE_SUFFIXES)  # before generating
         return run_pipeline(args) if args.model else run_builtin(args)
     except PipelineUnavailableError as err:
         print(f"error: {err}", file=sys.stderr)

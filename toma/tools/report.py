@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 from pathlib import Path
 from typing import Any, Iterable
@@ -76,3 +77,29 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+
+
+def check_output(path: Path, option: str, *, folder: bool, suffixes: tuple[str, ...] = ()) -> None:
+    """Make sure results can be written to ``path`` before any work starts.
+
+    Creates the folder (``path`` itself, or its parent for a file) and checks that it is
+    writable; for a file, that its suffix is one of ``suffixes``.
+
+    Raises:
+        ValueError: naming ``option``, when the path cannot take the results.
+    """
+    if not folder and suffixes and path.suffix.lower() not in suffixes:
+        raise ValueError(f"{option} must end in one of {', '.join(suffixes)}; got {str(path)!r}")
+    if not folder and path.is_dir():
+        raise ValueError(f"{option} names a folder, not a file: {str(path)!r}")
+    target = path if folder else path.parent
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".toma-write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"{option}: cannot write to {str(target)!r} ({err.strerror or err})") from None
