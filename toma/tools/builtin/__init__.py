@@ -15,7 +15,9 @@ Files under ``toma/builtin/``:
 - ``classifier.safetensors``: a small CNN digit classifier trained on the same data, used
   for accuracy and for the Frechet distance on its penultimate features;
 - ``reference_stats.safetensors``: mean and covariance of those features on the real digits;
-- ``metadata.json``: training settings and measured metrics.
+- ``metadata.json``: training settings and measured metrics;
+- ``digits-dit/``: a second built-in model, a class-conditional image DiT on
+  :class:`diffusers.FluxTransformer2DModel` (see :mod:`toma.tools.builtin.dit`).
 """
 
 from __future__ import annotations
