@@ -195,6 +195,27 @@ def initial_noise(seeds: Sequence[int], size: int = IMAGE_SIZE) -> torch.Tensor:
 
 
 @torch.no_grad()
+def sampling_arguments(labels: Any, seeds: int | Sequence[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Checked sampler arguments of the built-in models: labels as a ``(B,)`` long tensor
+    and one seed per image.
+
+    Raises:
+        ValueError: empty or out-of-range labels, ``steps < 1``, or a seed count that does
+            not match the labels.
+    """
+    labels = torch.as_tensor(labels, dtype=torch.long).reshape(-1)
+    if labels.numel() == 0:
+        raise ValueError("labels must not be empty")
+    if labels.min() < 0 or labels.max() >= NUM_CLASSES:
+        raise ValueError(f"labels must be in 0..{NUM_CLASSES - 1}, got {labels.tolist()}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    seeds = [seeds + i for i in range(labels.numel())] if isinstance(seeds, int) else list(seeds)
+    if len(seeds) != labels.numel():
+        raise ValueError(f"got {len(seeds)} seeds for {labels.numel()} labels; give one per image")
+    return labels, seeds
+
+
 def sample(
     model: BuiltinModel,
     labels: Sequence[int] | torch.Tensor,
@@ -221,17 +242,7 @@ def sample(
     """
     from tqdm.auto import tqdm
 
-    labels = torch.as_tensor(labels, dtype=torch.long).reshape(-1)
-    if labels.numel() == 0:
-        raise ValueError("labels must not be empty")
-    if labels.min() < 0 or labels.max() >= NUM_CLASSES:
-        raise ValueError(f"labels must be in 0..{NUM_CLASSES - 1}, got {labels.tolist()}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if isinstance(seeds, int):
-        seeds = [seeds + i for i in range(labels.numel())]
-    if len(seeds) != labels.numel():
-        raise ValueError(f"got {len(seeds)} seeds for {labels.numel()} labels; give one per image")
+    labels, seeds = sampling_arguments(labels, seeds, steps)
     unet = model.unet if unet is None else unet
     scale = model.guidance_scale if guidance_scale is None else float(guidance_scale)
     guided = scale != 1.0

@@ -51,9 +51,9 @@ from toma.tools.builtin import (
     BUILTIN_DIR,
     IMAGE_SIZE,
     NULL_CLASS,
-    NUM_CLASSES,
     DigitClassifier,
     initial_noise,
+    sampling_arguments,
 )
 
 DIT_DIR = BUILTIN_DIR / "digits-dit"
@@ -233,17 +233,7 @@ def sample(
     """
     from tqdm.auto import tqdm
 
-    labels = torch.as_tensor(labels, dtype=torch.long).reshape(-1)
-    if labels.numel() == 0:
-        raise ValueError("labels must not be empty")
-    if labels.min() < 0 or labels.max() >= NUM_CLASSES:
-        raise ValueError(f"labels must be in 0..{NUM_CLASSES - 1}, got {labels.tolist()}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if isinstance(seeds, int):
-        seeds = [seeds + i for i in range(labels.numel())]
-    if len(seeds) != labels.numel():
-        raise ValueError(f"got {len(seeds)} seeds for {labels.numel()} labels; give one per image")
+    labels, seeds = sampling_arguments(labels, seeds, steps)
     transformer = model.transformer if transformer is None else transformer
     scale = model.guidance_scale if guidance_scale is None else float(guidance_scale)
     guided = scale != 1.0
