@@ -89,6 +89,35 @@ def test_bench_cli_tiny_unet_writes_json_and_png(tmp_path, capsys):
     assert f"toma@0.5 {rows[('toma', 1)]['extra_kernels']:+d}" in out
 
 
+def spread_report(none, toma, ideal):
+    return {
+        "arch": "x", "description": "d", "parameters": 1, "resolution": 64, "dtype": "float32", "device": "cpu",
+        "device_name": "cpu", "threads": 2, "steps_per_sample": 1, "repeats": 3, "warmup": 1, "placement": {},
+        "notes": [], "skipped": {}, "interrupted": False, "batches": [1],
+        "results": [
+            {"method": "none", "ratio": None, "batch": 1, "compiled": False, "times_s": none, "overhead": None},
+            {"method": "toma", "ratio": 0.5, "batch": 1, "compiled": False, "times_s": toma, "overhead": None},
+            {"method": "ideal", "ratio": 0.5, "batch": 1, "compiled": False, "times_s": ideal, "overhead": None},
+        ],
+    }
+
+
+def test_rows_that_noise_decides_are_flagged(tmp_path, capsys):
+    # samples 2.7x apart for a ~10% effect, and ToMA "beating" the ideal: both flagged
+    path = tmp_path / "noisy.json"
+    path.write_text(json.dumps(spread_report([10.0, 27.0, 11.0], [9.0, 10.0, 9.5], [10.0, 10.5, 9.8])))
+    assert main(["bench", "--from-json", str(path), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "UNRELIABLE toma@0.5 (batch 1): samples spread 155%, more than the 14% effect" in out
+    assert "efficiency 150% is above the ideal's 100%" in out and "--threads 1" in out
+    rows = {r["method"]: r for r in json.loads((tmp_path / "o" / "noisy.json").read_text())["results"]}
+    assert rows["none"]["spread"] == pytest.approx(17 / 11) and rows["toma"]["flags"]
+    # a steady run is not flagged
+    path.write_text(json.dumps(spread_report([10.0, 10.1, 10.05], [8.0, 8.05, 8.1], [7.5, 7.55, 7.6])))
+    assert main(["bench", "--from-json", str(path), "--out", str(tmp_path / "o")]) == 0
+    assert "UNRELIABLE" not in capsys.readouterr().out
+
+
 def test_from_json_rederives_statistics_and_replots(tmp_path, capsys):
     report = {
         "arch": "x", "description": "d", "parameters": 1, "resolution": 64, "dtype": "float32", "device": "cpu",

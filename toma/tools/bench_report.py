@@ -118,7 +118,24 @@ def derive(rows: list[dict[str, Any]], first_batch: int) -> list[dict[str, Any]]
         first = by_key.get((r["method"], r["ratio"], first_batch, r["compiled"]))
         if r["batch"] != first_batch and first:
             r[f"vs_batch{first_batch}"] = r["median_s"] / first["median_s"]
+    for r in rows:
+        r["spread"] = (r["max_s"] - r["min_s"]) / r["median_s"]
+        r["flags"] = _flags(r, by_key.get(("none", None, r["batch"], r["compiled"])))
     return rows
+
+
+def _flags(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+    """Why a row's figures cannot be trusted: samples that spread by more than the effect
+    they measure (against the unpatched row's own spread too), or an efficiency above 100%
+    (the ideal is the ceiling, so that is noise)."""
+    flags = []
+    if base is not None and r is not base and r.get("speedup"):
+        effect = abs(1 - 1 / r["speedup"])
+        if max(r["spread"], base["spread"]) > effect:
+            flags.append(f"samples spread {max(r['spread'], base['spread']):.0%}, more than the {effect:.0%} effect")
+    if r.get("efficiency") is not None and r["efficiency"] > 1.0:
+        flags.append(f"efficiency {r['efficiency']:.0%} is above the ideal's 100%")
+    return flags
 
 
 def _blocks(model: torch.nn.Module, arch: Arch) -> dict[str, int]:
@@ -175,6 +192,12 @@ def format_report(report: dict[str, Any]) -> str:
                else str(r["kernels"]))
             for r in counted
         ))
+    flagged = [r for r in report["results"] if r.get("flags")]
+    for r in flagged:
+        name = r["method"] if r["ratio"] is None else f"{r['method']}@{r['ratio']:g}"
+        lines.append(f"UNRELIABLE {name} (batch {r['batch']}): " + "; ".join(r["flags"]))
+    if flagged:
+        lines.append("  the machine was too noisy for these rows: more --repeats, --threads 1, or a quiet machine help")
     lines.append("")
     lines.append("speedup = unpatched median / median; efficiency = (unpatched - method) / (unpatched - ideal) at the "
                  "same ratio, from medians (effic.) and from the fastest samples (eff/min, the least disturbed on a "
