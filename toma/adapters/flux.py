@@ -25,7 +25,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxTransformer2DModel
 
 from toma.adapters.base import Hook, Patched, Skipped
-from toma.adapters.engine import FamilySpec, Grid, TileState, chosen_blocks, order_hooks, register
+from toma.adapters.engine import FamilySpec, Grid, TileState, chosen_blocks, order_hooks, register, skip_first
 from toma.config import ToMAConfig
 from toma.core.plan import Plan, PlanCache
 
@@ -39,7 +39,7 @@ def matches(model: torch.nn.Module) -> bool:
 
 def default_blocks(count: int) -> tuple[int, ...]:
     """Blocks merged by default: all but the first ``min(5, count // 2)``."""
-    return tuple(range(min(DEFAULT_SKIP, count // 2), count))
+    return skip_first(DEFAULT_SKIP)("", count)
 
 
 def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
