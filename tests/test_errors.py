@@ -144,3 +144,21 @@ def test_unusable_outputs_fail_before_any_work(tmp_path, capsys, monkeypatch):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_missing_extras_are_named_before_the_work(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from toma.tools import bench_harness
+    from toma.tools.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["eval", "--out-dir", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert "needs matplotlib, which is not installed: pip install 'toma-diffusion[eval]'" in err
+    assert "Traceback" not in err and not (tmp_path / "e" / "results.json").exists()
+    monkeypatch.setattr(bench_harness, "build_model", lambda *a, **k: pytest.fail("stop after the checks"))
+    with pytest.raises(pytest.fail.Exception):
+        main(["bench", "--arch", "tiny-unet", "--out", str(tmp_path / "b")])
+    assert "pip install 'toma-diffusion[bench]'; writing the JSON only" in capsys.readouterr().out

@@ -26,7 +26,7 @@ import torch
 from toma.tools.archs import ARCHS, DEPTH_KEYS, get_arch, latent_frames
 from toma.tools.bench_harness import benchmark
 from toma.tools.bench_report import METHODS, derive, format_report, write_outputs
-from toma.tools.report import check_output, wrote
+from toma.tools.report import check_output, missing_extra, wrote
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -95,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"toma bench: error: {err}", file=sys.stderr)
         return 2
+    missing = missing_extra("matplotlib", "bench", "the PNG plot")
+    if missing:
+        print(f"note: {missing}; writing the JSON only")
     report = benchmark(**opts, log=print)
     _show_and_write(report, Path(args.out), args.name)
     return 130 if report["interrupted"] else 0

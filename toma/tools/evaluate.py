@@ -38,7 +38,7 @@ from toma.tools.generate import (
     validate_toma_options,
 )
 from toma.tools.metrics import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, MissingWeightsError
-from toma.tools.report import check_output
+from toma.tools.report import check_output, missing_extra
 
 
 def register(subparsers: Any) -> None:
@@ -122,11 +122,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--clip, --dino and --fid-reference apply to --model pipelines; "
                              "the built-in model reports classifier accuracy and FD instead")
         check_output(args.out_dir, "--out-dir", folder=True)  # before the whole run
+        missing = missing_extra("matplotlib", "eval", "toma eval's quality_vs_speedup.png")
+        if missing:
+            raise ValueError(missing)
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if "tomesd" in methods and not tomesd_available():
-        print("note: tomesd is not installed (pip install tomesd); skipping the tomesd method", file=sys.stderr)
+        why = missing_extra("tomesd", "peers", "the tomesd method") or "tomesd cannot be imported"
+        print(f"note: {why}; skipping the tomesd method", file=sys.stderr)
         methods.remove("tomesd")
 
     procs = init_processes(cpu=args.model is None or resolve_device_dtype(args.device, args.dtype)[0] == "cpu")

@@ -6,6 +6,7 @@ Each command keeps its own tables and figures (:mod:`toma.tools.bench_report`,
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -54,6 +55,14 @@ def wrote(paths: Iterable[Path]) -> str:
 def processor_name() -> str:
     """The CPU's name where the platform reports one, else the machine type."""
     return platform.processor() or platform.machine()
+
+
+def missing_extra(module: str, extra: str, what: str) -> str | None:
+    """A one-line message if the optional ``module`` is not installed, naming the extra that
+    brings it (``pip install 'toma-diffusion[extra]'``); None when it is there."""
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return f"{what} needs {module}, which is not installed: pip install 'toma-diffusion[{extra}]'"
 
 
 def pyplot() -> Any:
