@@ -116,6 +116,54 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def optimise(opt: torch.optim.Optimizer, params: list, loss: torch.Tensor, step: int, args: argparse.Namespace) -> None:
+    """One optimiser step at the scheduled learning rate, gradients clipped to norm 1."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
+def ema_update(pairs: list[tuple[torch.Tensor, torch.Tensor]], step: int, args: argparse.Namespace) -> None:
+    """Move each ``(average, current)`` pair's average towards the current weights.
+
+    EMA with warm-up: early steps track the fast-moving weights closely.
+    """
+    decay = min(args.ema, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for average, current in pairs:
+            average.lerp_(current, 1 - decay)
+
+
+class LossLog:
+    """Running mean of the loss, printed and recorded every ``args.log_every`` steps."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.entries: list[dict] = []
+        self.t0 = time.time()
+        self.running = 0.0
+
+    def add(self, step: int, loss: float) -> None:
+        """Count the loss of ``step``; log the mean at the end of each period."""
+        args = self.args
+        self.running += loss
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            elapsed = time.time() - self.t0
+            mean = self.running / ((step % args.log_every) + 1)
+            self.running = 0.0
+            self.entries.append({"step": step + 1, "loss": round(mean, 5), "elapsed_s": round(elapsed, 1)})
+            eta = elapsed / (step + 1) * (args.steps - step - 1)
+            print(f"step {step + 1}/{args.steps} loss {mean:.4f} {elapsed:.0f}s elapsed, eta {eta:.0f}s", flush=True)
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the log was started."""
+        return time.time() - self.t0
+
+
 def train_unet(data: dict[str, torch.Tensor], args: argparse.Namespace):
     """Train the conditional UNet with the epsilon objective; returns EMA UNet, embeddings, log."""
     from diffusers import DDPMScheduler, UNet2DConditionModel
@@ -135,7 +183,7 @@ def train_unet(data: dict[str, torch.Tensor], args: argparse.Namespace):
     n_params = sum(p.numel() for p in unet.parameters())
     print(f"UNet parameters: {n_params / 1e6:.2f} M", flush=True)
 
-    log, t0, running = [], time.time(), 0.0
+    log = LossLog(args)
     for step in range(args.steps):
         unet.train()
         idx = torch.randint(0, len(y), (args.batch_size,), generator=gen)
@@ -148,27 +196,10 @@ def train_unet(data: dict[str, torch.Tensor], args: argparse.Namespace):
         noisy = noise_sched.add_noise(clean, noise, t)
         pred = unet(noisy, t, encoder_hidden_states=embeddings[labels]).sample
         loss = F.mse_loss(pred, noise)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        # EMA with warm-up: early steps track the fast-moving weights closely
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for p_ema, p in zip(ema_unet.parameters(), unet.parameters()):
-                p_ema.lerp_(p, 1 - decay)
-            ema_emb.lerp_(embeddings.detach(), 1 - decay)
-        running += loss.item()
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            elapsed = time.time() - t0
-            mean = running / ((step % args.log_every) + 1)
-            running = 0.0
-            log.append({"step": step + 1, "loss": round(mean, 5), "elapsed_s": round(elapsed, 1)})
-            eta = elapsed / (step + 1) * (args.steps - step - 1)
-            print(f"step {step + 1}/{args.steps} loss {mean:.4f} {elapsed:.0f}s elapsed, eta {eta:.0f}s", flush=True)
-    return ema_unet.eval(), ema_emb, log, time.time() - t0, n_params
+        optimise(opt, params, loss, step, args)
+        ema_update([*zip(ema_unet.parameters(), unet.parameters()), (ema_emb, embeddings.detach())], step, args)
+        log.add(step, loss.item())
+    return ema_unet.eval(), ema_emb, log.entries, log.elapsed, n_params
 
 
 def feature_stats(classifier: DigitClassifier, images: torch.Tensor) -> dict[str, torch.Tensor]:

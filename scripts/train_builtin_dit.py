@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import time
 import warnings
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from train_builtin import load_digits_32  # noqa: E402
+from train_builtin import LossLog, ema_update, load_digits_32, optimise  # noqa: E402
 
 from toma.tools.builtin import NULL_CLASS, NUM_CLASSES, classify  # noqa: E402
 from toma.tools.builtin.dit import (  # noqa: E402
@@ -53,14 +52,6 @@ from toma.tools.builtin.dit import (  # noqa: E402
     sample,
     velocity,
 )
-
-
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up, then cosine decay to 5% of the peak."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def adaln_zero_(transformer: torch.nn.Module) -> None:
@@ -97,7 +88,7 @@ def train(data: dict[str, torch.Tensor], args: argparse.Namespace):
     n_params = sum(p.numel() for p in transformer.parameters())
     print(f"transformer parameters: {n_params / 1e6:.3f} M", flush=True)
 
-    log, t0, running = [], time.time(), 0.0
+    log = LossLog(args)
     for step in range(args.steps):
         transformer.train()
         idx = torch.randint(0, len(y), (args.batch_size,), generator=gen)
@@ -113,28 +104,11 @@ def train(data: dict[str, torch.Tensor], args: argparse.Namespace):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             pred = velocity(transformer, noisy, t, tokens[labels], pooled[labels])
         loss = F.mse_loss(pred.float(), noise - clean)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        # EMA with warm-up: early steps track the fast-moving weights closely
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for p_ema, p in zip(ema.parameters(), transformer.parameters()):
-                p_ema.lerp_(p, 1 - decay)
-            ema_tokens.lerp_(tokens.detach(), 1 - decay)
-            ema_pooled.lerp_(pooled.detach(), 1 - decay)
-        running += loss.item()
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            elapsed = time.time() - t0
-            mean = running / ((step % args.log_every) + 1)
-            running = 0.0
-            log.append({"step": step + 1, "loss": round(mean, 5), "elapsed_s": round(elapsed, 1)})
-            eta = elapsed / (step + 1) * (args.steps - step - 1)
-            print(f"step {step + 1}/{args.steps} loss {mean:.4f} {elapsed:.0f}s elapsed, eta {eta:.0f}s", flush=True)
-    return ema.eval(), ema_tokens, ema_pooled, log, time.time() - t0, n_params
+        optimise(opt, params, loss, step, args)
+        pairs = [*zip(ema.parameters(), transformer.parameters()), (ema_tokens, tokens.detach()), (ema_pooled, pooled.detach())]
+        ema_update(pairs, step, args)
+        log.add(step, loss.item())
+    return ema.eval(), ema_tokens, ema_pooled, log.entries, log.elapsed, n_params
 
 
 def main() -> int:
