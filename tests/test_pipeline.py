@@ -195,3 +195,43 @@ def test_pixart_pipeline_round_trip(tmp_path):
 
     # 32x48 px -> 16x24 latent (the tiny VAE halves) -> 8x12 tokens, half kept; one CFG batch of 2 per step
     merged_round_trip(pipe, generate, [(2, 48)] * 2, blocks={"transformer_blocks": range(3)})
+
+
+def test_img2img_after_a_stopped_run_builds_its_own_plans(tmp_path):
+    # With recompute_every > 1, plans carry over between steps of one run. A run stopped
+    # early followed by img2img (which starts at a lower timestep) looked like the same run
+    # to the denoiser, and reused the stopped run's plans for another image.
+    from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline
+
+    from tests.conftest import CROSS_DIM, make_sd15_unet
+
+    def build():
+        torch.manual_seed(0)
+        return StableDiffusionImg2ImgPipeline(
+            vae=tiny_vae(), text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
+            tokenizer=tiny_clip_tokenizer(tmp_path / "tok"), unet=make_sd15_unet(), scheduler=DDIMScheduler(),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+
+    def img2img(pipe):
+        return pipe("a fox", image=image, strength=0.3, num_inference_steps=10, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    def stop_after_two(pipe, step, timestep, kwargs):
+        pipe._interrupt = step >= 1
+        return kwargs
+
+    fresh = build()
+    toma.apply_toma(fresh, ratio=0.5, recompute_every=100)
+    expected = img2img(fresh)
+
+    pipe = build()
+    toma.apply_toma(pipe, ratio=0.5, recompute_every=100)
+    pipe("a fox", image=torch.rand(1, 3, 32, 32), strength=1.0, num_inference_steps=10, output_type="np",
+         callback_on_step_end=stop_after_two)
+    assert np.array_equal(img2img(pipe), expected)
+    # removal restores the scheduler's own method
+    toma.remove_toma(pipe)
+    assert "set_timesteps" not in vars(pipe.scheduler)

@@ -266,6 +266,15 @@ class PlanCache:
         self._last_timestep = timestep
         self._inference = inference
 
+    def new_run(self) -> None:
+        """Make the next forward start a new denoising run, whatever its timestep.
+
+        The timestep rule in :meth:`begin_forward` cannot see a run that stopped early
+        followed by one that starts at a lower timestep (img2img, inpainting); pipelines
+        call this when they set their timesteps.
+        """
+        self._last_timestep = None
+
     def reset(self) -> None:
         """Forget every plan and the step count."""
         self._plans.clear()
