@@ -31,6 +31,7 @@ from toma.tools.eval_pipeline import eval_pipeline, summarise_pipeline
 from toma.tools.eval_report import machine_info, write_outputs
 from toma.tools.generate import (
     PipelineUnavailableError,
+    add_frames_option,
     add_toma_options,
     default_threads,
     resolve_device_dtype,
@@ -62,6 +63,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (default: model's)")
     p.add_argument("--prompts", type=Path, default=None, help="pipelines: text file, one prompt per line")
     p.add_argument("--height", type=int, default=None, help="pipelines: image height")
+    add_frames_option(p)
     p.add_argument("--width", type=int, default=None, help="pipelines: image width")
     p.add_argument("--clip", action="store_true", help="pipelines: report CLIP-T (needs local CLIP weights)")
     p.add_argument("--clip-model", default=DEFAULT_CLIP_MODEL)
