@@ -70,6 +70,10 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
     return targets, skipped
 
 
+# the block sub-modules merged, and the ToMAConfig part whose ratio each uses
+_PARTS = {"attn1": "attn", "attn2": "cross", "ff": "mlp"}
+
+
 def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register the hooks; returns every module that got one (for removal)."""
     hooked = [model]
@@ -90,7 +94,9 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
                 hooked.append(block)
         # only self-attention has keys among the merged tokens to weight by their mass
         bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
-        registry_of(target.module).register_hook(MergeHook(cache, target.downsample, states[stack], bias=bias), HOOK_NAME)
+        part = _PARTS[target.name.rsplit(".", 1)[-1]]
+        hook = MergeHook(cache, target.downsample, states[stack], bias=bias, part=part)
+        registry_of(target.module).register_hook(hook, HOOK_NAME)
         hooked.append(target.module)
     return hooked
 
