@@ -174,3 +174,61 @@ def test_feed_forward_chunking_is_not_a_silent_no_op():
             block.set_chunk_feed_forward(None)
         assert torch.equal(unet(**kw).sample, merged)
     assert torch.isfinite(chunked).all() and not torch.equal(chunked, merged)  # the MLP ran unmerged
+
+
+def _engine_family(family):
+    from tests.test_dit import FAMILIES
+
+    make, inputs, blocks = FAMILIES[family]
+    return make, inputs(), blocks
+
+
+@pytest.mark.parametrize("family", ["sd3", "pixart", "ltx"])
+def test_gradient_checkpointing_on_engine_families(family):
+    make, kw, blocks = _engine_family(family)
+    model = make().train()
+    toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
+    loss, grads = train_step(model, kw)
+    model.enable_gradient_checkpointing()
+    ckpt_loss, ckpt_grads = train_step(model, kw)
+    torch.testing.assert_close(ckpt_loss, loss)
+    assert len(ckpt_grads) == len(grads)
+    for a, b in zip(ckpt_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["sd3", "pixart", "wan", "ltx"])
+def test_deepcopy_is_independent_on_engine_families(family):
+    make, kw, blocks = _engine_family(family)
+    model = make()
+    toma.apply_toma(model, ratio=0.5, **blocks)
+    with torch.no_grad():
+        before = model(**kw).sample
+        clone = copy.deepcopy(model)
+        for p in clone.parameters():
+            p.mul_(0.9)
+        moved = clone(**kw).sample
+        after = model(**kw).sample
+    assert torch.equal(after, before) and not torch.equal(moved, before)
+    patch, copied = toma.get_toma(model), toma.get_toma(clone)
+    assert copied.cache is not patch.cache and all(t.module is clone.get_submodule(t.name) for t in copied.patched)
+
+
+@pytest.mark.parametrize("family", ["sd3", "pixart", "wan", "ltx"])
+def test_set_attn_processor_after_apply_keeps_merging(family):
+    # the engine merges around the attention module, not inside its processor: a new
+    # processor of the same kind computes the same merged attention
+    make, kw, blocks = _engine_family(family)
+    model = make()
+    with torch.no_grad():
+        ref = model(**kw).sample
+        toma.apply_toma(model, ratio=0.5, **blocks)
+        merged = model(**kw).sample
+        processors = model.attn_processors
+        model.set_attn_processor({name: type(p)() for name, p in processors.items()})
+        again = model(**kw).sample
+    assert not torch.equal(merged, ref)
+    torch.testing.assert_close(again, merged, rtol=0, atol=0)
+    toma.remove_toma(model)
+    with torch.no_grad():
+        assert torch.equal(model(**kw).sample, ref)

@@ -123,8 +123,12 @@ class ToMAConfig:
     @property
     def max_ratio(self) -> float:
         """The largest ratio of any part that merges (0: nothing is merged)."""
-        on = [part for part, (_, switch) in _PART_RATIOS.items() if getattr(self, switch)]
-        return max((self.ratio_for(part) for part in on), default=0.0)
+        # a plain loop: torch.compile traces this, and cannot take max(..., default=)
+        largest = 0.0
+        for part, (_, switch) in _PART_RATIOS.items():
+            if getattr(self, switch):
+                largest = max(largest, self.ratio_for(part))
+        return largest
 
     @property
     def tile(self) -> tuple[int, int]:
