@@ -159,21 +159,40 @@ def test_random_selection_draws_the_same_in_every_run():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_feed_forward_chunking_is_not_a_silent_no_op():
-    unet = make_sd15_unet()
-    kw = unet_inputs(1, 16, 16, False)
-    toma.apply_toma(unet, ratio=0.5, merge_mlp=True)
+@pytest.mark.parametrize("family", ["unet", "sd3", "pixart"])
+@pytest.mark.parametrize("size, dim", [(1, 0), (2, 1), (8, 1)])
+def test_feed_forward_chunking_keeps_the_merged_mlp(family, size, dim):
+    # Chunking called the MLP on token slices, which could not be merged (it ran unmerged),
+    # or on batch slices, which silently used sample 0's plan for sample 1. toma now takes
+    # the chunking over: the MLP runs merged, in slices of the merged tokens.
+    if family == "unet":
+        model, kw, opts = make_sd15_unet(), unet_inputs(2, 16, 16, False), {}
+    else:
+        make, kw, opts = _engine_family(family)
+        model = make()
+    toma.apply_toma(model, ratio=0.5, merge_mlp=True, **opts)
+    blocks = [m for m in model.modules() if hasattr(m, "_chunk_size") and hasattr(m, "set_chunk_feed_forward")]
+    assert blocks
+    ffs = [b.ff for b in blocks]
     with torch.no_grad():
-        merged = unet(**kw).sample
-        blocks = [m for m in unet.modules() if hasattr(m, "set_chunk_feed_forward")]
+        merged = model(**kw).sample
         for block in blocks:
-            block.set_chunk_feed_forward(2, dim=1)
-        with pytest.warns(UserWarning, match="feed-forward chunking"):
-            chunked = unet(**kw).sample
-        for block in blocks:
-            block.set_chunk_feed_forward(None)
-        assert torch.equal(unet(**kw).sample, merged)
-    assert torch.isfinite(chunked).all() and not torch.equal(chunked, merged)  # the MLP ran unmerged
+            block.set_chunk_feed_forward(size, dim=dim)
+        seen = []
+        handles = [ff.net[0].register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape[:2]))) for ff in ffs]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "runs unmerged" warning any more
+            chunked = model(**kw).sample
+        for h in handles:
+            h.remove()
+        assert all(b._chunk_size == size and b._chunk_dim == dim for b in blocks)  # restored
+    torch.testing.assert_close(chunked, merged, rtol=1e-5, atol=1e-6)
+    if dim == 0:
+        assert {b for b, _ in seen} == {1}  # one sample at a time
+    else:
+        assert max(n for _, n in seen) == size  # slices of the merged tokens
+    toma.remove_toma(model)
+    assert all(not hasattr(b, "_diffusers_hook") for b in blocks)
 
 
 def _engine_family(family):

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from toma.adapters import FAMILIES, adapter_for, unsupported_reason
-from toma.adapters.base import HOOK_NAME, Patched, Skipped, remove_hook
+from toma.adapters.base import CHUNK_HOOK_NAME, HOOK_NAME, Patched, Skipped, remove_hook
 from toma.config import ToMAConfig, make_config
 from toma.core.plan import PlanCache
 
@@ -160,6 +160,7 @@ def _detach(model: torch.nn.Module, patch: ToMAPatch, everything: bool) -> None:
     modules = [m for _, m in model.named_modules()] if everything else [model, *patch._hooked]
     for module in modules:
         remove_hook(module, HOOK_NAME)
+        remove_hook(module, CHUNK_HOOK_NAME)
     patch._adapter.detach(patch.patched)
     patch.cache.reset()
     _unwatch_run_start(patch)

@@ -224,9 +224,18 @@ def register(hooks: list[tuple[torch.nn.Module, Hook]]) -> list[torch.nn.Module]
 
 def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register the engine's hooks; returns every module that got one (for removal)."""
+    from toma.adapters.chunking import ChunkedMergeHook, chunkable_block, take_over_chunking
+
     order, hooks = order_hooks(spec, model, cache)
-    hooks += [(target.module, MergeHook(cache, 1, order, site=target.site)) for target in targets]
-    return register(hooks)
+    chunkers = []
+    for target in targets:
+        block = chunkable_block(model, target, target.site.path) if target.site.part == "mlp" else None
+        if block is None:
+            hooks.append((target.module, MergeHook(cache, 1, order, site=target.site)))
+        else:
+            hooks.append((target.module, ChunkedMergeHook(cache, 1, order, site=target.site, chunk=take_over_chunking(block))))
+            chunkers.append(block)
+    return register(hooks) + chunkers
 
 
 class EngineAdapter:
