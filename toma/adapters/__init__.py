@@ -19,6 +19,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wan": ("toma.adapters.wan", ("WanTransformer3DModel",)),
     "ltx": ("toma.adapters.ltx", ("LTXVideoTransformer3DModel",)),
     "pixart": ("toma.adapters.pixart", ("PixArtTransformer2DModel",)),
+    "hunyuanvideo": ("toma.adapters.hunyuanvideo", ("HunyuanVideoTransformer3DModel",)),
+    "cogvideox": ("toma.adapters.cogvideox", ("CogVideoXTransformer3DModel",)),
 }
 
 
@@ -28,10 +30,6 @@ UNSUPPORTED: dict[str, str] = {
     "cannot pass through, and its text mask spans the joint sequence (not supported yet)",
     "Flux2Transformer2DModel": "its single-stream blocks fuse the attention and MLP input projections in one layer, "
     "which needs its own merged processor (not supported yet)",
-    "HunyuanVideoTransformer3DModel": "a padded text mask spans the joint [video; text] sequence of every block, "
-    "which merging would have to rebuild (not supported yet)",
-    "CogVideoXTransformer3DModel": "its attention applies rotary tables shared by the whole batch, which cannot "
-    "carry one merge plan per sample (not supported yet)",
     "SanaTransformer2DModel": "its attention is linear and its MLP a convolution on the token grid, so merging "
     "saves little (out of scope)",
 }

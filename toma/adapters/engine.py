@@ -53,11 +53,15 @@ class Rotary:
             order the tokens are in) and ``dest`` ``(Bp, K)`` token indices, and returns the
             table for the merged tokens, shaped so that the family's processor broadcasts
             it over a batch of ``Bp`` (or any batch when ``Bp`` is 1).
+        raster: the tables come from the model's caller in raster order and no module of
+            the model makes them (so none puts them in tile order): they are gathered with
+            raster token indices even while the tokens run in tile order.
     """
 
     name: str
     index: int | None
     gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    raster: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,11 @@ class Site:
             it cannot.
         mask_layout: ``mask_layout(log_mass, batch, heads)`` turns the plan's ``(Bp, K)``
             log masses into the mask the processor wants.
+        joint_mask: ``joint_mask(mask, N, K)`` adapts the attention mask the model itself
+            passes (over its joint sequence of ``N`` image tokens and the text) to ``K``
+            merged image tokens, or returns None when it cannot (the call then runs
+            unmerged, with a warning once). Without it, a call with a mask of the model's
+            own runs unmerged.
     """
 
     path: str
@@ -81,6 +90,7 @@ class Site:
     rotary: Rotary | None = None
     mask: tuple[str, int | None] | None = None
     mask_layout: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+    joint_mask: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +116,8 @@ class FamilySpec:
             None.
         raster_kwargs: forward keywords that add raster-ordered residuals between blocks;
             a call that passes one runs in raster order.
-        tile_order_ok: optional check of the forward's named arguments; False keeps raster
-            order (e.g. per-token modulation laid out over the raster sequence).
+        tile_order_ok: optional check of the model and its forward's named arguments; False
+            keeps raster order (e.g. per-token modulation laid out over the raster sequence).
         default_blocks: the block indices merged by default in each stack, given the
             stack name and its length.
         video: whether tiles span frames by default (``tile_frames``).
@@ -122,7 +132,7 @@ class FamilySpec:
     leave: str
     rope: tuple[str, int] | None = None
     raster_kwargs: tuple[str, ...] = ()
-    tile_order_ok: Callable[[dict], bool] | None = None
+    tile_order_ok: Callable[[torch.nn.Module, dict], bool] | None = None
     default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
     video: bool = False
 
@@ -284,7 +294,7 @@ class StepHook(Hook):
         self.cache.begin_forward(grid if grid is not None else (0, 0, 0), step_timestep(self.cache, named.get("timestep")))
         raster = grid is None or any(named.get(k) is not None for k in self.spec.raster_kwargs)
         if not raster and self.spec.tile_order_ok is not None:
-            raster = not self.spec.tile_order_ok(named)
+            raster = not self.spec.tile_order_ok(module, named)
         self.order.layout = None if raster else self.cache.tile_order_layout(grid)
         return args, kwargs
 
@@ -373,18 +383,27 @@ class MergeHook(Hook):
         if x is None or x.ndim != 3 or grid is None:
             return args, kwargs
         # a mask of the model's own is laid out over the unmerged keys; cross-attention's
-        # keys are the text, which stays whole, so only self-attention must then run unmerged
-        if (self.site is None or self.site.part != "cross") and self._own_mask(args, kwargs) is not None:
+        # keys are the text, which stays whole, so only self-attention must then adapt it
+        # to the merged keys (where the family says how) or run unmerged
+        site = self.site
+        own = None if site is not None and site.part == "cross" else self._own_mask(args, kwargs)
+        if own is not None and (site is None or site.joint_mask is None):
             return args, kwargs
         tiled = self.order.layout is not None
         plan = self.cache.get(x, grid, group=grid, tiled=tiled)
         if plan is None:
             self._warn_if_chunked(module, x.shape[1], math.prod(grid))
             return args, kwargs
+        if own is not None:
+            own = site.joint_mask(own, x.shape[1], plan.num_merged)
+            if own is None:
+                self._warn_once(f"ToMA: {type(module).__name__} got an attention mask it cannot fit to merged tokens; such calls run unmerged")
+                return args, kwargs
+            name, index = site.mask or ("attention_mask", None)
+            args, kwargs = replace_arg(args, kwargs, name, index, own)
         self._plan, self._tiled = plan, tiled
         merged = plan.merge(x, tiled)
         args, kwargs = with_hidden_states(args, kwargs, merged)
-        site = self.site
         if site is not None and site.rotary is not None:
             args, kwargs = _gather_rotary(site.rotary, plan, tiled, args, kwargs)
         if self.bias:
@@ -395,17 +414,20 @@ class MergeHook(Hook):
                 args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
         return args, kwargs
 
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(message, stacklevel=5)
+
     def _warn_if_chunked(self, module: torch.nn.Module, tokens: int, grid_tokens: int) -> None:
         """Feed-forward chunking calls the MLP on slices of the tokens, which no plan fits:
         say once that this MLP runs unmerged rather than let merging switch off silently."""
-        if self._warned or self.cache.config.ratio == 0 or not 0 < tokens < grid_tokens or grid_tokens % tokens:
+        if self.cache.config.ratio == 0 or not 0 < tokens < grid_tokens or grid_tokens % tokens:
             return
-        self._warned = True
-        warnings.warn(
+        self._warn_once(
             f"ToMA: {type(module).__name__} is called on {tokens} of the {grid_tokens} tokens at a time "
             "(feed-forward chunking?); a slice cannot be merged, so it runs unmerged. Turn feed-forward "
-            "chunking off to merge it.",
-            stacklevel=4,
+            "chunking off to merge it."
         )
 
     def _own_mask(self, args: tuple, kwargs: dict) -> Any:
@@ -429,7 +451,7 @@ def _gather_rotary(rotary: Rotary, plan: Plan, tiled: bool, args: tuple, kwargs:
         return args, kwargs
 
     def make() -> tuple:
-        dest = plan.dest_slots if tiled else plan.dest_tokens
+        dest = plan.dest_slots if tiled and not rotary.raster else plan.dest_tokens
         return tuple(rotary.gather(t, dest) for t in tables)
 
     # every block of a forward passes the same tables: gather once per plan
