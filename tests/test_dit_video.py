@@ -229,11 +229,12 @@ def recorded_tables(model, attn, kw):
     seen = []
     original = attn.processor
 
-    def recording(attn_, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        seen.append(image_rotary_emb)
-        return original(attn_, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+    class Recording:  # a class: Attention passes a processor only the keywords its __call__ names
+        def __call__(self, attn_, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+            seen.append(image_rotary_emb)
+            return original(attn_, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
-    attn.processor = recording
+    attn.processor = Recording()
     run(model, **kw)
     attn.processor = original
     return seen

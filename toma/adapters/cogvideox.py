@@ -3,8 +3,10 @@
 Each ``CogVideoXBlock`` merges the video stream of its attention (the text stream passes
 whole and stays first in the joint sequence). The 5B models take rotary tables from the
 pipeline, one ``(N, D)`` table for the batch in raster order (there is no rotary module to
-put them in tile order), gathered to the merged tokens' destinations by raster index; the
-2B model adds sin-cos positions at the patch embedding. The MLP runs on the joint
+put them in tile order), gathered to the merged tokens' destinations by raster index; as
+the processor applies one table to the whole batch, samples with plans of their own
+(``share_batch_plan=False``) run one merged attention call each. The 2B model adds sin-cos
+positions at the patch embedding. The MLP runs on the joint
 [text; video] sequence, so ``merge_mlp`` merges nothing. Tiles span ``tile_frames`` latent
 frames (2 by default); CogVideoX 1.5 patches ``patch_size_t`` frames into one token.
 """
@@ -13,16 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
+from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 
-
-def _gather(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """Rows ``dest`` ``(Bp, K)`` of an ``(N, D)`` table: ``(K, D)`` for one plan, else ``(Bp, K, D)``."""
-    return table[dest[0]] if dest.shape[0] == 1 else gather_rows(table[None], dest)
+# one (N, D) table for the whole batch, in raster order
+_ROTARY = Rotary("image_rotary_emb", None, shared=True, raster=True)
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
-    return [Site("attn1", "attn", rotary=Rotary("image_rotary_emb", None, _gather, raster=True))]
+    return [Site("attn1", "attn", rotary=_ROTARY)]
 
 
 def _grid(model: torch.nn.Module, call: dict) -> Grid | None:

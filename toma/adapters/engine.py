@@ -17,6 +17,14 @@ rest, the same way for every family:
   the blocks and back in raster order where they leave, and merging is a matmul on a view.
   Padded grids and calls that add raster-ordered residuals (ControlNet) stay in raster order.
 
+Some processors apply one rotary table to the whole batch (``cos[None, :, None, :]`` in
+diffusers' ``apply_rotary_emb``, ``freqs.unsqueeze(1)`` in QwenImage's), so they cannot
+take per-sample tables. A site whose :class:`Rotary` says ``shared=True`` then runs its
+merged module once per batch sample, each call on that sample's hidden states, masks and
+tables (every tensor argument whose first dimension is the batch is sliced), and
+concatenates the outputs. A plan shared by the batch (``share_batch_plan``) needs one call.
+Per-sample calls multiply the module's kernel launches by the batch size, not its FLOPs.
+
 Text tokens are never merged: only a call's image hidden states are.
 """
 
@@ -52,7 +60,14 @@ class Rotary:
         gather: ``gather(table, dest)`` takes one table over the ``N`` image tokens (in the
             order the tokens are in) and ``dest`` ``(Bp, K)`` token indices, and returns the
             table for the merged tokens, shaped so that the family's processor broadcasts
-            it over a batch of ``Bp`` (or any batch when ``Bp`` is 1).
+            it over a batch of ``Bp`` (or any batch when ``Bp`` is 1). Unused when ``shared``.
+        shared: the processor applies one ``(S, ...)`` table to the whole batch: its last
+            ``N`` rows (dimension 0) are the image tokens', any rows before them text's. The
+            engine builds each sample's table (text rows, then the rows of the sample's
+            destinations) and, when samples have their own plans, calls the module once per
+            sample (see the module docstring).
+        items: which items of the call's table tuple hold image rows (None: all of them);
+            the others pass unchanged (e.g. QwenImage's text table).
         raster: the tables come from the model's caller in raster order and no module of
             the model makes them (so none puts them in tile order): they are gathered with
             raster token indices even while the tokens run in tile order.
@@ -60,8 +75,14 @@ class Rotary:
 
     name: str
     index: int | None
-    gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    shared: bool = False
+    items: tuple[int, ...] | None = None
     raster: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gather is None and not self.shared:
+            raise ValueError("Rotary needs a gather function unless shared=True (one table for the whole batch)")
 
 
 @dataclass(frozen=True)
@@ -235,7 +256,10 @@ def register(hooks: list[tuple[torch.nn.Module, Hook]]) -> list[torch.nn.Module]
 def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register the engine's hooks; returns every module that got one (for removal)."""
     order, hooks = order_hooks(spec, model, cache)
-    hooks += [(target.module, MergeHook(cache, 1, order, site=target.site)) for target in targets]
+    for target in targets:
+        rotary = target.site.rotary
+        hook = PerSampleMergeHook if rotary is not None and rotary.shared else MergeHook
+        hooks.append((target.module, hook(cache, 1, order, site=target.site)))
     return register(hooks)
 
 
@@ -375,9 +399,11 @@ class MergeHook(Hook):
         self._plan: Plan | None = None
         self._tiled = False
         self._warned = False
+        self._samples: list | None = None  # per-sample rotary tables of the coming call, if split
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         self._plan = None
+        self._samples = None
         x = hidden_states_of(args, kwargs)
         grid = self.cache.grid_at(self.downsample)
         if x is None or x.ndim != 3 or grid is None:
@@ -405,7 +431,7 @@ class MergeHook(Hook):
         merged = plan.merge(x, tiled)
         args, kwargs = with_hidden_states(args, kwargs, merged)
         if site is not None and site.rotary is not None:
-            args, kwargs = _gather_rotary(site.rotary, plan, tiled, args, kwargs)
+            args, kwargs, self._samples = _gather_rotary(site.rotary, plan, tiled, x.shape[1], args, kwargs)
         if self.bias:
             if site is None:  # UNet attention processors: (batch * heads, 1, K)
                 kwargs = {**kwargs, "attention_mask": _head_bias(plan, merged.shape[0], module.heads)}
@@ -444,19 +470,83 @@ class MergeHook(Hook):
         return plan.unmerge(output, self._tiled)
 
 
-def _gather_rotary(rotary: Rotary, plan: Plan, tiled: bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+class PerSampleMergeHook(MergeHook):
+    """A :class:`MergeHook` for sites whose processor takes one rotary table for the whole
+    batch (``Rotary(shared=True)``): when the samples have plans of their own, the merged
+    module runs once per sample, with that sample's table, and the outputs are concatenated."""
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        forward = self.fn_ref.original_forward
+        samples, self._samples = self._samples, None
+        if samples is None:
+            return forward(*args, **kwargs)
+        rotary = self.site.rotary
+        batch = hidden_states_of(args, kwargs).shape[0]
+        outputs = []
+        for b, tables in enumerate(samples):
+            one_args = tuple(_batch_slice(v, b, batch) for v in args)
+            one_kwargs = {k: _batch_slice(v, b, batch) for k, v in kwargs.items()}
+            one_args, one_kwargs = replace_arg(one_args, one_kwargs, rotary.name, rotary.index, tables)
+            outputs.append(forward(*one_args, **one_kwargs))
+        return _concat_batch(outputs)
+
+
+def _batch_slice(value: Any, b: int, batch: int) -> Any:
+    """Sample ``b`` of a tensor whose first dimension is the batch; anything else as is."""
+    if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch:
+        return value[b : b + 1]
+    return value
+
+
+def _concat_batch(outputs: list) -> Any:
+    """Per-sample outputs (tensors, or tuples of tensors and None) joined along the batch."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs)
+    return type(first)(None if parts[0] is None else torch.cat(parts) for parts in zip(*outputs))
+
+
+def _gather_rotary(
+    rotary: Rotary, plan: Plan, tiled: bool, tokens: int, args: tuple, kwargs: dict
+) -> tuple[tuple, dict, list | None]:
+    """The call with its rotary tables gathered to the merged tokens (of ``tokens`` image tokens).
+
+    Returns the arguments and, for ``rotary.shared`` when samples have plans of their own,
+    each sample's tables (the module must then run once per sample); else None.
+    """
     positional = rotary.index is not None and len(args) > rotary.index
     tables = args[rotary.index] if positional else kwargs.get(rotary.name)
     if tables is None:
-        return args, kwargs
+        return args, kwargs, None
+    single = isinstance(tables, torch.Tensor)
+    items = (tables,) if single else tuple(tables)
+    wanted = range(len(items)) if rotary.items is None else rotary.items
 
-    def make() -> tuple:
+    def pick(b: int | None, dest: torch.Tensor) -> Any:
+        gathered = tuple(
+            (_sample_rows(t, dest[b], tokens) if rotary.shared else rotary.gather(t, dest)) if i in wanted else t
+            for i, t in enumerate(items)
+        )
+        return gathered[0] if single else gathered
+
+    def make() -> list:
         dest = plan.dest_slots if tiled and not rotary.raster else plan.dest_tokens
-        return tuple(rotary.gather(t, dest) for t in tables)
+        if not rotary.shared:
+            return [pick(None, dest)]
+        return [pick(b, dest) for b in range(dest.shape[0])]
 
     # every block of a forward passes the same tables: gather once per plan
     merged = plan.memo(f"rotary_{rotary.name}_{tiled}", make)
-    return replace_arg(args, kwargs, rotary.name, rotary.index, merged)
+    args, kwargs = replace_arg(args, kwargs, rotary.name, rotary.index, merged[0])
+    return args, kwargs, (merged if len(merged) > 1 else None)
+
+
+def _sample_rows(table: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A shared ``(text + tokens, ...)`` table's text rows, then its image rows ``dest`` ``(K,)``."""
+    text = table.shape[0] - tokens
+    if text == 0:
+        return table[dest]
+    return torch.cat([table[:text], table[text:][dest]])
 
 
 def gather_rows(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:

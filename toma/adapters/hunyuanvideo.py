@@ -4,7 +4,9 @@ Every block's attention runs over [video; text] with the text last: the dual-str
 blocks pass the two streams separately, the single-stream blocks split their joint
 sequence before the attention call. Each merges the video tokens of that call; its rotary
 tables (one ``(N, D)`` table for the batch, from ``rope``) are gathered to the merged
-tokens' destinations. The model's own attention mask spans [video; text] and masks text
+tokens' destinations. The processor applies one table to the whole batch, so when the
+samples have plans of their own (``share_batch_plan=False``) each merged attention runs
+once per sample. The model's own attention mask spans [video; text] and masks text
 padding; its video columns are all True by construction, so the merged call takes the
 mask's last ``K + text`` columns (a view), which keeps the text padding masked.
 ``merge_mlp`` merges the dual-stream blocks' video MLP (``ff``); a single-stream block's MLP
@@ -18,12 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
-
-
-def _gather(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """Rows ``dest`` ``(Bp, K)`` of an ``(N, D)`` table: ``(K, D)`` for one plan, else ``(Bp, K, D)``."""
-    return table[dest[0]] if dest.shape[0] == 1 else gather_rows(table[None], dest)
+from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 
 
 def _joint_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor | None:
@@ -33,7 +30,9 @@ def _joint_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor | No
     return mask[..., tokens - kept :]
 
 
-_ROTARY = Rotary("image_rotary_emb", None, _gather)
+# the processor applies one (N, D) table to the whole batch: samples with plans of their
+# own run one call each, with their own destinations' rows
+_ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
