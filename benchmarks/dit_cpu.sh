@@ -9,9 +9,9 @@
 # - PixArt-Sigma XL at 1024x1024 (4096 tokens), --depth 4: 7 of 28 blocks, blocks 1-6 merged.
 # - LTX-Video 0.9 at 768x512, 121 frames (16 x 16 x 24 = 6144 tokens), --depth 7: 4 of 28
 #   blocks, blocks 1-3 merged.
-# - HunyuanVideo 13B at 848x480, 9 frames (3 x 30 x 53 = 4770 video tokens + 256 text),
+# - HunyuanVideo 13B at 848x480, 5 frames (2 x 30 x 53 = 3180 video tokens + 256 text),
 #   --depth 40: one dual-stream and one single-stream block, both merged.
-# - CogVideoX-5B at 720x480, 13 frames (4 x 30 x 45 = 5400 video tokens + 226 text),
+# - CogVideoX-5B at 720x480, 9 frames (3 x 30 x 45 = 4050 video tokens + 226 text),
 #   --depth 42: one block, merged.
 set -euo pipefail
 OUT=${OUT:-bench-results}
@@ -36,8 +36,8 @@ if want ltx; then
   toma bench --arch ltx --depth 7 --resolution 512 --frames 121 --name ltx_512_f121_depth7_cpu "${common[@]}" "$@"
 fi
 if want hunyuanvideo; then
-  toma bench --arch hunyuanvideo --depth 40 --resolution 480 --frames 9 --name hunyuanvideo_480p_f9_depth40_cpu "${common[@]}" "$@"
+  toma bench --arch hunyuanvideo --depth 40 --resolution 480 --frames 5 --name hunyuanvideo_480p_f5_depth40_cpu "${common[@]}" "$@"
 fi
 if want cogvideox; then
-  toma bench --arch cogvideox --depth 42 --resolution 480 --frames 13 --name cogvideox_480p_f13_depth42_cpu "${common[@]}" "$@"
+  toma bench --arch cogvideox --depth 42 --resolution 480 --frames 9 --name cogvideox_480p_f9_depth42_cpu "${common[@]}" "$@"
 fi

@@ -370,3 +370,63 @@ def test_proportional_attention_is_refused_with_why():
         with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
             toma.apply_toma(model, proportional_attention=True)
         assert toma.get_toma(model) is None
+
+
+def test_cogvideox_pipeline_round_trip(tmp_path):
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline
+    from transformers import T5Config, T5EncoderModel
+
+    from tests.test_pipeline import merged_round_trip, tiny_clip_tokenizer
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLCogVideoX(
+        down_block_types=("CogVideoXDownBlock3D",) * 3, up_block_types=("CogVideoXUpBlock3D",) * 3, block_out_channels=(8, 8, 8),
+        latent_channels=4, layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4,
+    )
+    pipe = CogVideoXPipeline(
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+        text_encoder=T5EncoderModel(T5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)),
+        vae=vae, transformer=make_cogvideox(text_dim=32), scheduler=CogVideoXDDIMScheduler(),
+    )
+    pipe.save_pretrained(tmp_path / "pipe")  # loading back puts the text encoder in eval mode (no dropout)
+    pipe = CogVideoXPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
+    kw = dict(height=64, width=48, num_frames=5, num_inference_steps=2, max_sequence_length=8, output_type="np")
+
+    def generate():
+        return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).frames
+
+    # 5 frames x 64x48 px -> 2 x 16x12 latent (the tiny VAE quarters) -> 2 x 8x6 tokens, 48
+    # kept; CFG's batch of 2 has a plan per sample, so one call per sample of [8 text; 48]
+    merged_round_trip(pipe, generate, [(1, 8 + 48)] * 4, blocks={"transformer_blocks": range(3)})
+
+
+def test_hunyuan_pipeline_round_trip(tmp_path):
+    # Llama's tokenizer cannot be built offline: the one-letter CLIP tokenizer stands in,
+    # with a template that adds nothing (crop_start 0)
+    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+    from transformers import CLIPTextModel, LlamaConfig, LlamaModel
+
+    from tests.test_pipeline import clip_config, merged_round_trip, tiny_clip_tokenizer
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo(
+        latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 3, up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=4, spatial_compression_ratio=4, temporal_compression_ratio=4,
+    )
+    llama = LlamaModel(LlamaConfig(vocab_size=60, hidden_size=TEXT_DIM, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2))
+    pipe = HunyuanVideoPipeline(
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"), text_encoder=llama, tokenizer_2=tiny_clip_tokenizer(tmp_path / "tok2"),
+        text_encoder_2=CLIPTextModel(clip_config(max_position_embeddings=77)), vae=vae, transformer=make_hunyuan(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
+    pipe.save_pretrained(tmp_path / "pipe")
+    pipe = HunyuanVideoPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
+    kw = dict(height=64, width=48, num_frames=5, num_inference_steps=2, max_sequence_length=12, output_type="np",
+              prompt_template={"template": "{}", "crop_start": 0})
+
+    def generate():
+        return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).frames
+
+    # 5 frames x 64x48 px -> 2 x 16x12 latent -> 2 x 8x6 tokens, 48 kept; 12 text tokens,
+    # the padded ones masked; guidance-distilled, so one sample per step
+    merged_round_trip(pipe, generate, [(1, 48)] * 2, blocks=HUNYUAN_ALL["blocks"])
