@@ -430,3 +430,42 @@ def test_hunyuan_pipeline_round_trip(tmp_path):
     # 5 frames x 64x48 px -> 2 x 16x12 latent -> 2 x 8x6 tokens, 48 kept; 12 text tokens,
     # the padded ones masked; guidance-distilled, so one sample per step
     merged_round_trip(pipe, generate, [(1, 48)] * 2, blocks=HUNYUAN_ALL["blocks"])
+
+
+def test_cogvideox_2b_without_rotary_merges():
+    # CogVideoX-2B adds sin-cos positions at the patch embedding and passes no rotary tables
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8, text_embed_dim=16,
+        num_layers=2, sample_width=16, sample_height=16, sample_frames=9, patch_size=2, max_text_seq_length=8,
+    ).eval()
+    # its sin-cos table covers the text it was built for: the pipeline pads the prompt to max_text_seq_length
+    kw = {k: v for k, v in cogvideox_inputs(2, 3, 16, 16, text=8).items() if k != "image_rotary_emb"}
+    ref = run(model, **kw)
+    patch = toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": range(2)})
+    queries, handles = count_queries(model)
+    out = run(model, **kw)
+    remove_all(handles)
+    # no table to split by sample: one call for the batch
+    assert queries == [8 + patch.cache.layout(3, 8, 8).num_merged] * 2
+    assert torch.isfinite(out).all() and not torch.equal(out, ref)
+    toma.remove_toma(model)
+    assert torch.equal(run(model, **kw), ref)
+
+
+@pytest.mark.parametrize("arch", ["tiny-hunyuanvideo", "tiny-cogvideox"])
+def test_bench_runs_the_video_archs(tmp_path, capsys, arch):
+    import json
+
+    from toma.tools.cli import main
+
+    rc = main([
+        "bench", "--arch", arch, "--depth", "2", "--frames", "9", "--resolution", "64", "--ratios", "0.5",
+        "--methods", "none,toma,ideal", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path), "--name", "v", "--no-progress",
+    ])
+    assert rc == 0
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert {r["method"] for r in report["results"]} == {"none", "toma", "ideal"}
+    assert "3 latent frames" in capsys.readouterr().out

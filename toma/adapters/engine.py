@@ -385,7 +385,8 @@ class MergeHook(Hook):
     """Merges the image hidden states ``(B, N, C)`` of a sub-module's call and unmerges its output.
 
     Tokens are in raster order, or in tile order while ``order`` says so. A call with an
-    attention mask of its own (laid out over the raster sequence) runs unmerged. With a
+    attention mask of its own (laid out over the unmerged sequence) gets it fitted to the
+    merged tokens by the site's ``joint_mask``, or runs unmerged where there is none. With a
     site that takes rotary tables, they are gathered to the merged tokens; under
     proportional attention the plan's log masses go in as the site's attention mask.
     """
