@@ -6,8 +6,8 @@ pipeline, one ``(N, D)`` table for the batch in raster order (there is no rotary
 put them in tile order), gathered to the merged tokens' destinations by raster index; as
 the processor applies one table to the whole batch, samples with plans of their own
 (``share_batch_plan=False``) run one merged attention call each. The 2B model adds sin-cos
-positions at the patch embedding. The MLP runs on the joint
-[text; video] sequence, so ``merge_mlp`` merges nothing. Tiles span ``tile_frames`` latent
+positions at the patch embedding. ``merge_mlp`` merges the video part of the
+MLP's joint [text; video] sequence. Tiles span ``tile_frames`` latent
 frames (2 by default); CogVideoX 1.5 patches ``patch_size_t`` frames into one token.
 """
 
@@ -22,7 +22,8 @@ _ROTARY = Rotary("image_rotary_emb", None, shared=True, raster=True)
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
-    return [Site("attn1", "attn", rotary=_ROTARY)]
+    # the MLP runs on [text; video] in one sequence: its video part merges
+    return [Site("attn1", "attn", rotary=_ROTARY), Site("ff", "mlp", text_first=True)]
 
 
 def _grid(model: torch.nn.Module, call: dict) -> Grid | None:

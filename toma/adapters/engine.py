@@ -104,6 +104,9 @@ class Site:
             merged image tokens, or returns None when it cannot (the call then runs
             unmerged, with a warning once). Without it, a call with a mask of the model's
             own runs unmerged.
+        text_first: the call's hidden states are ``[text; image]`` (a single-stream block):
+            the last ``N`` tokens merge, the text before them passes whole, and so does the
+            text part of the output.
     """
 
     path: str
@@ -112,6 +115,7 @@ class Site:
     mask: tuple[str, int | None] | None = None
     mask_layout: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
     joint_mask: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None
+    text_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,8 @@ class FamilySpec:
         sites: the mergeable sub-modules of a block, given the stack name and the block.
         grid: reads the ``(t, h, w)`` token grid from the model and its forward call's
             arguments by name (positional ones included), or None when the call cannot be
-            merged (the forward then runs unmerged).
+            merged (the forward then runs unmerged). A class is instantiated once per
+            patched model (for readers that remember what they read).
         enter: where tokens enter the blocks: ``("output", path)`` for a module whose
             output is the ``(B, N, C)`` tokens, or ``("block", "")`` for the first block's
             ``hidden_states`` input.
@@ -135,6 +140,10 @@ class FamilySpec:
         rope: path of the module whose output tuple holds the rotary tables, and the
             sequence dimension of each table (their image rows are put in tile order), or
             None.
+        rope_items: which items of that tuple hold image rows (None: all of them).
+        position_inputs: forward arguments holding one position row per image token,
+            ``(N, d)`` or ``(B, N, d)`` (Flux.2's ``img_ids``), put in tile order at the call
+            when tokens are, so that tables computed from them follow the tokens.
         raster_kwargs: forward keywords that add raster-ordered residuals between blocks;
             a call that passes one runs in raster order.
         tile_order_ok: optional check of the model and its forward's named arguments; False
@@ -152,6 +161,8 @@ class FamilySpec:
     enter: tuple[str, str]
     leave: str
     rope: tuple[str, int] | None = None
+    rope_items: tuple[int, ...] | None = None
+    position_inputs: tuple[str, ...] = ()
     raster_kwargs: tuple[str, ...] = ()
     tile_order_ok: Callable[[torch.nn.Module, dict], bool] | None = None
     default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
@@ -203,6 +214,9 @@ def chosen_blocks(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) 
 
 def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
     """The sub-modules to merge and the blocks left alone, with why. Touches nothing."""
+    aliases = [n for n in ("flux_double_blocks", "flux_single_blocks") if getattr(config, n) is not None]
+    if aliases:
+        raise ValueError(f"{aliases[0]} applies to Flux.1 only; for {spec.name} use blocks={{stack: indices}} with stacks {list(spec.stacks)}")
     wanted = {"attn": config.merge_attn, "cross": config.merge_crossattn, "mlp": config.merge_mlp}
     targets: list[Patched] = []
     skipped: list[Skipped] = []
@@ -242,7 +256,7 @@ def order_hooks(spec: FamilySpec, model: torch.nn.Module, cache: PlanCache) -> t
         (model.get_submodule(spec.leave), Reorder(order, enter=False, on_output=False)),
     ]
     if spec.rope is not None:
-        hooks.append((model.get_submodule(spec.rope[0]), RotaryToTileOrder(order, spec.rope[1])))
+        hooks.append((model.get_submodule(spec.rope[0]), RotaryToTileOrder(order, spec.rope[1], spec.rope_items)))
     return order, hooks
 
 
@@ -305,11 +319,12 @@ class StepHook(Hook):
         self.spec = spec
         self.cache = cache
         self.order = order
+        self.grid = spec.grid() if isinstance(spec.grid, type) else spec.grid  # one stateful reader per model
         self._warned: set[str] = set()
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         named = named_arguments(module, args, kwargs)
-        grid = self.spec.grid(module, named)
+        grid = self.grid(module, named)
         if isinstance(grid, str):  # a reason why this call cannot merge: say it, once
             if grid not in self._warned:
                 self._warned.add(grid)
@@ -320,7 +335,22 @@ class StepHook(Hook):
         if not raster and self.spec.tile_order_ok is not None:
             raster = not self.spec.tile_order_ok(module, named)
         self.order.layout = None if raster else self.cache.tile_order_layout(grid)
+        for name in self.spec.position_inputs if self.order.layout is not None else ():
+            args, kwargs = _positions_to_tile_order(module, name, named.get(name), self.order.layout, args, kwargs)
         return args, kwargs
+
+
+def _positions_to_tile_order(
+    module: torch.nn.Module, name: str, rows: Any, layout: TileLayout, args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
+    """The call with its per-token position rows ``name`` (``(N, d)`` or ``(B, N, d)``) in tile order."""
+    if not isinstance(rows, torch.Tensor) or rows.ndim not in (2, 3) or rows.shape[-2] != layout.num_tokens:
+        return args, kwargs
+    with profiled("toma::merge"):
+        ordered = tile_order(rows if rows.ndim == 3 else rows[None], layout)
+    names = _parameter_names(type(module))
+    index = names.index(name) if name in names else None
+    return replace_arg(args, kwargs, name, index, ordered if rows.ndim == 3 else ordered[0])
 
 
 class Reorder(Hook):
@@ -351,23 +381,25 @@ class Reorder(Hook):
 class RotaryToTileOrder(Hook):
     """On the rotary module: the image rows of its tables to tile order (text rows lead)."""
 
-    def __init__(self, order: TileState, seq_dim: int) -> None:
+    def __init__(self, order: TileState, seq_dim: int, items: tuple[int, ...] | None = None) -> None:
         self.order = order
         self.seq_dim = seq_dim
+        self.items = items  # the items of the output tuple with image rows (None: all)
         self._rows: dict[tuple[int, TileLayout, torch.device], torch.Tensor] = {}
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         layout = self.order.layout
         if layout is None:
             return output
-        table = output[0]
+        items = range(len(output)) if self.items is None else self.items
+        table = output[items[0]]
         text = table.shape[self.seq_dim] - layout.num_tokens
         key = (text, layout, table.device)
         rows = self._rows.get(key)
         if rows is None:  # built on the device once per grid: no host-to-device copy per step
             rows = self._rows[key] = rotary_rows(layout, text, table.device)
         with profiled("toma::merge"):
-            return tuple(t.index_select(self.seq_dim, rows) for t in output)
+            return tuple(t.index_select(self.seq_dim, rows) if i in items else t for i, t in enumerate(output))
 
 
 def rotary_rows(layout: TileLayout, text: int, device: torch.device) -> torch.Tensor:
@@ -399,6 +431,7 @@ class MergeHook(Hook):
         self.bias = bias or (site is not None and site.part == "attn" and bool(cache.config.proportional_attention))
         self._plan: Plan | None = None
         self._tiled = False
+        self._text = 0  # text tokens before the image ones in the call's hidden states
         self._warned = False
         self._samples: list | None = None  # per-sample rotary tables of the coming call, if split
 
@@ -417,22 +450,27 @@ class MergeHook(Hook):
         if own is not None and (site is None or site.joint_mask is None):
             return args, kwargs
         tiled = self.order.layout is not None
-        plan = self.cache.get(x, grid, group=grid, tiled=tiled)
+        tokens = math.prod(grid)
+        text = x.shape[1] - tokens if site is not None and site.text_first else 0
+        image = x[:, text:] if text > 0 else x
+        plan = self.cache.get(image, grid, group=grid, tiled=tiled)
         if plan is None:
-            self._warn_if_chunked(module, x.shape[1], math.prod(grid))
+            self._warn_if_chunked(module, x.shape[1], tokens)
             return args, kwargs
         if own is not None:
-            own = site.joint_mask(own, x.shape[1], plan.num_merged)
+            own = site.joint_mask(own, tokens, plan.num_merged)
             if own is None:
                 self._warn_once(f"ToMA: {type(module).__name__} got an attention mask it cannot fit to merged tokens; such calls run unmerged")
                 return args, kwargs
             name, index = site.mask or ("attention_mask", None)
             args, kwargs = replace_arg(args, kwargs, name, index, own)
-        self._plan, self._tiled = plan, tiled
-        merged = plan.merge(x, tiled)
+        self._plan, self._tiled, self._text = plan, tiled, text
+        merged = plan.merge(image, tiled)
+        if text:
+            merged = torch.cat([x[:, :text], merged], dim=1)
         args, kwargs = with_hidden_states(args, kwargs, merged)
         if site is not None and site.rotary is not None:
-            args, kwargs, self._samples = _gather_rotary(site.rotary, plan, tiled, x.shape[1], args, kwargs)
+            args, kwargs, self._samples = _gather_rotary(site.rotary, plan, tiled, tokens, args, kwargs)
         if self.bias:
             if site is None:  # UNet attention processors: (batch * heads, 1, K)
                 kwargs = {**kwargs, "attention_mask": _head_bias(plan, merged.shape[0], module.heads)}
@@ -468,6 +506,9 @@ class MergeHook(Hook):
             return output
         if isinstance(output, tuple):  # joint attention: (image, text)
             return (plan.unmerge(output[0], self._tiled), *output[1:])
+        if self._text:  # [text; image] in one sequence
+            t = self._text
+            return torch.cat([output[:, :t], plan.unmerge(output[:, t:], self._tiled)], dim=1)
         return plan.unmerge(output, self._tiled)
 
 
