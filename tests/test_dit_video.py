@@ -155,13 +155,16 @@ def test_cogvideox_merges_video_tokens_only(case):
     _, make, inputs, blocks, patch_t = FAMILIES[case]
     model = make()
     kw = inputs(1, 4, 12, 16, text=5)  # (4 / patch_t) x 6 x 8 tokens
-    patch = toma.apply_toma(model, ratio=0.5, **blocks)
+    patch = toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
     queries, handles = count_queries(model)
+    mlp: list[int] = []
+    handles += [b.ff.net[0].register_forward_hook(lambda m, a, o: mlp.append(a[0].shape[1])) for b in model.transformer_blocks]
     run(model, **kw)
     remove_all(handles)
     kept = patch.cache.layout(4 // patch_t, 6, 8).num_merged
     assert kept == 4 // patch_t * 24
     assert queries == [5 + kept] * 3  # [text; merged video], the text whole
+    assert mlp == [5 + kept] * 3  # the MLP's [text; video] sequence, its video merged
 
 
 def test_default_blocks_skip_the_first_five():
