@@ -125,6 +125,46 @@ LTX_VIDEO: dict[str, Any] = {
     "qk_norm": "rms_norm_across_heads",
 }
 
+# HunyuanVideo (13B): diffusers' class defaults are the published model (its conversion
+# script, scripts/convert_hunyuan_video_to_diffusers.py, builds HunyuanVideoTransformer3DModel())
+HUNYUAN_VIDEO: dict[str, Any] = {
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_attention_heads": 24,
+    "attention_head_dim": 128,
+    "num_layers": 20,
+    "num_single_layers": 40,
+    "num_refiner_layers": 2,
+    "mlp_ratio": 4.0,
+    "patch_size": 2,
+    "patch_size_t": 1,
+    "qk_norm": "rms_norm",
+    "guidance_embeds": True,
+    "text_embed_dim": 4096,
+    "pooled_projection_dim": 768,
+    "rope_theta": 256.0,
+    "rope_axes_dim": (16, 56, 56),
+}
+
+# CogVideoX-5B: the class defaults with 42 layers, 48 heads and rotary positions
+# (diffusers' scripts/convert_cogvideox_to_diffusers.py: "For 5B, it is 42 / 48 / True")
+COGVIDEOX_5B: dict[str, Any] = {
+    "num_attention_heads": 48,
+    "attention_head_dim": 64,
+    "in_channels": 16,
+    "out_channels": 16,
+    "time_embed_dim": 512,
+    "text_embed_dim": 4096,
+    "num_layers": 42,
+    "sample_width": 90,
+    "sample_height": 60,
+    "sample_frames": 49,
+    "patch_size": 2,
+    "temporal_compression_ratio": 4,
+    "max_text_seq_length": 226,
+    "use_rotary_positional_embeddings": True,
+}
+
 # Small stand-ins with the same structure, for tests.
 TINY_UNET: dict[str, Any] = {
     "sample_size": 16,
@@ -164,6 +204,17 @@ TINY_WAN: dict[str, Any] = {
     "text_dim": 32, "freq_dim": 16, "ffn_dim": 32, "num_layers": 2, "rope_max_seq_len": 32,
 }
 
+TINY_HUNYUAN_VIDEO: dict[str, Any] = {
+    "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2,
+    "num_single_layers": 2, "num_refiner_layers": 1, "text_embed_dim": 32, "pooled_projection_dim": 16, "rope_axes_dim": (2, 2, 4),
+}
+
+TINY_COGVIDEOX: dict[str, Any] = {
+    "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 4, "out_channels": 4, "time_embed_dim": 8,
+    "text_embed_dim": 32, "num_layers": 2, "sample_width": 8, "sample_height": 8, "sample_frames": 5, "patch_size": 2,
+    "max_text_seq_length": 8, "use_rotary_positional_embeddings": True,
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -171,6 +222,8 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "wan": ("num_layers",),
     "pixart": ("num_layers",),
     "ltx": ("num_layers",),
+    "hunyuanvideo": ("num_layers", "num_single_layers"),
+    "cogvideox": ("num_layers",),
 }
 # the block stacks of each transformer family, in the order of DEPTH_KEYS
 STACKS: dict[str, tuple[str, ...]] = {
@@ -179,6 +232,8 @@ STACKS: dict[str, tuple[str, ...]] = {
     "wan": ("blocks",),
     "pixart": ("transformer_blocks",),
     "ltx": ("transformer_blocks",),
+    "hunyuanvideo": ("transformer_blocks", "single_transformer_blocks"),
+    "cogvideox": ("transformer_blocks",),
 }
 
 
@@ -188,7 +243,8 @@ class Arch:
 
     Attributes:
         name: the ``--arch`` value.
-        family: ``"unet"``, ``"flux"``, ``"sd3"``, ``"wan"``, ``"pixart"`` or ``"ltx"``.
+        family: ``"unet"``, ``"flux"``, ``"sd3"``, ``"wan"``, ``"pixart"``, ``"ltx"``,
+            ``"hunyuanvideo"`` or ``"cogvideox"``.
         config: constructor keyword arguments of the diffusers model class.
         resolution: default image resolution in pixels.
         text_tokens: prompt length the pipeline feeds the denoiser.
@@ -235,6 +291,13 @@ ARCHS: dict[str, Arch] = {
     "tiny-wan": Arch("tiny-wan", "wan", TINY_WAN, 64, 8, 32, 0, 8, "tiny Wan-like transformer (tests)", 1.0, 5),
     "pixart": Arch("pixart", "pixart", PIXART_SIGMA, 1024, 300, 4096, 0, 8, "PixArt-Sigma XL 1024 transformer"),
     "ltx": Arch("ltx", "ltx", LTX_VIDEO, 512, 128, 4096, 0, 32, "LTX-Video 0.9 transformer", 768 / 512, 121, 8, 1),
+    "hunyuanvideo": Arch("hunyuanvideo", "hunyuanvideo", HUNYUAN_VIDEO, 720, 256, 4096, 768, 8,
+                         "HunyuanVideo 13B transformer", 1280 / 720, 129),
+    "cogvideox": Arch("cogvideox", "cogvideox", COGVIDEOX_5B, 480, 226, 4096, 0, 8, "CogVideoX-5B transformer", 720 / 480, 49),
+    "tiny-hunyuanvideo": Arch("tiny-hunyuanvideo", "hunyuanvideo", TINY_HUNYUAN_VIDEO, 64, 8, 32, 16, 8,
+                              "tiny HunyuanVideo-like transformer (tests)", 1.0, 5),
+    "tiny-cogvideox": Arch("tiny-cogvideox", "cogvideox", TINY_COGVIDEOX, 64, 8, 32, 0, 8,
+                           "tiny CogVideoX-like transformer (tests)", 1.0, 5),
 }
 
 _CLASSES = {
@@ -244,6 +307,8 @@ _CLASSES = {
     "wan": "WanTransformer3DModel",
     "pixart": "PixArtTransformer2DModel",
     "ltx": "LTXVideoTransformer3DModel",
+    "hunyuanvideo": "HunyuanVideoTransformer3DModel",
+    "cogvideox": "CogVideoXTransformer3DModel",
 }
 
 
@@ -334,6 +399,8 @@ def make_inputs(
     ``(B, 512, 4096)``, ``pooled_projections (B, 768)``, ``img_ids``, ``txt_ids``, ``guidance``.
     SD3: latents ``(B, 16, R/8, R/8)``, text, pooled. Wan: latents ``(B, 16, F', H/8, W/8)``
     with ``F' = (frames - 1) / 4 + 1`` latent frames (``frames`` defaults to the arch's), text.
+    HunyuanVideo: the same latents, text with its (all-ones) mask, pooled, guidance.
+    CogVideoX: latents ``(B, F', 16, H/8, W/8)``, text, the pipeline's rotary tables.
     The timestep is a placeholder; :func:`set_timestep` changes it per step.
     """
     g = torch.Generator().manual_seed(seed)
@@ -381,6 +448,16 @@ def make_inputs(
         return {"hidden_states": rand(batch, count * lh * lw, channels), "encoder_hidden_states": text, "timestep": timestep,
                 "encoder_attention_mask": torch.ones(batch, arch.text_tokens, device=device, dtype=dtype),
                 "num_frames": count, "height": lh, "width": lw, "return_dict": False}
+    if arch.family == "hunyuanvideo":
+        count = latent_frames(arch, frames)
+        return {"hidden_states": rand(batch, channels, count, lh, lw), "timestep": timestep, "encoder_hidden_states": text,
+                "encoder_attention_mask": torch.ones(batch, arch.text_tokens, device=device, dtype=dtype),
+                "pooled_projections": rand(batch, arch.pooled_dim),
+                "guidance": torch.full((batch,), 6000.0, device=device, dtype=dtype), "return_dict": False}
+    if arch.family == "cogvideox":
+        count = latent_frames(arch, frames)
+        return {"hidden_states": rand(batch, count, channels, lh, lw), "encoder_hidden_states": text, "timestep": timestep,
+                "image_rotary_emb": cogvideox_rotary(arch.config, count, lh, lw, device, dtype), "return_dict": False}
     # Flux packs 2x2 latent patches into one token
     th, tw = lh // 2, lw // 2
     ids = torch.zeros(th, tw, 3)
@@ -396,6 +473,20 @@ def make_inputs(
         "guidance": torch.full((batch,), 3.5, device=device, dtype=dtype),
         "return_dict": False,
     }
+
+
+def cogvideox_rotary(config: dict[str, Any], frames: int, lh: int, lw: int, device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(frames * h * w, head_dim)`` cos and sin tables CogVideoXPipeline passes for a
+    ``frames x lh x lw`` latent video (CogVideoX 1.0's crop-to-base-grid positions)."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+    p = config["patch_size"]
+    h, w = lh // p, lw // p
+    crops = get_resize_crop_region_for_grid((h, w), config["sample_width"] // p, config["sample_height"] // p)
+    cos, sin = get_3d_rotary_pos_embed(config["attention_head_dim"], crops, (h, w), frames, device=device)
+    return cos.to(dtype), sin.to(dtype)
 
 
 def latent_frames(arch: Arch, frames: int | None = None) -> int:
