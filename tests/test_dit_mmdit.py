@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
+import toma
 from toma.adapters.base import HOOK_NAME, remove_hook
 from toma.adapters.engine import FamilySpec, Rotary, Site, attach, find_targets
 from toma.config import ToMAConfig
@@ -152,10 +153,6 @@ def test_rotary_needs_a_gather_unless_shared():
 
 
 # ------------------------------------------------------------------ QwenImage and Flux.2
-import math  # noqa: E402
-
-import toma  # noqa: E402
-
 TEXT_DIM = 32
 
 
@@ -377,7 +374,7 @@ def test_qwen_text_mask_applies_to_merged_attention():
     kw = qwen_inputs(2, 8, 8, text=6)
     kw["encoder_hidden_states_mask"][:, -2:] = 0
     patch = toma.apply_toma(model, ratio=0.5, **ALL_QWEN)
-    image, text, handles = record_lengths(model, "qwenimage")
+    image, _, handles = record_lengths(model, "qwenimage")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning: it merges
         out = run(model, **kw)
@@ -573,3 +570,22 @@ def test_deepcopy_runs_the_copys_own_attention_per_sample(family):
             p.mul_(0.5)  # the per-sample calls must reach the copy's weights, not the original's
     assert not torch.allclose(run(twin, **kw), out, atol=1e-4)
     assert toma.remove_toma(twin) and torch.equal(run(model, **kw), out)
+
+
+def test_flux2_reads_its_image_ids_once_per_run(monkeypatch):
+    # reading ids waits for the GPU: a run that passes the same ids at every step reads them once
+    from toma.adapters import flux as flux_adapter
+
+    reads = []
+    real = flux_adapter.image_grid
+    monkeypatch.setattr(flux_adapter, "image_grid", lambda ids: reads.append(ids) or real(ids))
+    model = make_flux2()
+    toma.apply_toma(model, ratio=0.5, **ALL_FLUX2)
+    kw = flux2_inputs(1, 8, 8)
+    for t in (0.9, 0.8, 0.7):
+        run(model, **{**kw, "timestep": torch.full((1,), t)})
+    assert len(reads) == 1
+    other = make_flux2()  # another patched model keeps its own reader
+    toma.apply_toma(other, ratio=0.5, **ALL_FLUX2)
+    run(other, **kw)
+    assert len(reads) == 2
