@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
+import toma
 from toma.adapters.base import HOOK_NAME, remove_hook
 from toma.adapters.engine import FamilySpec, Rotary, Site, attach, find_targets
 from toma.config import ToMAConfig
@@ -152,10 +153,6 @@ def test_rotary_needs_a_gather_unless_shared():
 
 
 # ------------------------------------------------------------------ QwenImage and Flux.2
-import math  # noqa: E402
-
-import toma  # noqa: E402
-
 TEXT_DIM = 32
 
 
@@ -377,7 +374,7 @@ def test_qwen_text_mask_applies_to_merged_attention():
     kw = qwen_inputs(2, 8, 8, text=6)
     kw["encoder_hidden_states_mask"][:, -2:] = 0
     patch = toma.apply_toma(model, ratio=0.5, **ALL_QWEN)
-    image, text, handles = record_lengths(model, "qwenimage")
+    image, _, handles = record_lengths(model, "qwenimage")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning: it merges
         out = run(model, **kw)
@@ -528,3 +525,67 @@ def test_flux2_klein_pipeline_round_trip(tmp_path):
     # 32x64 px -> 16x32 latent (the tiny VAE halves) -> 8x16 tokens (2x2 patches), half kept
     merged_round_trip(pipe, generate, [(1, 64)] * 4, blocks=ALL_FLUX2["blocks"])
 
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwenimage", "tiny-flux2"])
+def test_bench_runs_the_tiny_archs(arch, tmp_path, capsys, one_thread):
+    import json
+
+    from toma.tools.cli import main
+
+    rc = main([
+        "bench", "--arch", arch, "--resolution", "64", "--batch", "2", "--ratios", "0.5", "--methods", "none,toma,ideal",
+        "--repeats", "1", "--warmup", "0", "--no-profile", "--out", str(tmp_path), "--name", "b", "--no-progress",
+    ])
+    assert rc == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert {r["method"] for r in report["results"]} == {"none", "toma", "ideal"}
+    assert report["blocks"] == ({"transformer_blocks": 2} if arch == "tiny-qwenimage" else {"transformer_blocks": 2, "single_transformer_blocks": 2})
+
+
+def test_full_size_configs_build_as_published():
+    # the published widths, on the meta device (no memory)
+    from toma.tools.archs import ARCHS, build_model, count_parameters
+
+    qwen = build_model(ARCHS["qwenimage"], device="meta")
+    flux2 = build_model(ARCHS["flux2"], device="meta")
+    assert len(qwen.transformer_blocks) == 60 and qwen.inner_dim == 3072
+    assert (len(flux2.transformer_blocks), len(flux2.single_transformer_blocks), flux2.inner_dim) == (8, 48, 6144)
+    assert 20.0e9 < count_parameters(qwen) < 20.8e9  # "Qwen-Image, a 20B MMDiT"
+    assert 31.5e9 < count_parameters(flux2) < 32.5e9  # "FLUX.2 [dev], 32B"
+
+
+@pytest.mark.parametrize("family", MMDITS)
+def test_deepcopy_runs_the_copys_own_attention_per_sample(family):
+    import copy
+
+    make, inputs, blocks = MMDITS[family]
+    model, kw = make(), inputs(2, 8, 8)
+    toma.apply_toma(model, ratio=0.5, **blocks)
+    out = run(model, **kw)
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(run(twin, **kw), out, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        for p in twin.transformer_blocks[-1].attn.parameters():
+            p.mul_(0.5)  # the per-sample calls must reach the copy's weights, not the original's
+    assert not torch.allclose(run(twin, **kw), out, atol=1e-4)
+    assert toma.remove_toma(twin) and torch.equal(run(model, **kw), out)
+
+
+def test_flux2_reads_its_image_ids_once_per_run(monkeypatch):
+    # reading ids waits for the GPU: a run that passes the same ids at every step reads them once
+    from toma.adapters import flux as flux_adapter
+
+    reads = []
+    real = flux_adapter.image_grid
+    monkeypatch.setattr(flux_adapter, "image_grid", lambda ids: reads.append(ids) or real(ids))
+    model = make_flux2()
+    toma.apply_toma(model, ratio=0.5, **ALL_FLUX2)
+    kw = flux2_inputs(1, 8, 8)
+    for t in (0.9, 0.8, 0.7):
+        run(model, **{**kw, "timestep": torch.full((1,), t)})
+    assert len(reads) == 1
+    other = make_flux2()  # another patched model keeps its own reader
+    toma.apply_toma(other, ratio=0.5, **ALL_FLUX2)
+    run(other, **kw)
+    assert len(reads) == 2
