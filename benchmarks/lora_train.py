@@ -80,6 +80,7 @@ def add_lora(unet: Any, rank: int, seed: int, init: bool | str = True) -> None:
 
     if rank < 1:
         raise ValueError(f"rank must be >= 1; got {rank}")
+    unet.requires_grad_(False)  # a LoRA fine-tune: the base weights stay as they are
     torch.manual_seed(seed)
     unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS, init_lora_weights=init))
 
