@@ -438,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     started = time.time()
+    commit = git_commit()  # the code that runs, even if the checkout moves on meanwhile
     load_before = load_average()
     print(f"load average {load_before}; configurations {args.configs}", flush=True)
     memory = measure_memory(args, args.configs)
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": "python benchmarks/lora_train.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d"),
-        "commit": git_commit(),
+        "commit": commit,
         "torch": torch.__version__,
         "diffusers": diffusers.__version__,
         "peft": peft.__version__,
