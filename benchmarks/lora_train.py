@@ -199,9 +199,9 @@ def train_interleaved(args: argparse.Namespace, model: Any, configs: list[str]) 
         unet = prepare(copy.deepcopy(base), config)
         opt = torch.optim.AdamW(lora_parameters(unet), lr=args.lr, weight_decay=0.0)
         runs[config] = {"unet": unet, "opt": opt, "times": [], "log": LossLog(args)}
-    print(f"LoRA: {sum(p.numel() for p in lora_parameters(base))} trainable parameters; "
-          f"loss lines in the order {configs}", flush=True)
+    print(f"LoRA: {sum(p.numel() for p in lora_parameters(base))} trainable parameters", flush=True)
     batches = training_batches(args, args.steps)
+    logged = 0
     for step, batch in enumerate(batches):
         # rotate who goes first so no configuration always follows the same neighbour
         order = configs[step % len(configs):] + configs[: step % len(configs)]
@@ -211,6 +211,9 @@ def train_interleaved(args: argparse.Namespace, model: Any, configs: list[str]) 
             loss = train_step(run["unet"], model.class_embeddings, batch, run["opt"], step, args)
             run["times"].append(time.perf_counter() - t0)
             run["log"].add(step, loss)
+        if len(runs[configs[0]]["log"].entries) > logged:  # the loss lines above come in turn order
+            logged += 1
+            print("  " + ", ".join(f"{c} {runs[c]['log'].entries[-1]['loss']:.4f}" for c in configs), flush=True)
     for run in runs.values():
         unprepare(run["unet"])
     return runs
@@ -390,9 +393,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="learning-rate warm-up steps")
     p.add_argument("--rank", type=int, default=4, help="LoRA rank")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
-    p.add_argument("--sample-configs", default="plain,toma,checkpointing,toma+checkpointing",
-                   help="configurations whose LoRA is sampled and scored ('all' for every one); "
-                   "a LoRA bitwise equal to one sampled already reuses its samples")
+    p.add_argument("--sample-configs", default=None,
+                   help="configurations whose LoRA is sampled and scored ('all' for every one; default: those "
+                   "of plain, toma, checkpointing, toma+checkpointing that are trained); a LoRA bitwise equal "
+                   "to one sampled already reuses its samples")
     p.add_argument("--warmup-rounds", type=int, default=3, help="timing rounds left out of the medians")
     p.add_argument("--memory-steps", type=int, default=2)
     p.add_argument("--num-images", type=int, default=100)
@@ -409,7 +413,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or "plain" not in configs:
         p.error(f"--configs must include 'plain' and name only {list(CONFIGS)}; got {args.configs!r}")
     args.configs = configs
-    sampled = configs if args.sample_configs == "all" else [c for c in args.sample_configs.split(",") if c]
+    if args.sample_configs is None:
+        sampled = [c for c in ("plain", "toma", "checkpointing", "toma+checkpointing") if c in configs]
+    elif args.sample_configs == "all":
+        sampled = configs
+    else:
+        sampled = [c for c in args.sample_configs.split(",") if c]
     if any(c not in configs for c in sampled) or "plain" not in sampled:
         p.error(f"--sample-configs must include 'plain' and name only configurations in --configs; got {args.sample_configs!r}")
     args.sample_configs = sampled
