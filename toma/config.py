@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from toma.core.selection import SELECTIONS
@@ -142,6 +145,100 @@ class ToMAConfig:
             out["blocks"] = {stack: list(indices) for stack, indices in self.blocks}
         return out
 
+    def save(self, path: str | os.PathLike, provenance: dict[str, Any] | None = None) -> Path:
+        """Write the settings as a JSON config file that :func:`load_config` reads back.
+
+        The file holds ``format`` (``"toma-config"``), ``version`` (:data:`CONFIG_VERSION`),
+        ``settings`` (every field, tuples as lists) and, when given, ``provenance``: free-form
+        JSON-serialisable notes on where the settings come from (``toma tune`` records what
+        it measured, on which machine, model, resolution and batch). Returns ``path``.
+        """
+        path = Path(path)
+        doc: dict[str, Any] = {"format": CONFIG_FORMAT, "version": CONFIG_VERSION, "settings": _jsonable(self.to_dict())}
+        if provenance is not None:
+            if not isinstance(provenance, dict):
+                raise TypeError(f"provenance must be a dict or None; got {type(provenance).__name__}")
+            doc["provenance"] = provenance
+        # provenance is the caller's: an object JSON cannot hold fails here, before the file is touched
+        text = json.dumps(doc, indent=2, allow_nan=False) + "\n"
+        path.write_text(text, encoding="utf-8")
+        return path
+
+
+# the JSON config files of ToMAConfig.save / load_config
+CONFIG_FORMAT = "toma-config"
+CONFIG_VERSION = 1
+
+
+class ConfigFileError(ValueError):
+    """A ToMA config file that cannot be read: the message names the file and the field."""
+
+
+def load_config(path: str | os.PathLike) -> ToMAConfig:
+    """Read a config file written by :meth:`ToMAConfig.save` (or ``toma tune --out``).
+
+    Settings left out of the file take their defaults, so a hand-written
+    ``{"format": "toma-config", "version": 1, "settings": {"ratio": 0.4}}`` works.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ConfigFileError: (a ``ValueError``) not JSON, not a toma config, a version newer
+            than this toma reads, an unknown setting or a bad value; the message names the
+            file and the field.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"toma config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigFileError(f"toma config file {path} cannot be read: {err}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigFileError(f"toma config file {path} is not valid JSON: {err}") from None
+    if not isinstance(doc, dict) or doc.get("format") != CONFIG_FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise ConfigFileError(f"toma config file {path}: field 'format' must be {CONFIG_FORMAT!r}; got {got!r}")
+    version = doc.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= CONFIG_VERSION:
+        raise ConfigFileError(
+            f"toma config file {path}: field 'version' must be an int from 1 to {CONFIG_VERSION} "
+            f"(this toma's newest); got {version!r}"
+        )
+    settings = doc.get("settings")
+    if not isinstance(settings, dict):
+        raise ConfigFileError(f"toma config file {path}: field 'settings' must be an object of ToMAConfig fields; got {settings!r}")
+    known = {f.name for f in fields(ToMAConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigFileError(
+            f"toma config file {path}: unknown setting(s) {', '.join(unknown)} in 'settings'; allowed: {', '.join(sorted(known))}"
+        )
+    if "provenance" in doc and not isinstance(doc["provenance"], dict):
+        raise ConfigFileError(f"toma config file {path}: field 'provenance' must be an object; got {doc['provenance']!r}")
+    # each field on its own first, so that the error names the one that is wrong
+    for f in fields(ToMAConfig):
+        if f.name in settings:
+            base = {} if f.name not in _PART_SWITCH else {_PART_SWITCH[f.name]: True}
+            try:
+                ToMAConfig(**base, **{f.name: settings[f.name]})
+            except (TypeError, ValueError) as err:
+                raise ConfigFileError(f"toma config file {path}: setting {f.name!r}: {err}") from None
+    try:
+        return ToMAConfig(**settings)
+    except (TypeError, ValueError) as err:
+        raise ConfigFileError(f"toma config file {path}: settings do not go together: {err}") from None
+
+
+def _jsonable(value: Any) -> Any:
+    """Tuples as lists, recursively (what JSON writes anyway; explicit so the result compares equal)."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
 
 def make_config(config: ToMAConfig | None = None, **options: Any) -> ToMAConfig:
     """Build a validated config from an optional base config and keyword options.
@@ -161,6 +258,7 @@ def make_config(config: ToMAConfig | None = None, **options: Any) -> ToMAConfig:
 
 # per-part ratio fields and the switch each needs
 _PART_RATIOS = {"attn": ("attn_ratio", "merge_attn"), "cross": ("crossattn_ratio", "merge_crossattn"), "mlp": ("mlp_ratio", "merge_mlp")}
+_PART_SWITCH = {name: switch for name, switch in _PART_RATIOS.values()}
 
 
 def _check_ratio(ratio: Any, name: str = "ratio") -> None:
