@@ -22,16 +22,23 @@ from toma.tools.opcount import count_kernels
 
 @dataclass(frozen=True)
 class Variant:
-    """One timed configuration: a method at a ratio (None for the unpatched model)."""
+    """One timed configuration: a method at a ratio (None for the unpatched model).
+
+    ``options`` are ToMA settings of this variant on top of the harness's placement and
+    options (``(("levels", 2), ("merge_mlp", True))``), and ``name`` its label; ``toma tune``
+    times several ToMA settings at one ratio this way.
+    """
 
     method: str
     ratio: float | None
     compiled: bool = False
+    options: tuple[tuple[str, Any], ...] = ()
+    name: str | None = None
 
     @property
     def label(self) -> str:
         """Readable name, e.g. ``toma@0.5`` or ``none+compile``."""
-        name = self.method if self.ratio is None else f"{self.method}@{self.ratio:g}"
+        name = self.name or (self.method if self.ratio is None else f"{self.method}@{self.ratio:g}")
         return name + ("+compile" if self.compiled else "")
 
 
@@ -91,7 +98,9 @@ class MethodPatcher:
         if m == "none":
             settings: dict[str, Any] = {}
         elif m == "toma":
-            patch = toma.apply_toma(self.model, ratio=r, **self.placement, **self.toma_options)
+            # measuring a setting is no reason to warn that it was measured slower
+            patch = toma.apply_toma(self.model, ratio=r, warn_slower=False,
+                                    **{**self.placement, **self.toma_options, **dict(variant.options)})
             settings = {"merged_modules": len(patch.patched), **patch.config.to_dict()}
         else:
             if m == "ideal":
@@ -255,27 +264,11 @@ def benchmark(
     results = {(v, b): Measurement(v, b) for v in variants for b in batches}
     interrupted = False
     total = len(variants) * len(batches) * (warmup + repeats)
-    bar = _progress(total, progress)
+    bar = progress_bar(total, progress)
     try:
         with torch.inference_mode():
-            for rnd in range(warmup + repeats):
-                order = variants[rnd % len(variants):] + variants[: rnd % len(variants)] if variants else []
-                for v in order:
-                    if not cuda_graph:
-                        settings[v.label] = harness.apply(v)
-                    try:
-                        for b in batches:
-                            bar.set_postfix_str(f"{v.label} b{b} {'warm-up' if rnd < warmup else f'round {rnd - warmup + 1}'}")
-                            if cuda_graph:
-                                replay = graphs[(v, b)]
-                                t = _time_sample(lambda _: replay(), step_inputs[b], device)
-                            else:
-                                t = _time_sample(call, step_inputs[b], device)
-                            if rnd >= warmup:
-                                results[(v, b)].times.append(t)
-                            bar.update(1)
-                    finally:
-                        harness.remove()
+            time_rounds(harness, call, variants, batches, step_inputs, warmup, repeats, device, results, settings, bar,
+                        graphs if cuda_graph else None)
             if profile:
                 for v in variants:
                     bar.set_postfix_str(f"profiling {v.label}")
@@ -288,7 +281,8 @@ def benchmark(
                     finally:
                         harness.remove()
             if compile:
-                results.update(_compiled(harness, call, variants, batches, step_inputs, warmup, repeats, device, log))
+                picked = [v for v in variants if v.method == "none"][:1] + [v for v in variants if v.method == "toma"][:1]
+                time_compiled(harness, call, picked, batches, step_inputs, warmup, repeats, device, log, results)
     except KeyboardInterrupt:
         interrupted = True
         harness.remove()
@@ -299,6 +293,44 @@ def benchmark(
                           batches, harness, settings, skipped, notes, results, interrupted, compile)
     report["cuda_graph"] = cuda_graph
     return report
+
+
+def time_rounds(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], variants: list[Variant],
+                batches: list[int], step_inputs: dict[int, list[dict[str, Any]]], warmup: int, repeats: int,
+                device: torch.device, results: dict[tuple[Variant, int], Measurement], settings: dict[str, Any],
+                bar: Any, graphs: dict[tuple[Variant, int], Callable[[], None]] | None = None,
+                stop: Callable[[], bool] | None = None) -> bool:
+    """Time every variant and batch size round by round, interleaved, into ``results``.
+
+    ``warmup`` untimed rounds, then ``repeats`` timed ones; each round applies every variant
+    in turn (the order rotated by one each round, so that no variant always follows the
+    same one), times one sample per batch size and removes it. With ``graphs`` a sample
+    replays the variant's captured CUDA graph instead. ``settings`` receives each variant's
+    settings in force. ``stop`` is asked before every timed round after the first; True ends
+    the rounds there (a time budget). Returns whether ``stop`` ended them. A
+    KeyboardInterrupt propagates with the samples taken so far kept in ``results``.
+    """
+    for rnd in range(warmup + repeats):
+        if stop is not None and rnd > warmup and stop():
+            return True
+        order = variants[rnd % len(variants):] + variants[: rnd % len(variants)] if variants else []
+        for v in order:
+            if graphs is None:
+                settings[v.label] = harness.apply(v)
+            try:
+                for b in batches:
+                    bar.set_postfix_str(f"{v.label} b{b} {'warm-up' if rnd < warmup else f'round {rnd - warmup + 1}'}")
+                    if graphs is not None:
+                        replay = graphs[(v, b)]
+                        t = _time_sample(lambda _: replay(), step_inputs[b], device)
+                    else:
+                        t = _time_sample(call, step_inputs[b], device)
+                    if rnd >= warmup:
+                        results[(v, b)].times.append(t)
+                    bar.update(1)
+            finally:
+                harness.remove()
+    return False
 
 
 def _capture_graphs(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any],
@@ -340,14 +372,18 @@ def _capture(call: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], devi
     return graph.replay
 
 
-def _compiled(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], variants: list[Variant],
-              batches: list[int], step_inputs: dict[int, list[dict[str, Any]]], warmup: int, repeats: int,
-              device: torch.device, log: Callable[[str], None]) -> dict[tuple[Variant, int], Measurement]:
-    """Time ``none`` and ``toma`` (first ratio) under torch.compile, one after the other."""
-    picked = [v for v in variants if v.method == "none"][:1] + [v for v in variants if v.method == "toma"][:1]
-    out: dict[tuple[Variant, int], Measurement] = {}
+def time_compiled(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], picked: list[Variant],
+                  batches: list[int], step_inputs: dict[int, list[dict[str, Any]]], warmup: int, repeats: int,
+                  device: torch.device, log: Callable[[str], None],
+                  out: dict[tuple[Variant, int], Measurement] | None = None) -> dict[tuple[Variant, int], Measurement]:
+    """Time each of ``picked`` under torch.compile, one after the other (compiling each once).
+
+    Results go to ``out`` (a new dict if None), keyed by the compiled variant, as each is
+    measured, so that a KeyboardInterrupt keeps the variants already timed.
+    """
+    out = {} if out is None else out
     for v in picked:
-        cv = Variant(v.method, v.ratio, compiled=True)
+        cv = Variant(v.method, v.ratio, compiled=True, options=v.options, name=v.name)
         harness.apply(v)
         try:
             torch._dynamo.reset()
@@ -377,10 +413,11 @@ class _NoBar:
     def close(self) -> None: ...
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def progress_bar(total: int, enabled: bool, desc: str = "toma bench") -> Any:
+    """A tqdm bar on stderr counting samples, or a stand-in that shows nothing."""
     if not enabled:
         return _NoBar()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="toma bench", unit="sample", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="sample", file=sys.stderr, dynamic_ncols=True)
 
