@@ -13,6 +13,7 @@ from toma.adapters import FAMILIES, adapter_for, unsupported_reason
 from toma.adapters.base import CHUNK_HOOK_NAME, HOOK_NAME, Patched, Skipped, remove_hook
 from toma.config import ToMAConfig, make_config
 from toma.core.plan import PlanCache
+from toma.tuned import warn_if_measured_slower
 
 _ATTR = "_toma_patch"
 _DENOISER_ATTRS = ("unet", "transformer")
@@ -65,6 +66,7 @@ def apply_toma(
     ratio: float | ToMAConfig | None = None,
     *,
     config: ToMAConfig | None = None,
+    warn_slower: bool = True,
     **options: Any,
 ) -> ToMAPatch:
     """Make a diffusers pipeline or denoiser merge tokens with ToMA.
@@ -74,7 +76,12 @@ def apply_toma(
             (a ``UNet2DConditionModel``-like UNet or a ``FluxTransformer2DModel``).
         ratio: fraction of image tokens merged away, in [0, 1); default 0.5. A
             :class:`ToMAConfig` may be passed here instead of ``config``.
-        config: all settings at once; ``ratio`` and ``options`` override its fields.
+        config: all settings at once; ``ratio`` and ``options`` override its fields
+            (``toma.load_config(path)`` reads one from a file, e.g. ``toma tune --out``).
+        warn_slower: warn (a ``toma.tuned.SlowerSettingWarning``, once per process per
+            setting) when ``toma tune`` measured these settings on this kind of denoiser, device
+            and dtype as slower than unpatched on this machine (its records:
+            ``$TOMA_CACHE_DIR/tune.json``, default ``~/.cache/toma/tune.json``).
         **options: any other :class:`ToMAConfig` field (``tile_size``, ``selection``, ...).
 
     Returns:
@@ -121,6 +128,8 @@ def apply_toma(
     except BaseException:
         _detach(model, patch, everything=True)
         raise
+    if warn_slower:
+        warn_if_measured_slower(model, [p.name for p in targets], cfg.to_dict())
     return patch
 
 
@@ -220,6 +229,6 @@ def _deepcopy_patched(model: torch.nn.Module, memo: dict) -> torch.nn.Module:
     try:
         clone = copy.deepcopy(model, memo)
     finally:
-        apply_toma(model, config=patch.config)
-    apply_toma(clone, config=patch.config)
+        apply_toma(model, config=patch.config, warn_slower=False)
+    apply_toma(clone, config=patch.config, warn_slower=False)
     return clone
