@@ -153,7 +153,7 @@ def _grid(grid: Any) -> str:
     return "x".join(map(str, grid)) if isinstance(grid, list) else str(grid)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_once(key: str, message: str) -> None:
     # the cache is the once-per-process memory: a second call with the same key and text does nothing
     # stacklevel 4: this function, the caller in this module, apply_toma, the user's call

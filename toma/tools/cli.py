@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "toma.tools.bench",
     "generate": "toma.tools.generate",
     "eval": "toma.tools.evaluate",
+    "tune": "toma.tools.tune",
 }
 
 
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="toma",
-        description="ToMA token merging for diffusers: generate, benchmark and evaluate.",
+        description="ToMA token merging for diffusers: generate, benchmark, evaluate and tune.",
     )
     parser.add_argument("--version", action="version", version=f"toma {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
