@@ -89,14 +89,15 @@ def test_builtin_tune_writes_the_fastest_setting_within_the_bound(tmp_path, monk
     assert "fastest within the bound: L1 attn @0.5" in capsys.readouterr().out
 
 
-def test_a_bound_nothing_meets_writes_no_config(tmp_path, monkeypatch, capsys):
+def test_a_bound_nothing_meets_writes_no_config(tmp_path, monkeypatch, capsys, cache_dir):
     fake_clock(monkeypatch, faster_with_mlp)
     out = tmp_path / "tuned.json"
-    rc = main([*BUILTIN, "--ratios", "0.5", "--levels", "1", "--parts", "attn", "--min-psnr", "1000", "--out", str(out)])
+    rc = main([*BUILTIN, "--ratios", "0.5", "--levels", "1", "--parts", "attn", "--min-psnr", "1000", "--no-record",
+               "--out", str(out)])
     assert rc == 1
     text = capsys.readouterr().out
     assert "no candidate meets the quality bound (PSNR >= 1000 dB)" in text and "wrote no config" in text
-    assert not out.exists()
+    assert not out.exists() and not cache_dir.exists()
 
 
 def test_nothing_faster_says_so_and_apply_toma_then_warns(tmp_path, monkeypatch, capsys, cache_dir):

@@ -482,13 +482,16 @@ def format_table(setup: Setup, args: argparse.Namespace, cands: list[Candidate],
                      f"{row['speedup']:.3f}x, PSNR {row['psnr_db']:.1f} dB"
                      + ("" if row["reliable"] else "; its samples spread more than the speedup: re-run on a quieter "
                         "machine or with more --repeats before trusting it"))
+    elif not cands:
+        lines.append("no candidate setting could be applied to this model (see the 'skipping' lines above)")
     elif floor is None:
         lines.append(f"no candidate can meet the bound ({bound})")
     elif not any(r["psnr_db"] is not None and r["psnr_db"] >= floor for r in rows if r["method"] != "none"):
         lines.append(f"no candidate meets the quality bound ({bound})")
     else:
-        lines.append("no candidate within the quality bound is faster than unpatched on this machine: "
-                     "ToMA does not pay here at these settings")
+        compiled = args.compile and any(r["compiled"] and r["method"] != "none" for r in rows)
+        lines.append(f"no candidate within the quality bound is faster than unpatched{' (compiled)' if compiled else ''} "
+                     "on this machine: ToMA does not pay here at these settings")
     return "\n".join(lines)
 
 
