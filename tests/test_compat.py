@@ -7,6 +7,8 @@ act on disjoint parts of the computation), and removal stays exact.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -200,3 +202,25 @@ def test_diffusers_caches_compose_with_toma(family, cache):
         assert torch.equal(denoise(model, kw, 2, scale), denoise(make(), kw, 2, scale))
     assert torch.equal(outputs[0], outputs[1])
     assert not torch.equal(outputs[0], toma_only)  # the cache acted
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_remove_toma_under_a_cache_leaves_nothing_behind(family):
+    # diffusers rewired the cache hook registered after toma's to a stale reference: after
+    # remove_toma and disable_cache, toma's hooks still ran (Flux warned that its processor
+    # was replaced, on every later forward)
+    make, inputs, scale, opts, probe = CACHED[family]
+    kw, steps = inputs(), 4
+    model = make()
+    toma.apply_toma(model, ratio=0.5, **opts)
+    model.enable_cache(cache_config("fbcache", steps))
+    toma.remove_toma(model)
+    fresh = make()
+    fresh.enable_cache(cache_config("fbcache", steps))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # the cache alone, still working, as on a model ToMA never touched
+        assert torch.equal(denoise(model, kw, steps, scale), denoise(fresh, kw, steps, scale))
+        model.disable_cache()
+        fresh.disable_cache()
+        assert torch.equal(denoise(model, kw, 2, scale), denoise(make(), kw, 2, scale))

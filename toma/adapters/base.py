@@ -107,10 +107,34 @@ def remove_hook(module: torch.nn.Module, name: str) -> bool:
     registry = getattr(module, "_diffusers_hook", None)
     if registry is None or registry.get_hook(name) is None:
         return False
-    registry.remove_hook(name, recurse=False)
+    _remove_keeping_later_hooks(registry, name)
     if not registry.hooks:
         forward = module.__dict__.get("forward")
         if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward:
             del module.forward
         del module._diffusers_hook
     return True
+
+
+def _remove_keeping_later_hooks(registry: Any, name: str) -> None:
+    """``registry.remove_hook(name)``, keeping a hook registered after it working.
+
+    diffusers (0.42) rewires the next hook's ``forward`` to the removed hook's original;
+    a next hook with a ``new_forward`` (FirstBlockCache's, for one) calls its
+    ``original_forward`` instead, which then still points at the removed hook, and ends up
+    as the module's forward once that hook goes too: toma's hooks would keep running after
+    ``remove_toma``. The next hook's references are set right here.
+    """
+    order, refs = getattr(registry, "_hook_order", None), getattr(registry, "_fn_refs", None)
+    if not isinstance(order, list) or not isinstance(refs, list) or name not in order:
+        registry.remove_hook(name, recurse=False)
+        return
+    index = order.index(name)
+    if index == len(order) - 1 or getattr(refs[index + 1], "original_forward", None) is None:
+        registry.remove_hook(name, recurse=False)
+        return
+    removed, following = refs[index], refs[index + 1]
+    original = removed.original_forward if getattr(removed, "original_forward", None) is not None else removed.forward
+    kept = following.forward
+    registry.remove_hook(name, recurse=False)
+    following.forward, following.original_forward = kept, original
