@@ -96,7 +96,7 @@ class Plan(Memo):
         ``tiled``; the latter costs no copy.
         """
         with profiled("toma::merge"):
-            if self.kernels is not None:
+            if self.kernels is not None and not _needs_grad(x):
                 from toma.kernels.triton_ops import merge_tokens
 
                 src = self.kernels.src_tiled if tiled else self.kernels.src_raster
@@ -111,7 +111,7 @@ class Plan(Memo):
     def unmerge(self, y: torch.Tensor, tiled: bool = False) -> torch.Tensor:
         """Unmerge ``(B, K, C)`` back to ``(B, N, C)``: raster order, or tile order when ``tiled``."""
         with profiled("toma::unmerge"):
-            if self.kernels is not None:
+            if self.kernels is not None and not _needs_grad(y):
                 from toma.kernels.triton_ops import unmerge_tokens
 
                 src = self.kernels.src_tiled if tiled else self.kernels.src_raster
@@ -439,3 +439,8 @@ class PlanCache:
 def _as(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # plans are built in the activations' dtype: skip the call (host time) when it matches
     return weights if weights.dtype == dtype else weights.to(dtype)
+
+
+def _needs_grad(x: torch.Tensor) -> bool:
+    # the Triton kernels have no backward: training merges run the torch path
+    return x.requires_grad and torch.is_grad_enabled()

@@ -10,7 +10,9 @@ unmerges that read and write raster order directly. The environment variable
 * ``triton``: always Triton, an error where it cannot run; on the CPU it needs
   ``TRITON_INTERPRET=1`` (the interpreter, for tests).
 
-Under ``torch.compile`` the torch path is used: the compiler fuses it itself.
+Under ``torch.compile`` the torch path is used: the compiler fuses it itself. The kernels
+have no backward: a merge or unmerge whose input needs a gradient runs the torch path
+(plans never need one).
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ def triton_available() -> bool:
 
 def use_triton(device: torch.device) -> bool:
     """Whether plans and merges for tensors on ``device`` run the Triton kernels."""
+    if torch.compiler.is_compiling():
+        return False
     mode = kernel_mode()
-    if mode == "torch" or torch.compiler.is_compiling():
+    if mode == "torch":
         return False
     if mode == "auto":
         return device.type == "cuda" and triton_available()
