@@ -232,6 +232,12 @@ def _unmerge_kernel(
              mask=(src[:, None] >= 0) & (c[None, :] < C))
 
 
+def _check_batch(b: int, bp: int) -> None:
+    # the torch path's matmuls broadcast a shared plan and refuse any other mismatch
+    if bp not in (1, b):
+        raise ValueError(f"a plan for a batch of {bp} cannot merge a batch of {b} (plans are per sample or shared)")
+
+
 def _block_c(c: int) -> int:
     return max(16, min(64, triton.next_power_of_2(c)))
 
@@ -247,6 +253,7 @@ def merge_tokens(x: torch.Tensor, merge_w: torch.Tensor, src_rows: torch.Tensor,
     """
     b, _, c = x.shape
     bp, tiles, k, n = merge_w.shape
+    _check_batch(b, bp)
     merge_w = merge_w.contiguous()
     out = torch.empty(b, num_merged, c, dtype=x.dtype, device=x.device)
     bc = _block_c(c)
@@ -266,6 +273,7 @@ def unmerge_tokens(y: torch.Tensor, a: torch.Tensor, src_rows: torch.Tensor, dst
     ``src_rows`` (see :func:`merge_tokens`), and rows no slot names are left unwritten."""
     b, _, c = y.shape
     bp, tiles, k, n = a.shape
+    _check_batch(b, bp)
     out = torch.empty(b, num_rows, c, dtype=y.dtype, device=y.device)
     bc = _block_c(c)
     _unmerge_kernel[(b * tiles, triton.cdiv(c, bc))](
