@@ -13,6 +13,9 @@
 #                                              # tile-order A/B and SDXL graph replays without
 #                                              # the proportional-attention mask (~2 minutes more)
 #   PYTHON=python3.12 benchmarks/gpu.sh        # the interpreter that has torch and diffusers
+#   ONLY=kernels benchmarks/gpu.sh             # ToMA's Triton kernels against its torch path (~4 minutes)
+# ToMA rows run ToMA's Triton kernels wherever triton imports (it ships with CUDA torch);
+# TOMA_KERNELS=torch benchmarks/gpu.sh times its torch path instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-bench-results/gpu}
@@ -43,6 +46,20 @@ if want wan; then
   bench --arch wan --methods none,toma,ideal --device cuda --dtype bfloat16 --resolution 480 --frames 81 \
     --ratios 0.5 --steps 1 --repeats "${WAN_REPEATS:-5}" --warmup 1 --out "$RESULTS" --no-progress \
     --name wan_480p_81f_gpu "$@"
+fi
+if [[ ",${ONLY:-}," == *",kernels,"* ]]; then
+  # the Triton kernels (one launch per plan; merges straight from raster order) against the
+  # torch path, interleaved in one process: hot path, SDXL eager forwards and the gap between
+  # the two paths' outputs; then graph replays on the torch path, to set beside the default
+  # (Triton) rows of ONLY=sdxl
+  mkdir -p "$RESULTS"
+  "$PY" -c "import triton" || { echo "ONLY=kernels needs triton"; exit 1; }
+  "$PY" benchmarks/kernels_ab.py --arch sdxl --levels 2 --device cuda --dtype bfloat16 --batch 1,2 \
+    | tee "$RESULTS/kernels_ab_sdxl_gpu.txt"
+  TOMA_KERNELS=torch bench --arch sdxl --methods none,toma,ideal --levels 2 --batch 1,2 --cuda-graph --no-profile \
+    --name sdxl_levels2_cudagraph_torchpath_gpu "${common[@]}" "$@"
+  TOMA_KERNELS=triton bench --arch sdxl --methods none,toma,ideal --levels 2 --batch 1,2 --cuda-graph --no-profile \
+    --name sdxl_levels2_cudagraph_tritonpath_gpu "${common[@]}" "$@"
 fi
 if [[ "${COMPILE:-0}" == 1 ]]; then
   # eager and torch.compile'd, unpatched and ToMA (compiles take most of this run)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from diffusers import FluxTransformer2DModel, UNet2DConditionModel
+import os
+
+# The Triton kernels (tests/test_kernels.py) run in Triton's interpreter here. Triton reads
+# the switch as it loads, and diffusers loads it, so it must be set before that import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from diffusers import FluxTransformer2DModel, UNet2DConditionModel  # noqa: E402
 
 CROSS_DIM = 32
 

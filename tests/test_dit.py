@@ -120,7 +120,7 @@ def test_tile_order_matches_raster_order(family, monkeypatch):
     monkeypatch.setattr(engine, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
     tiled = run(model, **kw)
     converted = len(conversions)
-    monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid: None)
+    monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
     raster = run(model, **kw)
     assert converted >= 1 and len(conversions) == converted  # the raster run converted nothing
     torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)

@@ -144,7 +144,7 @@ def test_tile_order_forward_matches_raster_order(flux, monkeypatch, proportional
         assert len(conversions) == 2  # the hidden states, once; the rotary row order, once per grid
         tiled_again = flux(**kw).sample
         assert len(conversions) == 3  # the rotary order is kept
-        monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid: None)
+        monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
         raster = flux(**kw).sample
     assert len(conversions) == 3
     assert torch.equal(tiled, tiled_again)

@@ -144,3 +144,14 @@ def test_half_precision_weights_finite(dtype):
     out = plan.unmerge(plan.merge(x))
     assert plan.merge_w.dtype == dtype and out.dtype == dtype
     assert torch.isfinite(plan.merge_w).all() and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("temperature", [1e-37, 3e-38, 1e-38, 1e-39])
+def test_tiny_temperatures_give_the_hard_assignment(temperature):
+    # both sides of the switch from softmax(logits / t) to the explicitly shifted softmax
+    # (at t * float32 max = 4, about 1.2e-38): either way a tiny temperature is the argmax
+    tiles = torch.randn(2, 3, 16, 8, generator=torch.Generator().manual_seed(5))
+    sim = cosine_similarity(tiles)
+    dest = facility_location(sim, 8)
+    a = assignment(sim, dest, temperature)
+    assert torch.equal(a, assignment(sim, dest, 0.0))

@@ -244,7 +244,7 @@ def test_tile_order_stacks_match_raster_order(sdxl_unet, monkeypatch, options):
     # one conversion per merged stack of 2 blocks (down, mid, 2 up), not one per block
     stacks = {p.name.rsplit(".transformer_blocks.", 1)[0] for p in patch.patched}
     assert len(conversions) == len(stacks) == 4
-    monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid: None)
+    monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
     raster = run(sdxl_unet, **kw)
     assert len(conversions) == 4  # the raster run converted nothing
     assert not torch.allclose(tiled, ref, rtol=1e-4, atol=1e-5)  # merging changed the output

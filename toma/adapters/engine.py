@@ -344,7 +344,9 @@ class StepHook(Hook):
         raster = grid is None or any(named.get(k) is not None for k in self.spec.raster_kwargs)
         if not raster and self.spec.tile_order_ok is not None:
             raster = not self.spec.tile_order_ok(module, named)
-        self.order.layout = None if raster else self.cache.tile_order_layout(grid)
+        x = hidden_states_of(args, kwargs)
+        device = x.device if isinstance(x, torch.Tensor) else None  # the Triton path merges from raster order
+        self.order.layout = None if raster else self.cache.tile_order_layout(grid, device)
         for name in self.spec.position_inputs if self.order.layout is not None else ():
             args, kwargs = _positions_to_tile_order(module, name, named.get(name), self.order.layout, args, kwargs)
         return args, kwargs

@@ -150,7 +150,7 @@ class _TileOrderHook(Hook):
         if found is None:
             return args, kwargs
         x, grid = found
-        layout = self.cache.tile_order_layout(grid)
+        layout = self.cache.tile_order_layout(grid, x.device)
         if layout is None or x.shape[1] != layout.num_tokens:
             return args, kwargs
         self.state.layout = layout

@@ -20,7 +20,18 @@ import torch
 from toma.config import ToMAConfig
 from toma.core.merge import assignment, cosine_similarity, destination_mass, merge, merge_weights, unmerge
 from toma.core.selection import facility_location, grid_selection, random_selection
-from toma.core.tiling import LayoutIndex, TileLayout, from_tiles, layout_index, make_layout, slot_raster_index, to_tiles
+from toma.core.tiling import (
+    KernelIndex,
+    LayoutIndex,
+    TileLayout,
+    from_tiles,
+    kernel_index,
+    layout_index,
+    make_layout,
+    slot_raster_index,
+    to_tiles,
+)
+from toma.kernels import use_triton
 
 
 class Memo:
@@ -57,6 +68,8 @@ class Plan(Memo):
         mass: ``(Bp, K)`` float32 count of the tokens each merged token absorbed (the row
             sums of the assignment); see :attr:`log_mass`.
         dtype: the activations' dtype (of ``merge_w``, ``unmerge_w`` and :attr:`log_mass`).
+        kernels: where the fused Triton kernels read and write (:mod:`toma.kernels`), or
+            None for the torch path.
 
     ``Bp`` is the batch size, or 1 when the plan is shared by the whole batch.
     """
@@ -69,6 +82,7 @@ class Plan(Memo):
     spread_index: torch.Tensor | None
     mass: torch.Tensor
     dtype: torch.dtype
+    kernels: KernelIndex | None = None
 
     @property
     def num_merged(self) -> int:
@@ -82,6 +96,11 @@ class Plan(Memo):
         ``tiled``; the latter costs no copy.
         """
         with profiled("toma::merge"):
+            if self.kernels is not None and not _needs_grad(x):
+                from toma.kernels.triton_ops import merge_tokens
+
+                src = self.kernels.src_tiled if tiled else self.kernels.src_raster
+                return merge_tokens(x, _as(self.merge_w, x.dtype), src, self.kernels.dst_rows, self.num_merged)
             if tiled:
                 tiles = x.unflatten(1, (self.layout.num_tiles, self.layout.tile_area))
             else:
@@ -92,6 +111,14 @@ class Plan(Memo):
     def unmerge(self, y: torch.Tensor, tiled: bool = False) -> torch.Tensor:
         """Unmerge ``(B, K, C)`` back to ``(B, N, C)``: raster order, or tile order when ``tiled``."""
         with profiled("toma::unmerge"):
+            if self.kernels is not None and not _needs_grad(y):
+                from toma.kernels.triton_ops import unmerge_tokens
+
+                src = self.kernels.src_tiled if tiled else self.kernels.src_raster
+                rows = self.layout.num_tiles * self.layout.tile_area if tiled else self.layout.num_tokens
+                # unmerge_w is a transposed view of the (k, n) assignment the kernel reads
+                a = _as(self.unmerge_w, y.dtype).transpose(-1, -2)
+                return unmerge_tokens(y, a, src, self.kernels.dst_rows, rows)
             if self.spread_index is not None:
                 y = y.index_select(1, self.spread_index)
             y = y.unflatten(1, (self.layout.num_tiles, self.layout.slots))
@@ -136,6 +163,7 @@ def build_plan(
     dtype: torch.dtype,
     generator: torch.Generator | None = None,
     index: LayoutIndex | None = None,
+    kernels: KernelIndex | None = None,
 ) -> Plan:
     """Select destinations and compute merge weights for tokens in tile layout.
 
@@ -146,6 +174,9 @@ def build_plan(
         dtype: dtype of the activations the plan will be applied to.
         generator: random source for ``selection="random"``.
         index: the layout's :func:`toma.core.tiling.layout_index` on ``tiles.device``, if already built.
+        kernels: the layout's :func:`toma.core.tiling.kernel_index` on ``tiles.device`` to
+            build and apply the plan with the Triton kernels (:mod:`toma.kernels`); None:
+            the torch path.
     """
     # Plans are constants for autograd: no gradient flows through the choice of destinations
     # or the merge weights (the tokens still get theirs through the merge itself). So a
@@ -154,7 +185,54 @@ def build_plan(
     # count as zero vectors, so that one bad sample cannot turn a plan shared with the
     # rest of its batch into NaNs.
     with torch.no_grad():
-        return _build_plan(torch.nan_to_num(tiles.detach(), nan=0.0, posinf=0.0, neginf=0.0), layout, config, dtype, generator, index)
+        if kernels is not None and config.selection == "facility":
+            return _fused_plan(tiles.detach().flatten(1, 2), kernels.src_tiled, layout, config, dtype, index, kernels)
+        clean = torch.nan_to_num(tiles.detach(), nan=0.0, posinf=0.0, neginf=0.0)
+        return _build_plan(clean, layout, config, dtype, generator, index, kernels)
+
+
+def build_fused_plan(
+    x: torch.Tensor,
+    tiled: bool,
+    layout: TileLayout,
+    config: ToMAConfig,
+    dtype: torch.dtype,
+    index: LayoutIndex,
+    kernels: KernelIndex,
+) -> Plan:
+    """:func:`build_plan` for facility-location selection with the Triton kernels, straight
+    from tokens ``x`` ``(Bp, N, C)`` in raster order (tile order when ``tiled``): one launch,
+    no copy of the tokens into tiles."""
+    with torch.no_grad():
+        return _fused_plan(x.detach(), kernels.src_tiled if tiled else kernels.src_raster, layout, config, dtype, index, kernels)
+
+
+def _fused_plan(
+    x: torch.Tensor,
+    src_rows: torch.Tensor,
+    layout: TileLayout,
+    config: ToMAConfig,
+    dtype: torch.dtype,
+    index: LayoutIndex | None,
+    kernels: KernelIndex,
+) -> Plan:
+    from toma.kernels.triton_ops import plan_tiles
+
+    index = index if index is not None else layout_index(layout, x.device)
+    with profiled("toma::select"):
+        # similarities, the greedy, the assignment and its weights; non-finite tokens
+        # count as zero vectors inside the kernel
+        dest, a, merge_w, mass, log_mass, _ = plan_tiles(
+            x, src_rows, layout.slots, config.temperature, dtype, kernels.token_mask, kernels.keep
+        )
+    flat_mass, flat_log = mass.flatten(1), log_mass.flatten(1)
+    if index.keep_index is not None:
+        flat_mass = flat_mass.index_select(1, index.keep_index)
+        flat_log = flat_log.index_select(1, index.keep_index)
+    # unmerge_w: a transposed view of the assignment, as on the torch path
+    plan = Plan(layout, dest, merge_w, a.transpose(-1, -2), index.keep_index, index.spread_index, flat_mass, dtype, kernels)
+    plan.memo("log_mass", lambda: flat_log)  # computed by the kernel
+    return plan
 
 
 def _build_plan(
@@ -164,6 +242,7 @@ def _build_plan(
     dtype: torch.dtype,
     generator: torch.Generator | None,
     index: LayoutIndex | None,
+    kernels: KernelIndex | None = None,
 ) -> Plan:
     device = tiles.device
     k = layout.slots
@@ -194,6 +273,7 @@ def _build_plan(
             spread_index=index.spread_index,
             mass=flat_mass,
             dtype=dtype,
+            kernels=kernels,
         )
 
 
@@ -234,6 +314,7 @@ class PlanCache:
         self._plans: dict[Hashable, tuple[int, Plan]] = {}  # key -> (age in steps, plan)
         self._layouts: dict[tuple[tuple[int, ...], float], TileLayout] = {}
         self._indices: dict[tuple[tuple[int, ...], float, torch.device], LayoutIndex] = {}
+        self._kernel_indices: dict[tuple[tuple[int, ...], float, torch.device], KernelIndex] = {}
         self._generator: torch.Generator | None = None
         self._inference = False
         # kept out of torch.compile graphs (it reads and writes Python state); wrapped here
@@ -298,11 +379,12 @@ class PlanCache:
             self._layouts[(grid, ratio)] = make_layout(h, w, self.tile, ratio, t=t[0] if t else 1)
         return self._layouts[(grid, ratio)]
 
-    def tile_order_layout(self, grid: tuple[int, ...]) -> TileLayout | None:
+    def tile_order_layout(self, grid: tuple[int, ...], device: torch.device | None = None) -> TileLayout | None:
         """The layout whose tile order tokens on ``grid`` may be kept in between merges,
-        or None where they stay in raster order (nothing merged, or a padded grid whose
-        tiles are not a permutation of the tokens)."""
-        if self.config.max_ratio == 0:
+        or None where they stay in raster order (nothing merged, a padded grid whose
+        tiles are not a permutation of the tokens, or tokens on a ``device`` where the
+        Triton kernels merge straight from raster order, which saves the two copies)."""
+        if self.config.max_ratio == 0 or (device is not None and use_triton(device)):
             return None
         # the tile order is the same at every ratio; the largest ratio's layout carries it
         layout = self.layout(*grid, ratio=self.config.max_ratio)
@@ -326,14 +408,23 @@ class PlanCache:
             return cached[1]
         layout = self.layout(*grid, ratio=ratio)
         src = x[:1] if share else x
-        tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout)
         index = self._indices.get((grid, ratio, x.device))
         if index is None:
             # kept for every later call: made as ordinary tensors even under inference_mode,
             # so that a training call after an inference call may save them for backward
             with torch.inference_mode(False):
                 index = self._indices[(grid, ratio, x.device)] = layout_index(layout, x.device)
-        plan = build_plan(tiles, layout, self.config, x.dtype, self._random(x.device), index)
+        kernels = None
+        if use_triton(x.device):
+            kernels = self._kernel_indices.get((grid, ratio, x.device))
+            if kernels is None:
+                with torch.inference_mode(False):
+                    kernels = self._kernel_indices[(grid, ratio, x.device)] = kernel_index(layout, x.device)
+        if kernels is not None and self.config.selection == "facility":
+            plan = build_fused_plan(src, tiled, layout, self.config, x.dtype, index, kernels)
+        else:
+            tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout)
+            plan = build_plan(tiles, layout, self.config, x.dtype, self._random(x.device), index, kernels)
         self._plans[key] = (0, plan)  # (age in steps, plan)
         return plan
 
@@ -348,3 +439,8 @@ class PlanCache:
 def _as(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # plans are built in the activations' dtype: skip the call (host time) when it matches
     return weights if weights.dtype == dtype else weights.to(dtype)
+
+
+def _needs_grad(x: torch.Tensor) -> bool:
+    # the Triton kernels have no backward: training merges run the torch path
+    return x.requires_grad and torch.is_grad_enabled()

@@ -65,29 +65,36 @@ def facility_location(sim: torch.Tensor, k: int, mask: torch.Tensor | None = Non
     Returns:
         ``(..., k)`` int64 indices in pick order, distinct while real tokens remain.
     """
-    n = sim.shape[-1]
     q, scale = exact_scores(sim)
-    # coverage[j] = best similarity of token j to a chosen destination so far; -scale is the
-    # floor of cosine similarity, i.e. "not covered". A candidate's gain is
-    # sum_j max(q[i, j], coverage[j]) - sum_j coverage[j]; the second sum is the same for
-    # every candidate, so the argmax needs only the first (one op fewer per step).
-    coverage = torch.full(q.shape[:-1], -scale, dtype=q.dtype, device=q.device)
-    # -inf for chosen and padded candidates: they rank below every real one
-    barred = torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device)
+    # Six kernels a step, five on the first and four on the last: on a GPU at batch 1 the
+    # plan is launch-bound, so the step count of kernels is its cost.
+    # coverage[j] = best similarity of token j to a chosen destination so far (None: none
+    # chosen, i.e. the floor -scale, below which no score lies, so max(q, coverage) = q). A
+    # candidate's gain is sum_j max(q[i, j], coverage[j]) - sum_j coverage[j]; the second sum
+    # is the same for every candidate, so the argmax needs only the first.
+    coverage: torch.Tensor | None = None
+    # -inf for chosen and padded candidates: they rank below every real one (None: none yet)
+    barred: torch.Tensor | None = None
     if mask is not None:
         mask = mask.expand(q.shape[:-1])
-        coverage = coverage.masked_fill(~mask, 2 * scale)  # above any similarity: never needs covering
-        barred = barred.masked_fill(~mask, float("-inf"))
-    slots = torch.arange(n, device=q.device)
+        coverage = torch.where(mask, -scale, 2 * scale).to(q.dtype)  # padded: never needs covering
+        barred = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
     picks = []
-    for _ in range(k):
-        score = torch.maximum(q, coverage.unsqueeze(-2)).sum(-1) + barred
-        idx = score.argmax(-1)  # the first of equal maxima
+    for step in range(k):
+        # row i of best is the coverage after picking i: the next coverage is one of its rows
+        best = q if coverage is None else torch.maximum(q, coverage.unsqueeze(-2))
+        score = best.sum(-1)
+        if barred is not None:
+            score.add_(barred)
+        idx = score.argmax(-1, keepdim=True)  # the first of equal maxima
         picks.append(idx)
-        row = q.gather(-2, idx[..., None, None].expand(*idx.shape, 1, n)).squeeze(-2)
-        coverage = torch.maximum(coverage, row)
-        barred = barred.masked_fill(slots == idx.unsqueeze(-1), float("-inf"))
-    return torch.stack(picks, -1)
+        if step == k - 1:
+            break
+        coverage = best.gather(-2, idx.unsqueeze(-1).expand(*idx.shape, q.shape[-1])).squeeze(-2)
+        if barred is None:
+            barred = torch.zeros_like(score)
+        barred.scatter_(-1, idx, float("-inf"))
+    return torch.cat(picks, -1)
 
 
 def random_selection(

@@ -234,3 +234,44 @@ def _grid_to_tiles(grid: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     lay = layout
     t = grid.reshape(b, lay.gt, lay.tt, lay.gh, lay.th, lay.gw, lay.tw, c).permute(0, 1, 3, 5, 2, 4, 6, 7)
     return t.reshape(b, lay.num_tiles, lay.tile_area, c)
+
+
+@dataclass(frozen=True)
+class KernelIndex:
+    """Where the fused merge kernels (:mod:`toma.kernels`) read and write each tile slot.
+
+    Attributes:
+        src_raster: ``(T, n)`` int32 raster row of the token in each slot, -1 for padding.
+        src_tiled: ``(T, n)`` int32 row of each slot in tile order (``t * n + slot``).
+        dst_rows: ``(T, k)`` int32 merged row of each destination slot, -1 for unused slots.
+        keep: ``(T,)`` int32 destinations each tile keeps, or None when all keep ``k``.
+        token_mask: ``(T, n)`` int8, 0 for padded slots, or None when nothing is padded.
+    """
+
+    src_raster: torch.Tensor
+    src_tiled: torch.Tensor
+    dst_rows: torch.Tensor
+    keep: torch.Tensor | None
+    token_mask: torch.Tensor | None
+
+
+def kernel_index(layout: TileLayout, device: torch.device | str | None = None) -> KernelIndex:
+    """The :class:`KernelIndex` of ``layout`` on ``device`` (built from the layout's Python
+    description: no device read)."""
+    t, n, k = layout.num_tiles, layout.tile_area, layout.slots
+    src = slot_raster_index(layout, device).view(t, n)
+    mask = token_mask(layout, device)
+    if mask is not None:
+        src = src.masked_fill(~mask, -1)
+    dst, seen = [], 0
+    for kept in layout.keep:
+        dst += [seen + j for j in range(kept)] + [-1] * (k - kept)
+        seen += kept
+    as_int = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    return KernelIndex(
+        src_raster=src.to(torch.int32),
+        src_tiled=torch.arange(t * n, dtype=torch.int32, device=device).view(t, n),
+        dst_rows=as_int(dst).view(t, k),
+        keep=None if layout.uniform else as_int(list(layout.keep)),
+        token_mask=None if mask is None else mask.to(torch.int8),
+    )

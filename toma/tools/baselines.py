@@ -135,7 +135,7 @@ class IdealPlanCache(PlanCache):
         super().__init__(config, tile_frames)
         self._ideal: dict[Hashable, IdealPlan] = {}
 
-    def tile_order_layout(self, grid: tuple[int, ...]) -> None:  # type: ignore[override]
+    def tile_order_layout(self, grid: tuple[int, ...], device: torch.device | None = None) -> None:  # type: ignore[override]
         """Never: the ideal keeps tokens in raster order (reordering would cost it copies)."""
         return None
 
