@@ -8,9 +8,38 @@ Quick start::
     toma.remove_toma(pipe)             # exact undo
 """
 
-from toma.api import ToMAPatch, apply_toma, get_toma, remove_toma
-from toma.config import ToMAConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from toma.api import ToMAPatch, apply_toma, get_toma, remove_toma
+    from toma.config import ToMAConfig
 
 __version__ = "0.1.0"
 
 __all__ = ["ToMAConfig", "ToMAPatch", "apply_toma", "get_toma", "remove_toma", "__version__"]
+
+# public name -> module defining it. They load on first use (PEP 562), so that the ``toma``
+# command can print its help and version without importing torch (about 1.3 s).
+_LAZY = {
+    "ToMAConfig": "toma.config",
+    "ToMAPatch": "toma.api",
+    "apply_toma": "toma.api",
+    "get_toma": "toma.api",
+    "remove_toma": "toma.api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'toma' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+# torch loads inside the functions that build models and inputs: ``toma bench --help``
+# reads ARCHS without paying for it
 
 # Published configs of the denoisers (only the fields that differ from diffusers' defaults
 # or that define the architecture).
@@ -275,7 +278,7 @@ def build_model(
     arch: Arch,
     depth: int = 1,
     model_path: str | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> torch.nn.Module:
@@ -287,10 +290,13 @@ def build_model(
         model_path: a local directory or an already-cached hub id with real weights (looked up
             without network access, in ``unet/`` or ``transformer/`` or at the top level).
             None builds random weights from ``arch.config``.
-        dtype, device: where the weights live.
+        dtype, device: where the weights live (dtype None: float32).
         seed: seed of the random weights.
     """
     import diffusers
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
 
     cls = getattr(diffusers, _CLASSES[arch.family])
     if model_path is not None:
@@ -322,7 +328,7 @@ def make_inputs(
     arch: Arch,
     resolution: int,
     batch: int = 1,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     seed: int = 0,
     frames: int | None = None,
@@ -334,8 +340,12 @@ def make_inputs(
     ``(B, 512, 4096)``, ``pooled_projections (B, 768)``, ``img_ids``, ``txt_ids``, ``guidance``.
     SD3: latents ``(B, 16, R/8, R/8)``, text, pooled. Wan: latents ``(B, 16, F', H/8, W/8)``
     with ``F' = (frames - 1) / 4 + 1`` latent frames (``frames`` defaults to the arch's), text.
-    The timestep is a placeholder; :func:`set_timestep` changes it per step.
+    The timestep is a placeholder; :func:`set_timestep` changes it per step. ``dtype`` None
+    means float32.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     g = torch.Generator().manual_seed(seed)
     height, width = arch.size(resolution)
     step = arch.patch * arch.vae_scale
@@ -414,6 +424,8 @@ def latent_frames(arch: Arch, frames: int | None = None) -> int:
 
 def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> dict[str, Any]:
     """``inputs`` at denoising step ``step`` of ``steps`` (timesteps decrease, as in a sampler)."""
+    import torch
+
     frac = 1.0 - step / max(steps, 1)
     t = inputs["timestep"]
     value = max(frac, 1e-3) if arch.family == "flux" else 999.0 * frac

@@ -12,13 +12,13 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from toma import __version__
 from toma.tools.archs import STACKS, Arch, count_parameters
 from toma.tools.report import cell, processor_name, pyplot, save_figure, write_json
 
 if TYPE_CHECKING:
+    import torch
+
     from toma.tools.bench_harness import Measurement, MethodPatcher, Variant
 
 # the report's vocabulary: rows are sorted by method in this order, overheads split in these parts
@@ -32,6 +32,8 @@ def build_report(arch: Arch, model: torch.nn.Module, resolution: int, dtype: tor
                  notes: list[str], results: dict[tuple[Variant, int], Measurement], interrupted: bool,
                  compiled: bool) -> dict[str, Any]:
     """The report of one benchmark run: its conditions, then one row per measured variant and batch."""
+    import torch  # here, not at the top: the CLI reads METHODS to build its help without torch
+
     rows = [
         {
             "method": v.method,

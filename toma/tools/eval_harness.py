@@ -11,13 +11,17 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-
-from toma.tools.metrics import feature_stats, frechet_distance, mean_finite
+if TYPE_CHECKING:
+    import torch
+# torch and the metrics load in the functions that use them: the CLI reads METHODS and the
+# metric models' ids to build ``toma eval --help`` without importing torch
 
 METHODS = ("none", "toma", "toma-random", "toma-grid", "tomesd")
+# hub ids of the metric models that --clip and --dino load (from the local cache only)
+DEFAULT_CLIP_MODEL = "openai/clip-vit-large-patch14"
+DEFAULT_DINO_MODEL = "facebook/dinov2-base"
 TOMA_SELECTION = {"toma": "facility", "toma-random": "random", "toma-grid": "grid"}
 
 
@@ -139,6 +143,10 @@ def mean_and_sem(name: str, values: torch.Tensor) -> dict[str, float]:
 
     The standard error says whether two methods' means differ by more than seed noise.
     """
+    import torch
+
+    from toma.tools.metrics import mean_finite
+
     finite = values.double()[torch.isfinite(values.double())]
     sem = float(finite.std() / math.sqrt(finite.numel())) if finite.numel() > 1 else float("nan")
     return {name: mean_finite(values), f"{name}_sem": sem}
@@ -150,6 +158,8 @@ def frechet_to(feats: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> fl
     One feature vector has no covariance; a process or a variant with a single image
     reports NaN (shown as n/a) rather than failing.
     """
+    from toma.tools.metrics import feature_stats, frechet_distance
+
     if len(feats) < 2:
         return float("nan")
     return frechet_distance(*feature_stats(feats), mu, sigma)

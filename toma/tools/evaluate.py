@@ -23,12 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from toma.tools.eval_builtin import eval_builtin, summarise_builtin
-from toma.tools.eval_harness import METHODS, init_processes, tomesd_available, variants
-from toma.tools.eval_pipeline import eval_pipeline, summarise_pipeline
-from toma.tools.eval_report import machine_info, write_outputs
+# torch-free imports only: the CLI builds this parser for ``--help``; ``run`` loads the rest
+from toma.tools.eval_harness import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, METHODS
 from toma.tools.generate import (
     PipelineUnavailableError,
     add_toma_options,
@@ -37,7 +33,6 @@ from toma.tools.generate import (
     toma_options,
     validate_toma_options,
 )
-from toma.tools.metrics import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, MissingWeightsError
 from toma.tools.report import check_output, missing_extra
 
 
@@ -107,6 +102,14 @@ def parse_ratios(text: str) -> list[float]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma eval``; returns the exit code."""
+    import torch
+
+    from toma.tools.eval_builtin import eval_builtin, summarise_builtin
+    from toma.tools.eval_harness import init_processes, tomesd_available, variants
+    from toma.tools.eval_pipeline import eval_pipeline, summarise_pipeline
+    from toma.tools.eval_report import machine_info, write_outputs
+    from toma.tools.metrics import MissingWeightsError
+
     try:
         methods = parse_methods(args.methods)
         ratios = parse_ratios(args.ratios)

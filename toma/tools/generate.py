@@ -12,11 +12,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from toma.tools.report import IMAGE_SUFFIXES, check_output
+
+if TYPE_CHECKING:
+    import torch
+# torch loads in the functions that use it: the CLI builds this parser for ``--help`` without it
 
 BUILTIN_UPSCALE = 4  # 32x32 digits are shown at 128x128
 
@@ -123,6 +125,7 @@ def make_grid(images: torch.Tensor, ncols: int | None = None, upscale: int = 1, 
     """Tile images ``(B, C, H, W)`` in ``[0, 1]`` (C = 1 or 3) into one ``PIL.Image``."""
     import math
 
+    import torch
     from PIL import Image
 
     if images.dim() != 4 or images.shape[1] not in (1, 3):
@@ -219,6 +222,8 @@ def report_and_save(
 
 def resolve_device_dtype(device: str | None, dtype: str) -> tuple[str, torch.dtype]:
     """Default device (cuda if available) and dtype (float16 on cuda, float32 on cpu)."""
+    import torch
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         return device, (torch.float16 if device.startswith("cuda") else torch.float32)
@@ -273,6 +278,8 @@ def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
 def pipeline_call(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], steps: int, args: argparse.Namespace,
                   device: str, progress: bool = True) -> torch.Tensor:
     """Run a pipeline once per prompt/seed pair; returns images ``(B, 3, H, W)`` in ``[0, 1]``."""
+    import torch
+
     pipe.set_progress_bar_config(disable=not progress, leave=False)
     kwargs: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt"}
     if args.guidance_scale is not None:
@@ -293,6 +300,8 @@ def pipeline_call(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], steps
 def sync(device: str) -> None:
     """Wait for queued GPU work so timings are honest."""
     if device.startswith("cuda"):
+        import torch
+
         torch.cuda.synchronize()
 
 
@@ -327,6 +336,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma generate``; returns the exit code."""
+    import torch
+
     try:
         threads = default_threads(args)
         if threads is not None:
