@@ -33,11 +33,13 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``bench`` subcommand."""
+    from toma.tools.cli import HelpFormatter
+
     p = subparsers.add_parser(
         "bench",
         help="time denoiser forwards: ToMA vs unpatched, tomesd, ToDo and the ideal",
         description=__doc__.split("\n\n")[0] + " Nothing is downloaded.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--arch", choices=sorted(ARCHS), help="denoiser architecture (required unless --from-json)")
     p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the arch's native)")

@@ -38,11 +38,13 @@ from toma.tools.report import check_output, missing_extra
 
 def register(subparsers: Any) -> None:
     """Add the ``eval`` subcommand to the CLI."""
+    from toma.tools.cli import HelpFormatter
+
     p = subparsers.add_parser(
         "eval",
         help="compare merging methods against unmerged generation (quality and speed)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default=None, help="diffusers pipeline id or local folder (default: the built-in digits model)")
     p.add_argument("--methods", default="none,toma,toma-random,toma-grid,tomesd",
@@ -59,9 +61,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--height", type=int, default=None, help="pipelines: image height")
     p.add_argument("--width", type=int, default=None, help="pipelines: image width")
     p.add_argument("--clip", action="store_true", help="pipelines: report CLIP-T (needs local CLIP weights)")
-    p.add_argument("--clip-model", default=DEFAULT_CLIP_MODEL)
+    p.add_argument("--clip-model", default=DEFAULT_CLIP_MODEL, help="pipelines: CLIP model id or folder for --clip")
     p.add_argument("--dino", action="store_true", help="pipelines: report DINO similarity to the unmerged image")
-    p.add_argument("--dino-model", default=DEFAULT_DINO_MODEL)
+    p.add_argument("--dino-model", default=DEFAULT_DINO_MODEL, help="pipelines: DINOv2 model id or folder for --dino")
     p.add_argument("--fid-reference", type=Path, default=None,
                    help="pipelines: folder of reference images; reports the Frechet distance on DINO features")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")

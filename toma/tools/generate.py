@@ -29,18 +29,20 @@ class PipelineUnavailableError(RuntimeError):
 
 def register(subparsers: Any) -> None:
     """Add the ``generate`` subcommand to the CLI."""
+    from toma.tools.cli import HelpFormatter
+
     p = subparsers.add_parser(
         "generate",
         help="generate images with and without ToMA (built-in model by default)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default=None, help="diffusers pipeline id or local folder (default: the built-in digits model)")
     p.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="prompt for --model pipelines")
     p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="built-in model: comma-separated digits to draw")
     p.add_argument("--ratio", type=float, default=0.5, help="ToMA merge ratio in [0, 1) (default 0.5)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: 20 built-in, 30 pipelines)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the starting noise")
     p.add_argument("--out", type=Path, default=Path("toma_generate.png"), help="output PNG (default toma_generate.png)")
     p.add_argument("--compare", action="store_true", help="write the baseline and ToMA images side by side with timings")
     add_toma_options(p)
