@@ -321,7 +321,11 @@ def build_model(
         # initialise where the model will run: a 12B-parameter init on the CPU alone
         # takes minutes, on a GPU seconds
         model = cls(**config)
-    return model.to(dtype=dtype).eval()
+    if dtype != torch.float32 and getattr(model, "_keep_in_fp32_modules", None):
+        return model.to(dtype=dtype).eval()  # its warning is then true: those modules are cast too
+    # diffusers' ModelMixin.to warns "should be kept in float32: []" at any dtype cast, even
+    # when no module is to be kept or the dtype is float32; nn.Module.to casts alike, silently
+    return torch.nn.Module.to(model, dtype=dtype).eval()
 
 
 def make_inputs(

@@ -8,10 +8,14 @@ replays or under torch.compile. It returns the report dict of :mod:`toma.tools.b
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -113,6 +117,36 @@ def _time_sample(call: Callable[[dict[str, Any]], Any], inputs: list[dict[str, A
     return (time.perf_counter() - start) / len(inputs)
 
 
+# what PyTorch's profiler library (Kineto) prints straight to file descriptor 2 at every
+# profiler start and stop, whatever KINETO_LOG_LEVEL says
+_KINETO_NOISE = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _kineto_lines_dropped() -> Iterator[None]:
+    """Drop Kineto's ``USDT: ... profiler_start`` lines from stderr while the block runs.
+
+    They bypass Python, so the file descriptor itself is pointed at a temporary file; any
+    other text written to stderr meanwhile is passed on when the block ends.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not _KINETO_NOISE.match(line))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
+
+
 def _profile_forward(call: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], device: torch.device,
                      method: str) -> dict[str, float]:
     """Share of one forward spent in each overhead part of ``method``, from profiler ranges."""
@@ -121,7 +155,7 @@ def _profile_forward(call: Callable[[dict[str, Any]], Any], inputs: dict[str, An
     from toma.tools.baselines import tomesd_profiled
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with tomesd_profiled(), profile(activities=activities) as prof:
+    with _kineto_lines_dropped(), tomesd_profiled(), profile(activities=activities) as prof:
         with record_function("bench::forward"):
             call(inputs)
         _sync(device)
