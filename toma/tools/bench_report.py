@@ -122,14 +122,19 @@ def derive(rows: list[dict[str, Any]], first_batch: int) -> list[dict[str, Any]]
             r[f"vs_batch{first_batch}"] = r["median_s"] / first["median_s"]
     for r in rows:
         r["spread"] = (r["max_s"] - r["min_s"]) / r["median_s"]
-        r["flags"] = _flags(r, by_key.get(("none", None, r["batch"], r["compiled"])))
+        r["flags"] = timing_flags(r, by_key.get(("none", None, r["batch"], r["compiled"])))
     return rows
 
 
-def _flags(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+def timing_flags(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
     """Why a row's figures cannot be trusted: samples that spread by more than the effect
     they measure (against the unpatched row's own spread too), or an efficiency above 100%
-    (the ideal is the ceiling, so that is noise)."""
+    (the ideal is the ceiling, so that is noise).
+
+    ``r`` and ``base`` (the unpatched row) hold ``spread``, (max - min) / median of their
+    samples; ``r`` holds ``speedup`` (base time / time) and may hold ``efficiency``. Shared
+    by ``toma bench`` and ``toma eval``.
+    """
     flags = []
     if base is not None and r is not base and r.get("speedup"):
         effect = abs(1 - 1 / r["speedup"])

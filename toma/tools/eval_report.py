@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from toma.tools.eval_harness import METHODS, Processes, key
+from toma.tools.eval_harness import METHODS, Processes, fd_warning, key
 from toma.tools.generate import BUILTIN_UPSCALE, make_grid, side_by_side
 from toma.tools.report import cell, processor_name, pyplot, save_figure, write_json, wrote
 
@@ -32,16 +32,45 @@ COLUMNS = [
     ("fd_dino_reference", "FD (DINOv2) to reference", "{:.2f}"),
     ("latency_s", "latency (s/image)", "{:.3f}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("spread", "time spread", "{:.0%}"),
 ]
+FD_COLUMNS = ("fd_real", "fd_vs_none", "fd_dino_reference")
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """Rows as a markdown table with the columns present in the first row."""
+def markdown_table(rows: list[dict[str, Any]], mark_fd: bool = False) -> str:
+    """Rows as a markdown table with the columns present in the first row; ``mark_fd``
+    puts a ``*`` on the Frechet distance headings (see :func:`notes`)."""
     cols = [c for c in COLUMNS if c[0] in rows[0]]
-    lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
+    heads = [c[1] + (" *" if mark_fd and c[0] in FD_COLUMNS else "") for c in cols]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(cols)]
     for row in rows:
         lines.append("| " + " | ".join(cell(row[c[0]], c[2], missing="n/a") for c in cols) + " |")
     return "\n".join(lines) + "\n"
+
+
+def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """What the reader must know to trust the table: the machine's load, rows whose timing
+    the noise decides, and Frechet distances from too few images."""
+    machine = meta["machine"]
+    out = []
+    before, after = machine.get("load_average_before"), machine.get("load_average_after")
+    if before and after:
+        busy = max(before[0], after[0]) > (machine["cpu_count"] or 1)
+        out.append(f"load average {before[0]:.2f} before and {after[0]:.2f} after the run (1 minute) "
+                   f"on {machine['cpu_count']} CPUs" + (", more than the CPUs: the timings shared them" if busy else "")
+                   + "; variants timed interleaved, batch by batch")
+    flagged = [r for r in rows if r.get("flags")]
+    for r in flagged:
+        out.append(f"UNRELIABLE timing of {key(r['method'], r['ratio'])}: " + "; ".join(r["flags"]))
+    if flagged:
+        out.append("the machine was too noisy for these speedups: more images (more timed batches), "
+                   "--threads 1, or a quiet machine help")
+    if rows and all(r.get("spread") is None for r in rows):
+        out.append("one timed batch per variant: no spread to judge the timing by (--batch-size below --num-images)")
+    warning = fd_warning(rows)
+    if warning:
+        out.append(f"* warning: {warning}")
+    return out
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -115,14 +144,19 @@ def write_outputs(args: argparse.Namespace, rows: list[dict[str, Any]], meta: di
     """Write results.json, results.md, the plot and the samples sheet."""
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", {**meta, "results": rows})
-    table = markdown_table(rows)
+    warning = fd_warning(rows)
+    lines = notes(rows, meta)
+    write_json(out / "results.json", {**meta, "fd_reliable": warning is None, "notes": lines, "results": rows})
+    table = markdown_table(rows, mark_fd=warning is not None)
     header = (f"# toma eval: {meta['model']}\n\n{meta['num_images']} images per variant, {meta['steps']} steps, "
               f"seeds {meta['seed']}..{meta['seed'] + meta['num_images'] - 1}; {meta['machine']['processes']} process(es), "
               f"torch {meta['machine']['torch']}, {meta['machine']['torch_threads']} thread(s) each.\n\n")
-    (out / "results.md").write_text(header + table, encoding="utf-8")
+    footer = "".join(f"\n{line}\n" for line in lines)
+    (out / "results.md").write_text(header + table + footer, encoding="utf-8")
     plot(rows, out / "quality_vs_speedup.png", f"{meta['model']}: quality vs speedup")
     write_samples(gathered, runs, out / "samples.png", BUILTIN_UPSCALE if args.model is None else 1)
     print(table)
+    for line in lines:
+        print(line)
     print(wrote(out / name for name in ("results.json", "results.md", "quality_vs_speedup.png", "samples.png")))
 

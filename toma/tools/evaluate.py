@@ -33,7 +33,7 @@ from toma.tools.generate import (
     toma_options,
     validate_toma_options,
 )
-from toma.tools.report import check_output, missing_extra
+from toma.tools.report import check_output, load_average, missing_extra
 
 
 def register(subparsers: Any) -> None:
@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     runs = variants(methods, ratios)
+    load_before = load_average()
     try:
         records = eval_pipeline(args, procs, runs) if args.model else eval_builtin(args, procs, runs)
     except (PipelineUnavailableError, MissingWeightsError, FileNotFoundError, ValueError) as err:
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             "guidance_scale": gathered[0].get("_guidance_scale", args.guidance_scale),
             "arguments": {k: (v if isinstance(v, (int, float, bool, type(None))) else str(v))
                           for k, v in vars(args).items() if k != "func"},
-            "machine": machine_info(procs),
+            "machine": {**machine_info(procs), "load_average_before": load_before, "load_average_after": load_average()},
         }
         write_outputs(args, rows, meta, gathered, runs)
     procs.barrier()
