@@ -206,6 +206,9 @@ def benchmark(
     graph (on the first step's inputs) and a sample times ``steps`` replays of it. Ctrl-C
     stops the rounds and returns what was measured, with ``report["interrupted"] = True``.
     """
+    from toma.tools.report import load_average
+
+    load_before = load_average()
     device = torch.device(device)
     placement = {"levels": 1, "merge_mlp": False, "tile_size": 4, **(placement or {})}
     toma_options = dict(toma_options or {})
@@ -291,6 +294,7 @@ def benchmark(
     report = build_report(arch, model, resolution, dtype, device, depth, steps, repeats, warmup, methods, ratios,
                           batches, harness, settings, skipped, notes, results, interrupted, compile)
     report["cuda_graph"] = cuda_graph
+    report["load_average_before"], report["load_average_after"] = load_before, load_average()
     return report
 
 

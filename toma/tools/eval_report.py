@@ -73,8 +73,46 @@ def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     return out
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Quality (PSNR, SSIM, and accuracy when present) against speedup, one series per method."""
+# where a ratio label may go, in points from its point, in order of preference
+LABEL_OFFSETS = [(4, 4), (4, -11), (-16, 4), (-16, -11), (4, 13), (-16, 13), (4, -20), (-16, -20), (12, -4), (-26, -4)]
+
+
+def place_labels(fig: Any, ax: Any, labels: list[tuple[float, float, str, Any]]) -> list[Any]:
+    """Annotate points ``(x, y, text, colour)`` so that no two labels overlap where there is room.
+
+    Labels of methods that land on nearly the same point (ToMA and its ablations at one
+    ratio) otherwise print on top of each other ("00.55"). Each label takes the first
+    offset in ``LABEL_OFFSETS`` whose box clears the labels placed before it, measured with
+    the figure's renderer after the final layout.
+    """
+    fig.tight_layout()  # the layout the figure is saved with, so the boxes measured hold
+    renderer = fig.canvas.get_renderer()
+    placed: list[Any] = []
+    boxes: list[Any] = []
+    for x, y, text, colour in labels:
+        for dx, dy in LABEL_OFFSETS:
+            note = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=7, color=colour)
+            note.set_in_layout(False)  # so saving's tight_layout keeps the layout measured here
+            box = note.get_window_extent(renderer)
+            if not any(box.overlaps(b) for b in boxes):
+                break
+            note.remove()
+        else:
+            note = ax.annotate(text, (x, y), textcoords="offset points", xytext=LABEL_OFFSETS[0], fontsize=7,
+                               color=colour)
+            note.set_in_layout(False)
+            box = note.get_window_extent(renderer)
+        placed.append(note)
+        boxes.append(box)
+    return placed
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Any:
+    """Quality (PSNR, SSIM, and accuracy when present) against speedup, one series per method.
+
+    With several ratios each point is labelled with its ratio; with one, the title says it.
+    Returns the figure (closed, already saved).
+    """
     plt = pyplot()
     panels = [("psnr", "PSNR vs unmerged (dB)"), ("ssim", "SSIM vs unmerged")]
     if "accuracy" in rows[0]:
@@ -82,6 +120,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     colours = plt.get_cmap("tab10")
+    ratios = sorted({r["ratio"] for r in rows if r["method"] != "none"})
+    labels: dict[Any, list[tuple[float, float, str, Any]]] = {}
     for ax, (metric, label) in zip(axes[0], panels):
         for method in methods:
             pts = sorted((r["speedup"], r[metric], r["ratio"]) for r in rows if r["method"] == method)
@@ -92,15 +132,17 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             style = ({"color": "black", "marker": "*", "markersize": 10} if method == "none"
                      else {"color": colours(METHODS.index(method)), "marker": "o"})
             ax.plot([p[0] for p in finite], [p[1] for p in finite], label=method, **style)
-            for x, y, rt in finite:
-                if method != "none":
-                    ax.annotate(f"{rt:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            if method != "none" and len(ratios) > 1:
+                labels.setdefault(ax, []).extend((x, y, f"{rt:g}", style["color"]) for x, y, rt in finite)
         ax.set_xlabel("speedup over unmerged (x)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title if len(ratios) != 1 else f"{title}, ratio {ratios[0]:g}")
+    for ax, points in labels.items():
+        place_labels(fig, ax, points)
     save_figure(fig, path)
+    return fig
 
 
 def write_samples(gathered: list[dict[str, Any]], runs: list[tuple[str, float]], path: Path, upscale: int) -> None:
