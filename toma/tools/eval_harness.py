@@ -90,15 +90,15 @@ def tomesd_available() -> bool:
 def image_progress(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
     """Progress over ``total`` images; yields the function to call with each batch's size.
 
-    The bar draws only on a terminal and clears itself at the end, then one line says what
-    was done: tqdm redraws a finished bar once more when it closes, which a log (not a
-    terminal) kept as a second copy of the last line.
+    The bar clears itself at the end and one line says what was done: tqdm redraws a
+    finished bar once more when it closes, which a log (not a terminal) kept as a second
+    copy of the last line.
     """
     from tqdm.auto import tqdm
 
     done = 0
     start = time.perf_counter()
-    bar = tqdm(total=total, desc="eval images", disable=None if enabled else True, leave=False, file=sys.stderr)
+    bar = tqdm(total=total, desc="eval images", disable=not enabled, leave=False, file=sys.stderr)
 
     def update(n: int) -> None:
         nonlocal done

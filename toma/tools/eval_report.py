@@ -63,8 +63,9 @@ def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     for r in flagged:
         out.append(f"UNRELIABLE timing of {key(r['method'], r['ratio'])}: " + "; ".join(r["flags"]))
     if flagged:
-        out.append("the machine was too noisy for these speedups: more images (more timed batches), "
-                   "--threads 1, or a quiet machine help")
+        threads = "" if machine.get("torch_threads") == 1 else "--threads 1, "
+        out.append(f"the machine was too noisy for these speedups: more images (more timed batches), {threads}"
+                   "or a quiet machine help")
     if rows and all(r.get("spread") is None for r in rows):
         out.append("one timed batch per variant: no spread to judge the timing by (--batch-size below --num-images)")
     warning = fd_warning(rows)
