@@ -224,6 +224,8 @@ def test_missing_tomesd_is_skipped_with_a_message(monkeypatch, capsys):
     "argv, message",
     [
         (["--methods", "none,fast"], "--methods"),
+        (["--methods", "toma+bogus"], "--methods"),
+        (["--fbcache-threshold", "0"], "--fbcache-threshold"),
         (["--ratios", "0.5,1.5"], "--ratios"),
         (["--depth", "2"], "--depth applies to transformers"),
         (["--dtype", "float8"], "--dtype"),
@@ -354,3 +356,41 @@ def test_reduced_sd35_and_wan_keep_their_width_and_dual_attention_share():
     assert sd3["num_layers"] == 6 and sd3["dual_attention_layers"] == (0, 1, 2)  # 13 of 24 -> 3 of 6
     wan = reduced_config("wan", ARCHS["wan"].config, 10)
     assert wan["num_layers"] == 3 and wan["ffn_dim"] == 8960 and wan["num_attention_heads"] == 12
+
+
+def test_methods_combine_with_diffusers_caches(tmp_path, monkeypatch, capsys):
+    # toma+fbcache: the cache is enabled for each timed sample (a fresh run each) and skips
+    # the tail blocks on steps that change little; cached rows get no efficiency (the ideal
+    # has no cache), and the report says what random weights cannot show
+    real_build = bench_harness.build_model
+    rc = main([
+        "bench", "--arch", "tiny-flux", "--resolution", "64", "--ratios", "0.5",
+        "--methods", "none,toma,none+fbcache,toma+fbcache", "--fbcache-threshold", "0.5", "--steps", "4", "--repeats", "1", "--warmup", "0",
+        "--no-profile", "--out", str(tmp_path), "--name", "c", "--no-progress",
+    ])
+    assert rc == 0
+    assert "depends on the weights" in capsys.readouterr().out
+    rows = {r["method"]: r for r in json.loads((tmp_path / "c.json").read_text())["results"]}
+    assert set(rows) == {"none", "toma", "none+fbcache", "toma+fbcache"}
+    assert "cache" not in rows["toma"]["settings"]
+    assert rows["toma+fbcache"]["efficiency"] is None and "FirstBlockCache" in rows["toma+fbcache"]["settings"]["cache"]
+    assert rows["toma+fbcache"]["ratio"] == 0.5 and rows["none+fbcache"]["ratio"] is None
+
+    counts = {}
+    for methods in ("toma", "toma+fbcache"):
+        harness_calls = []
+        model = real_build(ARCHS["tiny-flux"])
+        monkeypatch.setattr(bench_harness, "build_model", lambda *a, **k: model)
+        model.single_transformer_blocks[-1].proj_out.register_forward_hook(lambda *a: harness_calls.append(1))
+        report = bench_harness.benchmark(ARCHS["tiny-flux"], 64, [methods], [0.5], steps=4, repeats=1, warmup=0,
+                                         profile=False, cache_options={"fbcache": {"threshold": 0.5}})
+        assert [r["method"] for r in report["results"]] == [methods]
+        counts[methods] = len(harness_calls)
+        assert not hasattr(model, "_toma_patch") and not model.is_cache_enabled  # all undone
+    assert counts["toma"] == 4 and 1 <= counts["toma+fbcache"] < 4
+
+
+def test_caches_are_skipped_for_unets(capsys):
+    report = bench_harness.benchmark(ARCHS["tiny-unet"], 64, ["none", "toma+fbcache"], [0.5], repeats=1, warmup=0,
+                                     profile=False)
+    assert "fbcache is a diffusers cache for transformers" in report["skipped"]["toma+fbcache"]

@@ -34,7 +34,7 @@ def patched(arch_name):
     return arch, model, make_inputs(arch, 64)
 
 
-@pytest.mark.parametrize("arch_name", ["tiny-unet", "tiny-flux"])
+@pytest.mark.parametrize("arch_name", ["tiny-unet", "tiny-flux", "tiny-sd3", "tiny-wan"])
 def test_no_graph_breaks_in_merge_path(arch_name):
     arch, model, inputs = patched(arch_name)
     torch._dynamo.reset()
@@ -50,7 +50,7 @@ def test_no_graph_breaks_in_merge_path(arch_name):
     assert explained.graph_break_count <= 3
 
 
-@pytest.mark.parametrize("arch_name", ["tiny-unet", "tiny-flux"])
+@pytest.mark.parametrize("arch_name", ["tiny-unet", "tiny-flux", "tiny-sd3", "tiny-wan"])
 def test_compiled_matches_eager_without_recompiling_every_step(arch_name):
     arch, model, inputs = patched(arch_name)
     steps = [set_timestep(arch, inputs, s, 6) for s in range(6)]

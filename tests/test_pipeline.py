@@ -195,3 +195,108 @@ def test_pixart_pipeline_round_trip(tmp_path):
 
     # 32x48 px -> 16x24 latent (the tiny VAE halves) -> 8x12 tokens, half kept; one CFG batch of 2 per step
     merged_round_trip(pipe, generate, [(2, 48)] * 2, blocks={"transformer_blocks": range(3)})
+
+
+def test_img2img_after_a_stopped_run_builds_its_own_plans(tmp_path):
+    # With recompute_every > 1, plans carry over between steps of one run. A run stopped
+    # early followed by img2img (which starts at a lower timestep) looked like the same run
+    # to the denoiser, and reused the stopped run's plans for another image.
+    from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline
+
+    from tests.conftest import CROSS_DIM, make_sd15_unet
+
+    def build():
+        torch.manual_seed(0)
+        return StableDiffusionImg2ImgPipeline(
+            vae=tiny_vae(), text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
+            tokenizer=tiny_clip_tokenizer(tmp_path / "tok"), unet=make_sd15_unet(), scheduler=DDIMScheduler(),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+
+    def img2img(pipe):
+        return pipe("a fox", image=image, strength=0.3, num_inference_steps=10, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    def stop_after_two(pipe, step, timestep, kwargs):
+        pipe._interrupt = step >= 1
+        return kwargs
+
+    fresh = build()
+    toma.apply_toma(fresh, ratio=0.5, recompute_every=100)
+    expected = img2img(fresh)
+
+    pipe = build()
+    toma.apply_toma(pipe, ratio=0.5, recompute_every=100)
+    pipe("a fox", image=torch.rand(1, 3, 32, 32), strength=1.0, num_inference_steps=10, output_type="np",
+         callback_on_step_end=stop_after_two)
+    assert np.array_equal(img2img(pipe), expected)
+    # removal restores the scheduler's own method
+    toma.remove_toma(pipe)
+    assert "set_timesteps" not in vars(pipe.scheduler)
+
+
+def tiny_wan_folder(tmp_path):
+    from diffusers import AutoencoderKLWan, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from tests.conftest import make_wan
+
+    torch.manual_seed(0)
+    WanPipeline(
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+        text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)),
+        transformer=make_wan(in_channels=16),
+        vae=AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    ).save_pretrained(tmp_path / "wan")
+    return tmp_path / "wan"
+
+
+def test_generate_and_eval_on_a_local_video_pipeline(tmp_path, one_thread):
+    # toma generate / eval load any local diffusers pipeline; a video pipeline's clips are
+    # written as an animated GIF or a strip of frames, and scored frame by frame
+    from PIL import Image
+
+    from toma.tools.cli import main
+
+    folder = tiny_wan_folder(tmp_path)
+    common = ["--model", str(folder), "--height", "32", "--width", "32", "--frames", "5", "--steps", "2",
+              "--threads", "1"]
+    gif = tmp_path / "clip.gif"
+    assert main(["generate", *common, "--compare", "--out", str(gif)]) == 0
+    with Image.open(gif) as im:
+        assert im.n_frames == 5 and im.width > 2 * 32  # both clips side by side in every frame
+    strip = tmp_path / "clip.png"
+    assert main(["generate", *common, "--out", str(strip)]) == 0
+    with Image.open(strip) as im:
+        assert im.width >= 5 * 32
+    out = tmp_path / "ev"
+    assert main(["eval", *common, "--num-images", "1", "--methods", "toma", "--out-dir", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert [r["method"] for r in rows] == ["none", "toma"]
+    assert rows[0]["psnr"] is None and rows[0]["ssim"] == 1  # the reference against itself (PSNR infinite)
+    assert 0 < rows[1]["psnr"] < 99
+
+
+def build_sd(tmp_path):
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    from tests.conftest import CROSS_DIM, make_sd15_unet
+
+    torch.manual_seed(0)
+    return StableDiffusionPipeline(
+        vae=tiny_vae(), text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"), unet=make_sd15_unet(), scheduler=DDIMScheduler(),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+
+
+def test_frames_is_refused_for_image_pipelines(tmp_path, capsys):
+    from toma.tools.cli import main
+
+    folder = tmp_path / "sd"
+    build_sd(tmp_path).save_pretrained(folder)
+    assert main(["generate", "--model", str(folder), "--frames", "5", "--out", str(tmp_path / "x.png")]) == 2
+    assert "--frames applies to video pipelines" in capsys.readouterr().err

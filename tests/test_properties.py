@@ -40,6 +40,9 @@ configs = st.fixed_dictionaries(
         "merge_crossattn": st.booleans(),
         "proportional_attention": st.sampled_from([None, False, True]),
         "tile_frames": st.sampled_from([None, 1, 3]),
+        "attn_ratio": st.sampled_from([None, 0.0, 0.3]),
+        "crossattn_ratio": st.sampled_from([None, 0.6]),
+        "mlp_ratio": st.sampled_from([None, 0.0, 0.25]),
     }
 )
 calls = st.lists(st.sampled_from(["forward", "forward", "apply", "remove", "deepcopy", "to_bf16"]), min_size=1, max_size=6)
@@ -56,6 +59,12 @@ def options_for(family: str, cfg: dict) -> dict:
         opts["proportional_attention"] = False
     if family != "wan":
         opts.pop("tile_frames")
+    if family == "flux":  # Flux has no separate MLP or cross-attention merge (refused)
+        opts.update(merge_mlp=False, merge_crossattn=False)
+    for part, switch in (("attn", "merge_attn"), ("crossattn", "merge_crossattn"), ("mlp", "merge_mlp")):
+        ratio = opts.pop(f"{part}_ratio")
+        if ratio is not None and opts.get(switch, switch == "merge_attn"):
+            opts[f"{part}_ratio"] = ratio
     return opts
 
 

@@ -159,18 +159,95 @@ def test_random_selection_draws_the_same_in_every_run():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_feed_forward_chunking_is_not_a_silent_no_op():
-    unet = make_sd15_unet()
-    kw = unet_inputs(1, 16, 16, False)
-    toma.apply_toma(unet, ratio=0.5, merge_mlp=True)
+@pytest.mark.parametrize("family", ["unet", "sd3", "pixart"])
+@pytest.mark.parametrize("size, dim", [(1, 0), (2, 1), (8, 1)])
+def test_feed_forward_chunking_keeps_the_merged_mlp(family, size, dim):
+    # Chunking called the MLP on token slices, which could not be merged (it ran unmerged),
+    # or on batch slices, which silently used sample 0's plan for sample 1. toma now takes
+    # the chunking over: the MLP runs merged, in slices of the merged tokens.
+    if family == "unet":
+        model, kw, opts = make_sd15_unet(), unet_inputs(2, 16, 16, False), {}
+    else:
+        make, kw, opts = _engine_family(family)
+        model = make()
+    toma.apply_toma(model, ratio=0.5, merge_mlp=True, **opts)
+    blocks = [m for m in model.modules() if hasattr(m, "_chunk_size") and hasattr(m, "set_chunk_feed_forward")]
+    assert blocks
+    ffs = [b.ff for b in blocks]
     with torch.no_grad():
-        merged = unet(**kw).sample
-        blocks = [m for m in unet.modules() if hasattr(m, "set_chunk_feed_forward")]
+        merged = model(**kw).sample
         for block in blocks:
-            block.set_chunk_feed_forward(2, dim=1)
-        with pytest.warns(UserWarning, match="feed-forward chunking"):
-            chunked = unet(**kw).sample
-        for block in blocks:
-            block.set_chunk_feed_forward(None)
-        assert torch.equal(unet(**kw).sample, merged)
-    assert torch.isfinite(chunked).all() and not torch.equal(chunked, merged)  # the MLP ran unmerged
+            block.set_chunk_feed_forward(size, dim=dim)
+        seen = []
+        handles = [ff.net[0].register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape[:2]))) for ff in ffs]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "runs unmerged" warning any more
+            chunked = model(**kw).sample
+        for h in handles:
+            h.remove()
+        assert all(b._chunk_size == size and b._chunk_dim == dim for b in blocks)  # restored
+    torch.testing.assert_close(chunked, merged, rtol=1e-5, atol=1e-6)
+    if dim == 0:
+        assert {b for b, _ in seen} == {1}  # one sample at a time
+    else:
+        assert max(n for _, n in seen) == size  # slices of the merged tokens
+    toma.remove_toma(model)
+    assert all(not hasattr(b, "_diffusers_hook") for b in blocks)
+
+
+def _engine_family(family):
+    from tests.test_dit import FAMILIES
+
+    make, inputs, blocks = FAMILIES[family]
+    return make, inputs(), blocks
+
+
+@pytest.mark.parametrize("family", ["sd3", "pixart", "ltx"])
+def test_gradient_checkpointing_on_engine_families(family):
+    make, kw, blocks = _engine_family(family)
+    model = make().train()
+    toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
+    loss, grads = train_step(model, kw)
+    model.enable_gradient_checkpointing()
+    ckpt_loss, ckpt_grads = train_step(model, kw)
+    torch.testing.assert_close(ckpt_loss, loss)
+    assert len(ckpt_grads) == len(grads)
+    for a, b in zip(ckpt_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["sd3", "pixart", "wan", "ltx"])
+def test_deepcopy_is_independent_on_engine_families(family):
+    make, kw, blocks = _engine_family(family)
+    model = make()
+    toma.apply_toma(model, ratio=0.5, **blocks)
+    with torch.no_grad():
+        before = model(**kw).sample
+        clone = copy.deepcopy(model)
+        for p in clone.parameters():
+            p.mul_(0.9)
+        moved = clone(**kw).sample
+        after = model(**kw).sample
+    assert torch.equal(after, before) and not torch.equal(moved, before)
+    patch, copied = toma.get_toma(model), toma.get_toma(clone)
+    assert copied.cache is not patch.cache and all(t.module is clone.get_submodule(t.name) for t in copied.patched)
+
+
+@pytest.mark.parametrize("family", ["sd3", "pixart", "wan", "ltx"])
+def test_set_attn_processor_after_apply_keeps_merging(family):
+    # the engine merges around the attention module, not inside its processor: a new
+    # processor of the same kind computes the same merged attention
+    make, kw, blocks = _engine_family(family)
+    model = make()
+    with torch.no_grad():
+        ref = model(**kw).sample
+        toma.apply_toma(model, ratio=0.5, **blocks)
+        merged = model(**kw).sample
+        processors = model.attn_processors
+        model.set_attn_processor({name: type(p)() for name, p in processors.items()})
+        again = model(**kw).sample
+    assert not torch.equal(merged, ref)
+    torch.testing.assert_close(again, merged, rtol=0, atol=0)
+    toma.remove_toma(model)
+    with torch.no_grad():
+        assert torch.equal(model(**kw).sample, ref)

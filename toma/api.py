@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from toma.adapters import FAMILIES, adapter_for, unsupported_reason
-from toma.adapters.base import HOOK_NAME, Patched, Skipped, remove_hook
+from toma.adapters.base import CHUNK_HOOK_NAME, HOOK_NAME, Patched, Skipped, remove_hook
 from toma.config import ToMAConfig, make_config
 from toma.core.plan import PlanCache
 
@@ -37,6 +37,16 @@ class ToMAPatch:
     cache: PlanCache = field(repr=False)
     _hooked: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _adapter: Any = field(default=None, repr=False)
+    _scheduler: Any = field(default=None, repr=False)
+
+    def new_run(self) -> None:
+        """Start a new denoising run at the next forward (see :meth:`PlanCache.new_run`).
+
+        Pipelines patched through :func:`apply_toma` do this by themselves; call it when
+        driving a bare denoiser with ``recompute_every > 1`` through a run that may start at
+        a lower timestep than where the previous one stopped (img2img after a stopped run).
+        """
+        self.cache.new_run()
 
     def summary(self) -> str:
         """A readable list of merged and skipped blocks and the settings."""
@@ -106,6 +116,8 @@ def apply_toma(
     model.__dict__["__deepcopy__"] = functools.partial(_deepcopy_patched, model)
     try:
         patch._hooked = adapter.attach(model, targets, patch.cache)
+        if model is not pipe_or_model:
+            _watch_run_start(pipe_or_model, patch)
     except BaseException:
         _detach(model, patch, everything=True)
         raise
@@ -148,11 +160,50 @@ def _detach(model: torch.nn.Module, patch: ToMAPatch, everything: bool) -> None:
     modules = [m for _, m in model.named_modules()] if everything else [model, *patch._hooked]
     for module in modules:
         remove_hook(module, HOOK_NAME)
+        remove_hook(module, CHUNK_HOOK_NAME)
     patch._adapter.detach(patch.patched)
     patch.cache.reset()
+    _unwatch_run_start(patch)
     if getattr(model, _ATTR, None) is patch:
         delattr(model, _ATTR)
         model.__dict__.pop("__deepcopy__", None)
+
+
+class _RunStart:
+    """Stands in for a pipeline scheduler's ``set_timesteps``: every pipeline call sets its
+    timesteps once before denoising, the one run boundary the denoiser cannot see itself."""
+
+    def __init__(self, scheduler: Any, patch: ToMAPatch) -> None:
+        self.own = scheduler.__dict__.get("set_timesteps")  # someone else's wrapper, kept
+        self.call = scheduler.set_timesteps
+        self.patch = patch
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.patch.new_run()
+        return self.call(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        # a copied pipeline's scheduler must not start runs of this pipeline's denoiser:
+        # it gets the wrapped method, bound to the copy
+        return copy.deepcopy(self.call, memo)
+
+
+def _watch_run_start(pipe: Any, patch: ToMAPatch) -> None:
+    scheduler = getattr(pipe, "scheduler", None)
+    if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)):
+        return
+    scheduler.__dict__["set_timesteps"] = _RunStart(scheduler, patch)
+    patch._scheduler = scheduler
+
+
+def _unwatch_run_start(patch: ToMAPatch) -> None:
+    scheduler, patch._scheduler = patch._scheduler, None
+    hook = getattr(scheduler, "__dict__", {}).get("set_timesteps")
+    if isinstance(hook, _RunStart) and hook.patch is patch:
+        if hook.own is None:
+            del scheduler.__dict__["set_timesteps"]
+        else:
+            scheduler.__dict__["set_timesteps"] = hook.own
 
 
 def _deepcopy_patched(model: torch.nn.Module, memo: dict) -> torch.nn.Module:

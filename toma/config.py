@@ -29,9 +29,17 @@ class ToMAConfig:
         levels: UNet only. How many attention resolution levels to merge, counted from the
             highest-resolution level that has attention (SD 1.x: 64x64 tokens at 512px;
             SDXL: 64x64 tokens at 1024px). Use a large number for every level.
-        merge_attn: UNet only. Merge the tokens of self-attention.
-        merge_crossattn: UNet only. Merge the queries of cross-attention.
-        merge_mlp: UNet only. Merge the tokens of the feed-forward MLP.
+        merge_attn: Merge the tokens of self-attention (joint attention in MMDiTs).
+        merge_crossattn: UNets and DiTs with cross-attention to text (PixArt, Wan, LTX).
+            Merge the queries of cross-attention; text keys and values stay whole.
+        merge_mlp: UNets and DiTs whose MLP is a sub-module of its own. Merge the tokens
+            of the feed-forward MLP. (Flux merges attention only and refuses both.)
+        attn_ratio: ratio for self-attention; None means ``ratio``.
+        crossattn_ratio: ratio for cross-attention queries (needs ``merge_crossattn``);
+            None means ``ratio``.
+        mlp_ratio: ratio for the MLP (needs ``merge_mlp``); None means ``ratio``. A part
+            whose ratio differs from another's gets a plan of its own (one more selection
+            per step); a part at ratio 0 runs unmerged.
         proportional_attention: in merged self-attention, weight each merged key by the
             number of tokens it stands for (a ``log(mass)`` bias on the attention logits), so
             that a destination absorbing many similar tokens draws the attention those
@@ -68,9 +76,18 @@ class ToMAConfig:
     flux_single_blocks: tuple[int, ...] | None = None
     blocks: Any = None
     tile_frames: int | None = None
+    attn_ratio: float | None = None
+    crossattn_ratio: float | None = None
+    mlp_ratio: float | None = None
 
     def __post_init__(self) -> None:
         _check_ratio(self.ratio)
+        for name, switch in _PART_RATIOS.values():
+            value = getattr(self, name)
+            if value is not None:
+                _check_ratio(value, name)
+                if getattr(self, switch) is not True:
+                    raise ValueError(f"{name} is set but {switch} is off: pass {switch}=True, or leave {name} unset")
         object.__setattr__(self, "tile_size", _check_tile(self.tile_size))
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {', '.join(map(repr, SELECTIONS))}; got {self.selection!r}")
@@ -97,6 +114,21 @@ class ToMAConfig:
             object.__setattr__(self, "blocks", _check_blocks(self.blocks))
         if self.tile_frames is not None:
             _check_int("tile_frames", self.tile_frames, minimum=1)
+
+    def ratio_for(self, part: str) -> float:
+        """The ratio of a merged part: ``"attn"``, ``"cross"`` or ``"mlp"``."""
+        value = getattr(self, _PART_RATIOS[part][0])
+        return self.ratio if value is None else value
+
+    @property
+    def max_ratio(self) -> float:
+        """The largest ratio of any part that merges (0: nothing is merged)."""
+        # a plain loop: torch.compile traces this, and cannot take max(..., default=)
+        largest = 0.0
+        for part, (_, switch) in _PART_RATIOS.items():
+            if getattr(self, switch):
+                largest = max(largest, self.ratio_for(part))
+        return largest
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -127,11 +159,15 @@ def make_config(config: ToMAConfig | None = None, **options: Any) -> ToMAConfig:
     return replace(config, **options) if config is not None else ToMAConfig(**options)
 
 
-def _check_ratio(ratio: Any) -> None:
+# per-part ratio fields and the switch each needs
+_PART_RATIOS = {"attn": ("attn_ratio", "merge_attn"), "cross": ("crossattn_ratio", "merge_crossattn"), "mlp": ("mlp_ratio", "merge_mlp")}
+
+
+def _check_ratio(ratio: Any, name: str = "ratio") -> None:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise TypeError(f"ratio must be a number in [0, 1); got {type(ratio).__name__}")
+        raise TypeError(f"{name} must be a number in [0, 1); got {type(ratio).__name__}")
     if not (0.0 <= ratio < 1.0):  # also rejects NaN
-        raise ValueError(f"ratio must be in [0, 1) (the fraction of tokens merged away); got {ratio}")
+        raise ValueError(f"{name} must be in [0, 1) (the fraction of tokens merged away); got {ratio}")
 
 
 def _check_tile(tile: Any) -> tuple[int, int]:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 HOOK_NAME = "toma"
+CHUNK_HOOK_NAME = "toma_chunk"  # a block's second hook, where its MLP's chunking is taken over
 
 
 class Hook:

@@ -224,9 +224,18 @@ def register(hooks: list[tuple[torch.nn.Module, Hook]]) -> list[torch.nn.Module]
 
 def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register the engine's hooks; returns every module that got one (for removal)."""
+    from toma.adapters.chunking import ChunkedMergeHook, chunkable_block, take_over_chunking
+
     order, hooks = order_hooks(spec, model, cache)
-    hooks += [(target.module, MergeHook(cache, 1, order, site=target.site)) for target in targets]
-    return register(hooks)
+    chunkers = []
+    for target in targets:
+        block = chunkable_block(model, target, target.site.path) if target.site.part == "mlp" else None
+        if block is None:
+            hooks.append((target.module, MergeHook(cache, 1, order, site=target.site)))
+        else:
+            hooks.append((target.module, ChunkedMergeHook(cache, 1, order, site=target.site, chunk=take_over_chunking(block))))
+            chunkers.append(block)
+    return register(hooks) + chunkers
 
 
 class EngineAdapter:
@@ -356,11 +365,13 @@ class MergeHook(Hook):
     proportional attention the plan's log masses go in as the site's attention mask.
     """
 
-    def __init__(self, cache: PlanCache, downsample: int, order: TileState, site: Site | None = None, bias: bool = False) -> None:
+    def __init__(self, cache: PlanCache, downsample: int, order: TileState, site: Site | None = None, bias: bool = False,
+                 part: str = "attn") -> None:
         self.cache = cache
         self.downsample = downsample
         self.order = order
         self.site = site
+        self.ratio = cache.config.ratio_for(site.part if site is not None else part)
         self.bias = bias or (site is not None and site.part == "attn" and bool(cache.config.proportional_attention))
         self._plan: Plan | None = None
         self._tiled = False
@@ -377,7 +388,7 @@ class MergeHook(Hook):
         if (self.site is None or self.site.part != "cross") and self._own_mask(args, kwargs) is not None:
             return args, kwargs
         tiled = self.order.layout is not None
-        plan = self.cache.get(x, grid, group=grid, tiled=tiled)
+        plan = self.cache.get(x, grid, group=grid, tiled=tiled, ratio=self.ratio)
         if plan is None:
             self._warn_if_chunked(module, x.shape[1], math.prod(grid))
             return args, kwargs
@@ -398,7 +409,7 @@ class MergeHook(Hook):
     def _warn_if_chunked(self, module: torch.nn.Module, tokens: int, grid_tokens: int) -> None:
         """Feed-forward chunking calls the MLP on slices of the tokens, which no plan fits:
         say once that this MLP runs unmerged rather than let merging switch off silently."""
-        if self._warned or self.cache.config.ratio == 0 or not 0 < tokens < grid_tokens or grid_tokens % tokens:
+        if self._warned or self.ratio == 0 or not 0 < tokens < grid_tokens or grid_tokens % tokens:
             return
         self._warned = True
         warnings.warn(

@@ -44,6 +44,12 @@ def default_blocks(count: int) -> tuple[int, ...]:
 
 def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
     """List the blocks to merge (and those skipped, with why). Touches nothing."""
+    if config.merge_mlp or config.merge_crossattn:
+        raise ValueError(
+            "Flux merges the attention of its double-stream blocks, and the attention and MLP of its "
+            "single-stream blocks together (they share one input), at ratio (or attn_ratio); it has no "
+            "cross-attention: merge_mlp, merge_crossattn and their ratios do not apply to Flux"
+        )
     aliases = {"transformer_blocks": config.flux_double_blocks, "single_transformer_blocks": config.flux_single_blocks}
     if config.blocks is not None and any(v is not None for v in aliases.values()):
         raise ValueError("give blocks or flux_double_blocks/flux_single_blocks, not both (they say the same)")
@@ -206,7 +212,7 @@ class _SingleMergeHook(Hook):
             return output
         text_len = normed.shape[1] - tokens
         tiled = self.order.layout is not None
-        plan = self.cache.get(normed[:, text_len:], grid, group="single", tiled=tiled)
+        plan = self.cache.get(normed[:, text_len:], grid, group="single", tiled=tiled, ratio=self.cache.config.ratio_for("attn"))
         if plan is None:
             return output
         self.state.plan, self.state.text_len, self.state.tiled = plan, text_len, tiled
@@ -274,7 +280,8 @@ class _MergedFluxProcessor:
             plan, text_len = self.single.plan, self.single.text_len
         else:
             grid = self.cache.grid_at(1)
-            plan = None if grid is None else self.cache.get(hidden_states, grid, group="double", tiled=tiled)
+            plan = None if grid is None else self.cache.get(hidden_states, grid, group="double", tiled=tiled,
+                                                                 ratio=self.cache.config.ratio_for("attn"))
             text_len = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
         if plan is None or attention_mask is not None or image_rotary_emb is None:
             if self.single is not None and plan is not None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, registry_of, step_timestep
+from toma.adapters.chunking import ChunkedMergeHook, chunkable_block, take_over_chunking
 from toma.adapters.engine import MergeHook, TileState, hidden_states_of, with_hidden_states
 from toma.config import ToMAConfig
 from toma.core.plan import PlanCache, profiled
@@ -70,6 +71,10 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
     return targets, skipped
 
 
+# the block sub-modules merged, and the ToMAConfig part whose ratio each uses
+_PARTS = {"attn1": "attn", "attn2": "cross", "ff": "mlp"}
+
+
 def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register the hooks; returns every module that got one (for removal)."""
     hooked = [model]
@@ -90,7 +95,15 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
                 hooked.append(block)
         # only self-attention has keys among the merged tokens to weight by their mass
         bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
-        registry_of(target.module).register_hook(MergeHook(cache, target.downsample, states[stack], bias=bias), HOOK_NAME)
+        part = _PARTS[target.name.rsplit(".", 1)[-1]]
+        block = chunkable_block(model, target, "ff") if part == "mlp" else None
+        if block is None:
+            hook = MergeHook(cache, target.downsample, states[stack], bias=bias, part=part)
+        else:
+            hook = ChunkedMergeHook(cache, target.downsample, states[stack], bias=bias, part=part,
+                                    chunk=take_over_chunking(block))
+            hooked.append(block)
+        registry_of(target.module).register_hook(hook, HOOK_NAME)
         hooked.append(target.module)
     return hooked
 

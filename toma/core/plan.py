@@ -232,8 +232,8 @@ class PlanCache:
         self.base_grid: tuple[int, ...] | None = None
         self._last_timestep: float | None = None
         self._plans: dict[Hashable, tuple[int, Plan]] = {}  # key -> (age in steps, plan)
-        self._layouts: dict[tuple[int, ...], TileLayout] = {}
-        self._indices: dict[tuple[tuple[int, ...], torch.device], LayoutIndex] = {}
+        self._layouts: dict[tuple[tuple[int, ...], float], TileLayout] = {}
+        self._indices: dict[tuple[tuple[int, ...], float, torch.device], LayoutIndex] = {}
         self._generator: torch.Generator | None = None
         self._inference = False
         # kept out of torch.compile graphs (it reads and writes Python state); wrapped here
@@ -266,6 +266,15 @@ class PlanCache:
         self._last_timestep = timestep
         self._inference = inference
 
+    def new_run(self) -> None:
+        """Make the next forward start a new denoising run, whatever its timestep.
+
+        The timestep rule in :meth:`begin_forward` cannot see a run that stopped early
+        followed by one that starts at a lower timestep (img2img, inpainting); pipelines
+        call this when they set their timesteps.
+        """
+        self._last_timestep = None
+
     def reset(self) -> None:
         """Forget every plan and the step count."""
         self._plans.clear()
@@ -280,44 +289,50 @@ class PlanCache:
         *t, h, w = self.base_grid
         return (*t, math.ceil(h / downsample), math.ceil(w / downsample))
 
-    def layout(self, *grid: int) -> TileLayout:
-        """Tile layout of an ``h x w`` or ``t x h x w`` grid under this cache's ratio and tile size."""
-        if grid not in self._layouts:
+    def layout(self, *grid: int, ratio: float | None = None) -> TileLayout:
+        """Tile layout of an ``h x w`` or ``t x h x w`` grid under this cache's tile size and
+        ``ratio`` (default: the config's ``ratio``)."""
+        ratio = self.config.ratio if ratio is None else ratio
+        if (grid, ratio) not in self._layouts:
             *t, h, w = grid
-            self._layouts[grid] = make_layout(h, w, self.tile, self.config.ratio, t=t[0] if t else 1)
-        return self._layouts[grid]
+            self._layouts[(grid, ratio)] = make_layout(h, w, self.tile, ratio, t=t[0] if t else 1)
+        return self._layouts[(grid, ratio)]
 
     def tile_order_layout(self, grid: tuple[int, ...]) -> TileLayout | None:
         """The layout whose tile order tokens on ``grid`` may be kept in between merges,
         or None where they stay in raster order (nothing merged, or a padded grid whose
         tiles are not a permutation of the tokens)."""
-        if self.config.ratio == 0:
+        if self.config.max_ratio == 0:
             return None
-        layout = self.layout(*grid)
+        # the tile order is the same at every ratio; the largest ratio's layout carries it
+        layout = self.layout(*grid, ratio=self.config.max_ratio)
         return None if layout.padded else layout
 
-    def get(self, x: torch.Tensor, grid: tuple[int, ...], group: Hashable, tiled: bool = False) -> Plan | None:
-        """The plan for tokens ``x`` ``(B, N, C)`` on ``grid``, computed or reused.
+    def get(self, x: torch.Tensor, grid: tuple[int, ...], group: Hashable, tiled: bool = False,
+            ratio: float | None = None) -> Plan | None:
+        """The plan for tokens ``x`` ``(B, N, C)`` on ``grid`` at ``ratio`` (default: the
+        config's ``ratio``), computed or reused.
 
         ``x`` is in raster order, or in tile order when ``tiled``. Returns None when nothing
         should be merged (ratio 0, or ``x`` not on ``grid``).
         """
-        if self.config.ratio == 0 or x.shape[1] != math.prod(grid) or not grid[-1]:
+        ratio = self.config.ratio if ratio is None else ratio
+        if ratio == 0 or x.shape[1] != math.prod(grid) or not grid[-1]:
             return None
         share = self.config.share_batch_plan
-        key = (group, grid, 1 if share else x.shape[0], x.dtype, x.device)
+        key = (group, grid, ratio, 1 if share else x.shape[0], x.dtype, x.device)
         cached = self._plans.get(key)
         if cached is not None:
             return cached[1]
-        layout = self.layout(*grid)
+        layout = self.layout(*grid, ratio=ratio)
         src = x[:1] if share else x
         tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout)
-        index = self._indices.get((grid, x.device))
+        index = self._indices.get((grid, ratio, x.device))
         if index is None:
             # kept for every later call: made as ordinary tensors even under inference_mode,
             # so that a training call after an inference call may save them for backward
             with torch.inference_mode(False):
-                index = self._indices[(grid, x.device)] = layout_index(layout, x.device)
+                index = self._indices[(grid, ratio, x.device)] = layout_index(layout, x.device)
         plan = build_plan(tiles, layout, self.config, x.dtype, self._random(x.device), index)
         self._plans[key] = (0, plan)  # (age in steps, plan)
         return plan

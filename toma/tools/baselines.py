@@ -139,14 +139,17 @@ class IdealPlanCache(PlanCache):
         """Never: the ideal keeps tokens in raster order (reordering would cost it copies)."""
         return None
 
-    def get(self, x: torch.Tensor, grid: tuple[int, ...], group: Hashable, tiled: bool = False) -> IdealPlan | None:  # type: ignore[override]
-        """The ideal plan for tokens ``x`` ``(B, N, C)`` on ``grid``, or None (see PlanCache.get)."""
+    def get(self, x: torch.Tensor, grid: tuple[int, ...], group: Hashable, tiled: bool = False,  # type: ignore[override]
+            ratio: float | None = None) -> IdealPlan | None:
+        """The ideal plan for tokens ``x`` ``(B, N, C)`` on ``grid`` at ``ratio`` (default: the
+        config's), or None (see PlanCache.get)."""
+        ratio = self.config.ratio if ratio is None else ratio
         n = math.prod(grid)
-        if self.config.ratio == 0 or x.shape[1] != n or n == 0:
+        if ratio == 0 or x.shape[1] != n or n == 0:
             return None
-        key = (grid, x.device)
+        key = (grid, ratio, x.device)
         if key not in self._ideal:
-            self._ideal[key] = IdealPlan(n, self.layout(*grid).num_merged, x.device)
+            self._ideal[key] = IdealPlan(n, self.layout(*grid, ratio=ratio).num_merged, x.device)
         return self._ideal[key]
 
 

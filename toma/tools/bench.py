@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 # nothing here imports torch at module level: the CLI builds this parser for ``--help``
 from toma.tools.archs import ARCHS, DEPTH_KEYS, get_arch, latent_frames
-from toma.tools.bench_report import METHODS, derive, format_report, write_outputs
+from toma.tools.bench_report import CACHES, METHODS, derive, format_report, split_method, write_outputs
 from toma.tools.report import check_output, missing_extra, wrote
 
 # --dtype spellings -> torch dtype names
@@ -44,7 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--arch", choices=sorted(ARCHS), help="denoiser architecture (required unless --from-json)")
     p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the arch's native)")
     p.add_argument("--ratios", default="0.25,0.5,0.75", help="comma-separated merge ratios")
-    p.add_argument("--methods", default="none,toma,tomesd,ideal", help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--methods", default="none,toma,tomesd,ideal", help=f"comma-separated, from {','.join(METHODS)}, each optionally with a diffusers cache "
+                   f"(+{', +'.join(CACHES)}; transformers only), e.g. none+fbcache,toma+fbcache")
+    p.add_argument("--fbcache-threshold", type=float, default=None,
+                   help="+fbcache: relative change of the first block's residual under which later blocks are "
+                        "skipped (default: diffusers' FirstBlockCacheConfig default)")
     p.add_argument("--steps", type=int, default=1, help="denoiser forwards (falling timesteps) per timed sample")
     p.add_argument("--repeats", type=int, default=3, help="timed samples per variant, interleaved")
     p.add_argument("--warmup", type=int, default=1, help="untimed samples per variant first")
@@ -129,9 +133,12 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--arch is required (one of {', '.join(sorted(ARCHS))})")
     arch = get_arch(args.arch)
     methods = _split(args.methods, "methods", str)
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if split_method(m)[0] not in METHODS or split_method(m)[1] not in (None, *CACHES)]
     if bad:
-        raise ValueError(f"--methods must be drawn from {','.join(METHODS)}; got {','.join(bad)}")
+        raise ValueError(f"--methods must be drawn from {','.join(METHODS)}, each optionally followed by "
+                         f"+{' or +'.join(CACHES)}; got {','.join(bad)}")
+    if args.fbcache_threshold is not None and not args.fbcache_threshold > 0:
+        raise ValueError(f"--fbcache-threshold must be > 0; got {args.fbcache_threshold}")
     ratios = _split(args.ratios, "ratios", float)
     if any(not 0 < r < 1 for r in ratios):
         raise ValueError(f"--ratios must lie in (0, 1); got {args.ratios}")
@@ -185,6 +192,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "toma_options": {"share_batch_plan": args.share_batch_plan, "recompute_every": args.recompute_every,
                          "proportional_attention": args.proportional_attention},
         "tomesd_max_downsample": args.tomesd_max_downsample,
+        "cache_options": {"fbcache": {} if args.fbcache_threshold is None else {"threshold": args.fbcache_threshold}},
         "compile": args.compile,
         "cuda_graph": args.cuda_graph,
         "profile": not args.no_profile,

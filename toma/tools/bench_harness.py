@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from toma.tools.archs import STACKS, Arch, build_model, call_denoiser, default_placement, latent_frames, make_inputs, set_timestep
-from toma.tools.bench_report import OVERHEAD_PARTS, build_report
+from toma.tools.bench_report import OVERHEAD_PARTS, build_report, split_method
 from toma.tools.opcount import count_kernels
 
 
@@ -54,7 +54,8 @@ class MethodPatcher:
     """Applies and removes each method on one model."""
 
     def __init__(self, model: torch.nn.Module, arch: Arch, placement: dict[str, Any],
-                 toma_options: dict[str, Any], tomesd_max_downsample: int | None) -> None:
+                 toma_options: dict[str, Any], tomesd_max_downsample: int | None,
+                 cache_options: dict[str, dict[str, Any]] | None = None) -> None:
         self.model = model
         self.arch = arch
         self.placement = {k: v for k, v in placement.items() if v is not None}
@@ -63,11 +64,22 @@ class MethodPatcher:
             self.placement.update(default_placement(arch, model))
         self.toma_options = toma_options
         self.tomesd_max_downsample = tomesd_max_downsample
+        self.cached = False  # whether a diffusers cache is enabled on the model now
+        self.cache_options = cache_options or {}
 
     def unavailable(self, method: str) -> str | None:
-        """Why ``method`` cannot run here, or None."""
+        """Why ``method`` (e.g. ``toma`` or ``toma+fbcache``) cannot run here, or None."""
         from toma.tools.baselines import tomesd_available
 
+        method, cache = split_method(method)
+        if cache is not None:
+            if not hasattr(self.model, "enable_cache"):
+                return f"{cache} is a diffusers cache for transformers; {type(self.model).__name__} cannot take it"
+            try:  # a family diffusers has not registered the blocks of refuses here
+                self.model.enable_cache(cache_config(cache, **self.cache_options.get(cache, {})))
+                self.model.disable_cache()
+            except Exception as e:  # noqa: BLE001 -- diffusers raises various types
+                return f"diffusers' {cache} does not support {type(self.model).__name__}: {e}"
         if method in ("tomesd", "todo") and self.arch.family != "unet":
             return f"{method} supports UNets only"
         if method == "tomesd" and not tomesd_available():
@@ -79,19 +91,27 @@ class MethodPatcher:
         import toma
         from toma.tools import baselines
 
-        r, m = variant.ratio, variant.method
+        r, (m, cache) = variant.ratio, split_method(variant.method)
         if m == "none":
-            return {}
-        if m == "toma":
+            settings: dict[str, Any] = {}
+        elif m == "toma":
             patch = toma.apply_toma(self.model, ratio=r, **self.placement, **self.toma_options)
-            return {"merged_modules": len(patch.patched), **patch.config.to_dict()}
-        if m == "ideal":
-            patch = baselines.apply_ideal(self.model, r, **self.placement)
-        elif m == "todo":
-            patch = baselines.apply_todo(self.model, r, **self.placement)
+            settings = {"merged_modules": len(patch.patched), **patch.config.to_dict()}
         else:
-            patch = baselines.apply_tomesd(self.model, r, self.tomesd_max_downsample, **self.placement)
-        return {"merged_modules": len(patch.patched), **patch.settings}
+            if m == "ideal":
+                patch = baselines.apply_ideal(self.model, r, **self.placement)
+            elif m == "todo":
+                patch = baselines.apply_todo(self.model, r, **self.placement)
+            else:
+                patch = baselines.apply_tomesd(self.model, r, self.tomesd_max_downsample, **self.placement)
+            settings = {"merged_modules": len(patch.patched), **patch.settings}
+        if cache is not None:
+            # enabled per sample: each timed sample is a fresh run with a fresh cache state
+            config = cache_config(cache, **self.cache_options.get(cache, {}))
+            self.model.enable_cache(config)
+            self.cached = True
+            settings["cache"] = repr(config)
+        return settings
 
     def remove(self) -> None:
         """Undo whatever is applied."""
@@ -100,6 +120,17 @@ class MethodPatcher:
 
         toma.remove_toma(self.model)
         baselines.remove_baseline(self.model)
+        if self.cached:
+            self.model.disable_cache()
+            self.cached = False
+
+
+def cache_config(name: str, **options: Any) -> Any:
+    """diffusers' config for a cache named in ``--methods`` (``fbcache``, ``taylorseer``): its
+    defaults, overridden by ``options``."""
+    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+
+    return {"fbcache": FirstBlockCacheConfig, "taylorseer": TaylorSeerCacheConfig}[name](**options)
 
 
 def _sync(device: torch.device) -> None:
@@ -167,7 +198,7 @@ def _profile_forward(call: Callable[[dict[str, Any]], Any], inputs: dict[str, An
     forward = totals.get("bench::forward", 0.0)
     if forward <= 0:
         return {}
-    prefix = {"toma": "toma", "ideal": "ideal", "todo": "todo", "tomesd": "tomesd"}[method]
+    prefix = {"toma": "toma", "ideal": "ideal", "todo": "todo", "tomesd": "tomesd"}[split_method(method)[0]]
     shares = {part: totals.get(f"{prefix}::{part}", 0.0) / forward for part in OVERHEAD_PARTS}
     shares["total"] = sum(shares.values())
     return shares
@@ -190,6 +221,7 @@ def benchmark(
     placement: dict[str, Any] | None = None,
     toma_options: dict[str, Any] | None = None,
     tomesd_max_downsample: int | None = None,
+    cache_options: dict[str, dict[str, Any]] | None = None,
     compile: bool = False,
     cuda_graph: bool = False,
     profile: bool = True,
@@ -221,7 +253,7 @@ def benchmark(
         notes.append(f"{arch.description} at full width but reduced depth: {built} (--depth {depth} of the full model)")
     if arch.frames:
         notes.append(f"video of {frames or arch.frames} frames, {latent_frames(arch, frames)} latent frames")
-    harness = MethodPatcher(model, arch, placement, toma_options, tomesd_max_downsample)
+    harness = MethodPatcher(model, arch, placement, toma_options, tomesd_max_downsample, cache_options)
     skipped: dict[str, str] = {}
     variants = [Variant("none", None)] if "none" in methods else []
     for m in methods:
@@ -232,14 +264,23 @@ def benchmark(
             skipped[m] = why
             log(f"skipping {m}: {why}")
             continue
-        variants += [Variant(m, r) for r in ratios]
+        if split_method(m)[1] is not None and not any(split_method(n) == (split_method(m)[0], None) for n in methods):
+            notes.append(f"{m} has no {split_method(m)[0]} row to compare with: add it to --methods")
+        variants += [Variant(m, None)] if split_method(m)[0] == "none" else [Variant(m, r) for r in ratios]
+    if any(split_method(v.method)[1] for v in variants):
+        notes.append("a cache skips work when consecutive steps change little, which depends on the weights and "
+                     "the latents: with random weights and fixed inputs its saving here is not the real one; "
+                     "what this run shows is whether ToMA's saving and the cache's add up on the steps it computes")
+
+    def call(inputs: dict[str, Any]) -> Any:
+        if harness.cached:  # diffusers' caches keep their state per context, as pipelines open it
+            with model.cache_context("cond"):
+                return call_denoiser(arch, model, inputs)
+        return call_denoiser(arch, model, inputs)
     step_inputs = {
         b: [set_timestep(arch, make_inputs(arch, resolution, b, dtype, device, seed, frames), s, steps) for s in range(steps)]
         for b in batches
     }
-
-    def call(inputs: dict[str, Any]) -> Any:
-        return call_denoiser(arch, model, inputs)
 
     settings: dict[str, Any] = {}
     graphs: dict[tuple[Variant, int], Callable[[], None]] = {}
@@ -279,7 +320,7 @@ def benchmark(
                     try:
                         first = step_inputs[batches[0]][0]
                         results[(v, batches[0])].kernels = sum(count_kernels(lambda: call(first)).values())
-                        if v.method != "none":
+                        if split_method(v.method)[0] != "none":
                             results[(v, batches[0])].overhead = _profile_forward(call, first, device, v.method)
                     finally:
                         harness.remove()

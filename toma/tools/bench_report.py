@@ -23,6 +23,20 @@ if TYPE_CHECKING:
 
 # the report's vocabulary: rows are sorted by method in this order, overheads split in these parts
 METHODS = ("none", "toma", "tomesd", "ideal", "todo")
+# diffusers caches a method can be combined with, as ``<method>+<cache>`` (``toma+fbcache``)
+CACHES = ("fbcache", "taylorseer")
+
+
+def split_method(method: str) -> tuple[str, str | None]:
+    """``"toma+fbcache"`` -> ``("toma", "fbcache")``; ``"toma"`` -> ``("toma", None)``."""
+    base, _, cache = method.partition("+")
+    return base, cache or None
+
+
+def method_order(method: str) -> tuple[int, int]:
+    """Sort key of a method name: its base method's rank, then its cache's."""
+    base, cache = split_method(method)
+    return METHODS.index(base), 0 if cache is None else 1 + CACHES.index(cache)
 OVERHEAD_PARTS = ("select", "weights", "merge", "unmerge")
 
 
@@ -84,7 +98,7 @@ def build_report(arch: Arch, model: torch.nn.Module, resolution: int, dtype: tor
         "notes": notes,
         "compiled": compiled,
         "interrupted": interrupted,
-        "results": sorted(rows, key=lambda r: (r["compiled"], r["batch"], r["ratio"] or 0, METHODS.index(r["method"]))),
+        "results": sorted(rows, key=lambda r: (r["compiled"], r["batch"], r["ratio"] or 0, method_order(r["method"]))),
     }
 
 
@@ -113,7 +127,9 @@ def derive(rows: list[dict[str, Any]], first_batch: int) -> list[dict[str, Any]]
             i = ideal[stat] if ideal else None
             r["speedup" + suffix] = b / t if b else None
             r["latency_reduction" + suffix] = 1 - t / b if b else None
-            usable = b is not None and i is not None and r["ratio"] is not None and b - i > 0
+            # the ideal has no cache: a cached row's saving is not bounded by it
+            usable = b is not None and i is not None and r["ratio"] is not None and b - i > 0 \
+                and split_method(r["method"])[1] is None
             r["efficiency" + suffix] = (b - t) / (b - i) if usable else None
         if r.get("kernels") is not None and base and base.get("kernels") is not None:
             r["extra_kernels"] = r["kernels"] - base["kernels"]
@@ -278,11 +294,12 @@ def plot_report(report: dict[str, Any], path: Path) -> bool:
 
 
 def _bars(ax: Any, rows: list[dict[str, Any]]) -> None:
-    """One bar per method (median seconds, whiskers from min to max), in METHODS order."""
-    ordered = sorted(rows, key=lambda r: METHODS.index(r["method"]))
+    """One bar per method (median seconds, whiskers from min to max), in the report's method order."""
+    ordered = sorted(rows, key=lambda r: method_order(r["method"]))
     xs = range(len(ordered))
     medians = [r["median_s"] for r in ordered]
-    ax.bar(xs, medians, color=["gray" if r["method"] == "none" else f"C{METHODS.index(r['method'])}" for r in ordered],
+    colours = ["gray" if r["method"] == "none" else f"C{METHODS.index(split_method(r['method'])[0])}" for r in ordered]
+    ax.bar(xs, medians, color=colours,
            yerr=[[r["median_s"] - r["min_s"] for r in ordered], [r["max_s"] - r["median_s"] for r in ordered]],
            capsize=4)
     ax.set_xticks(list(xs), [("none (unpatched)" if r["method"] == "none" else r["method"]) for r in ordered])

@@ -22,7 +22,7 @@ from toma.tools.eval_harness import (
     mean_and_sem,
     timing,
 )
-from toma.tools.generate import load_pipeline, pipeline_call, resolve_device_dtype, sync, toma_options
+from toma.tools.generate import check_frames, load_pipeline, pipeline_call, resolve_device_dtype, sync, toma_options
 from toma.tools.metrics import (
     ClipScorer,
     DinoFeatures,
@@ -67,6 +67,7 @@ def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[s
     if procs.state is not None and device.startswith("cuda"):
         device = str(procs.state.device)  # one GPU per process
     pipe = load_pipeline(args.model, device, dtype)
+    check_frames(pipe, getattr(args, "frames", None))
     steps = args.steps or 30
     prompts = read_prompts(args.prompts)
     items = procs.split([(i, prompts[i % len(prompts)], args.seed + i) for i in range(args.num_images)])
@@ -90,6 +91,10 @@ def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[s
     for method, ratio in runs:
         chunks, seconds = generated[(method, ratio)]
         images = torch.cat(chunks) if chunks else torch.empty(0, 3, 64, 64)  # a process may get no prompts
+        texts = [b[1] for b in items]
+        if images.dim() == 5:  # video clips (B, T, 3, H, W): every metric is per frame
+            texts = [t for t in texts for _ in range(images.shape[1])]
+            images = images.flatten(0, 1)
         if reference is None:
             reference = images
         rec: dict[str, Any] = {
@@ -102,7 +107,7 @@ def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[s
             "preview": make_preview(images) if procs.is_main else None,
         }
         if clip is not None and len(items):
-            rec["clip_t"] = clip(images, [b[1] for b in items]).tolist()
+            rec["clip_t"] = clip(images, texts).tolist()
         if dino is not None and len(items):
             feats = dino(images)
             if ref_dino is None:

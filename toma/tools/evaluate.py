@@ -27,6 +27,7 @@ from typing import Any
 from toma.tools.eval_harness import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, METHODS
 from toma.tools.generate import (
     PipelineUnavailableError,
+    add_frames_option,
     add_toma_options,
     default_threads,
     resolve_device_dtype,
@@ -59,6 +60,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (default: model's)")
     p.add_argument("--prompts", type=Path, default=None, help="pipelines: text file, one prompt per line")
     p.add_argument("--height", type=int, default=None, help="pipelines: image height")
+    add_frames_option(p)
     p.add_argument("--width", type=int, default=None, help="pipelines: image width")
     p.add_argument("--clip", action="store_true", help="pipelines: report CLIP-T (needs local CLIP weights)")
     p.add_argument("--clip-model", default=DEFAULT_CLIP_MODEL, help="pipelines: CLIP model id or folder for --clip")

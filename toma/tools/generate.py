@@ -49,6 +49,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (default: model's)")
     p.add_argument("--height", type=int, default=None, help="pipelines: image height")
     p.add_argument("--width", type=int, default=None, help="pipelines: image width")
+    add_frames_option(p)
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="pipelines: weights dtype (auto: float16 on cuda, float32 on cpu)")
@@ -57,6 +58,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--builtin-path", type=Path, default=None,
                    help="folder written by scripts/train_builtin.py (default: the copy in the package)")
     p.set_defaults(func=run)
+
+
+def add_frames_option(p: argparse.ArgumentParser) -> None:
+    """``--frames``, shared by ``generate`` and ``eval``."""
+    p.add_argument("--frames", type=int, default=None,
+                   help="video pipelines (Wan, LTX, ...): frames per clip (default: the pipeline's); "
+                        "generate writes an animated GIF with --out *.gif, else a strip of frames")
 
 
 def add_toma_options(p: argparse.ArgumentParser) -> None:
@@ -307,7 +315,8 @@ def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
 
 def pipeline_call(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], steps: int, args: argparse.Namespace,
                   device: str, progress: bool | str = True) -> torch.Tensor:
-    """Run a pipeline once per prompt/seed pair; returns images ``(B, 3, H, W)`` in ``[0, 1]``.
+    """Run a pipeline once per prompt/seed pair; returns images ``(B, 3, H, W)`` in ``[0, 1]``,
+    or clips ``(B, T, 3, H, W)`` from a video pipeline.
 
     ``progress``: show the pipeline's progress bar; a string labels it (which run it is).
     """
@@ -316,6 +325,8 @@ def pipeline_call(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], steps
     # the config persists on the pipeline: reset the label when none is given
     pipe.set_progress_bar_config(disable=not progress, leave=False, desc=progress if isinstance(progress, str) else None)
     kwargs: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt"}
+    if getattr(args, "frames", None) is not None:
+        kwargs["num_frames"] = args.frames
     if args.guidance_scale is not None:
         kwargs["guidance_scale"] = args.guidance_scale
     if args.height is not None:
@@ -326,9 +337,54 @@ def pipeline_call(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], steps
     images = []
     for prompt, seed in zip(prompts, seeds):
         gen = torch.Generator(gen_device).manual_seed(int(seed))
-        out = pipe(prompt=prompt, generator=gen, **kwargs).images
+        result = pipe(prompt=prompt, generator=gen, **kwargs)
+        out = result.frames if is_video_pipeline(pipe) else result.images
         images.append(torch.as_tensor(out).float().cpu())
     return torch.cat(images)
+
+
+def is_video_pipeline(pipe: Any) -> bool:
+    """Whether ``pipe`` draws videos: its call takes ``num_frames`` (Wan, LTX, CogVideoX, HunyuanVideo)."""
+    import inspect
+
+    return "num_frames" in inspect.signature(pipe.__call__).parameters
+
+
+def check_frames(pipe: Any, frames: int | None) -> None:
+    """``--frames`` is for video pipelines and must be positive."""
+    if frames is None:
+        return
+    if not is_video_pipeline(pipe):
+        raise ValueError(f"--frames applies to video pipelines; {type(pipe).__name__} draws images")
+    if frames < 1:
+        raise ValueError(f"--frames must be >= 1; got {frames}")
+
+
+def save_video(args: argparse.Namespace, baseline: torch.Tensor, merged: torch.Tensor, t_base: float,
+               t_toma: float) -> None:
+    """Write clips ``(1, T, 3, H, W)``: an animated GIF (``--out *.gif``), else one row of frames
+    per run; with ``--compare`` the unmerged clip beside (GIF) or above (strip) ToMA's."""
+    print(f"time per clip: unmerged {t_base:.3f} s, ToMA (ratio {args.ratio}) {t_toma:.3f} s, "
+          f"speedup {t_base / t_toma:.2f}x")
+    captions = (f"unmerged: {t_base:.3f} s/clip", f"ToMA ratio {args.ratio}: {t_toma:.3f} s/clip ({t_base / t_toma:.2f}x)")
+    clips = [baseline[0], merged[0]] if args.compare else [merged[0]]
+    names = captions if args.compare else captions[1:]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out.suffix.lower() == ".gif":
+        frames = [side_by_side([(name, make_grid(clip[t : t + 1])) for name, clip in zip(names, clips)])
+                  for t in range(clips[0].shape[0])]
+        frames[0].save(args.out, save_all=True, append_images=frames[1:], duration=125, loop=0)
+    else:
+        rows = [side_by_side([(name, make_grid(clip, ncols=clip.shape[0]))]) for name, clip in zip(names, clips)]
+        from PIL import Image
+
+        strip = Image.new("RGB", (max(r.width for r in rows), sum(r.height for r in rows)), "white")
+        y = 0
+        for row in rows:
+            strip.paste(row, (0, y))
+            y += row.height
+        strip.save(args.out)
+    print(f"wrote {args.out}")
 
 
 def sync(device: str) -> None:
@@ -345,6 +401,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     pipe = load_pipeline(args.model, device, dtype)
+    check_frames(pipe, args.frames)
     steps = args.steps or 30
 
     def generate(label: str) -> torch.Tensor:
@@ -364,7 +421,10 @@ def run_pipeline(args: argparse.Namespace) -> int:
         merged, t_toma = timed(lambda: generate(f"ToMA {args.ratio:g}"))
     finally:
         remove_toma(pipe)
-    report_and_save(args, baseline, merged, t_base, t_toma, 1, setting=f"{steps} steps, seed {args.seed}")
+    if merged.dim() == 5:
+        save_video(args, baseline, merged, t_base, t_toma)
+    else:
+        report_and_save(args, baseline, merged, t_base, t_toma, 1, setting=f"{steps} steps, seed {args.seed}")
     return 0
 
 

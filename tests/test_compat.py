@@ -1,0 +1,203 @@
+"""ToMA next to other diffusers features: LoRA, attention slicing, fused QKV, caches.
+
+Each test checks that the feature and ToMA compose: the merged output is the one the
+feature alone would give merged (order of application does not matter, or the features
+act on disjoint parts of the computation), and removal stays exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import toma
+from diffusers.models.attention_processor import AttnProcessor2_0
+from tests.conftest import (
+    flux_inputs,
+    make_flux,
+    make_sd3,
+    make_sd15_unet,
+    make_wan,
+    sd3_inputs,
+    unet_inputs,
+    wan_inputs,
+)
+
+peft = pytest.importorskip("peft")
+
+FAMILIES = {
+    "unet": (make_sd15_unet, lambda: unet_inputs(2, 16, 16, False), {}),
+    "flux": (make_flux, lambda: flux_inputs(2, 8, 8), {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}),
+    "sd3": (make_sd3, lambda: sd3_inputs(2, 16, 16), {"blocks": {"transformer_blocks": range(4)}}),
+    "wan": (make_wan, lambda: wan_inputs(2, 3, 8, 8), {"blocks": {"blocks": range(3)}}),
+}
+
+
+def run(model, kw):
+    with torch.no_grad():
+        return model(**kw)[0]
+
+
+def add_lora(model) -> None:
+    """A LoRA on every attention projection, with random (non-zero) up-projections so that
+    it changes the output."""
+    torch.manual_seed(7)
+    config = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
+    model.add_adapter(config)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_lora_before_or_after_apply_gives_the_same_output(family):
+    # LoRA wraps the projections inside the attention modules ToMA hooks around: applying
+    # ToMA before or after adding the adapter runs the same computation
+    make, inputs, opts = FAMILIES[family]
+    kw = inputs()
+    plain = make()
+    base = run(plain, kw)
+    add_lora(plain)
+    lora = run(plain, kw)
+    assert not torch.equal(lora, base)  # the adapter does act
+    toma.apply_toma(plain, ratio=0.5, **opts)
+    lora_then_toma = run(plain, kw)
+    assert torch.isfinite(lora_then_toma).all() and not torch.equal(lora_then_toma, lora)
+
+    other = make()
+    toma.apply_toma(other, ratio=0.5, **opts)
+    add_lora(other)
+    assert torch.equal(run(other, kw), lora_then_toma)
+    toma.remove_toma(other)
+    assert torch.equal(run(other, kw), lora)
+
+
+def test_lora_loaded_with_load_lora_weights(tmp_path):
+    # the user-facing path: a LoRA file saved by one pipeline, loaded into a patched one
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from peft.utils import get_peft_model_state_dict
+    from transformers import CLIPTextModel
+
+    from tests.conftest import CROSS_DIM
+    from tests.test_pipeline import clip_config, tiny_clip_tokenizer, tiny_vae
+
+    def build():
+        torch.manual_seed(0)
+        return StableDiffusionPipeline(
+            vae=tiny_vae(), text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
+            tokenizer=tiny_clip_tokenizer(tmp_path / "tok"), unet=make_sd15_unet(), scheduler=DDIMScheduler(),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+
+    trained = build()
+    add_lora(trained.unet)
+    StableDiffusionPipeline.save_lora_weights(tmp_path / "lora", unet_lora_layers=get_peft_model_state_dict(trained.unet))
+
+    def generate(pipe):
+        return pipe("a fox", height=32, width=32, num_inference_steps=2, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    pipe = build()
+    toma.apply_toma(pipe, ratio=0.5)
+    merged = generate(pipe)
+    pipe.load_lora_weights(tmp_path / "lora")
+    merged_lora = generate(pipe)
+    assert not (merged_lora == merged).all()
+    toma.remove_toma(pipe)
+    unmerged_lora = generate(pipe)
+    toma.apply_toma(pipe, ratio=0.5)
+    assert (generate(pipe) == merged_lora).all()  # LoRA loaded before or after: same
+    assert not (merged_lora == unmerged_lora).all()
+
+
+def test_attention_slicing_keeps_merging():
+    # sliced attention runs the merged tokens a slice of heads at a time: same maths;
+    # grid selection keeps the plan independent of rounding upstream
+    unet = make_sd15_unet()
+    kw = unet_inputs(2, 16, 16, False)
+    patch = toma.apply_toma(unet, ratio=0.5, selection="grid")
+    seen = []
+    patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[1]))
+    merged = run(unet, kw)
+    unet.set_attention_slice(1)
+    sliced = run(unet, kw)
+    assert seen == [128, 128]  # half of 16 x 16 tokens, both times
+    torch.testing.assert_close(sliced, merged, rtol=1e-5, atol=1e-5)
+    toma.remove_toma(unet)
+    unet.set_attn_processor(AttnProcessor2_0())  # a fresh model's processor
+    plain = make_sd15_unet()
+    assert torch.equal(run(unet, kw), run(plain, kw))
+
+
+@pytest.mark.parametrize("family", ["unet", "flux", "sd3"])
+def test_fused_qkv_keeps_merging(family):
+    # fused projections compute the same q, k, v from one matmul; merged tokens go in
+    make, inputs, opts = FAMILIES[family]
+    if family == "sd3":
+        # diffusers 0.42 cannot fuse SD3.5's image-only attn2 (it fails unpatched too): SD3
+        make = lambda: make_sd3(dual=())  # noqa: E731
+    kw = inputs()
+    model = make()
+    toma.apply_toma(model, ratio=0.5, selection="grid", **opts)
+    merged = run(model, kw)
+    unmerged_model = make()
+    assert not torch.equal(merged, run(unmerged_model, kw))
+    model.fuse_qkv_projections()
+    torch.testing.assert_close(run(model, kw), merged, rtol=1e-4, atol=1e-5)
+
+
+def denoise(model, kw, steps: int, scale: float):
+    """A short denoising-like loop: shrinking inputs at decreasing timesteps, inside the
+    cache context pipelines open, as diffusers' caches expect."""
+    outs = []
+    with torch.no_grad():
+        for i in range(steps):
+            t = torch.full((kw["hidden_states"].shape[0],), scale * (1 - i / steps))
+            with model.cache_context("cond"):
+                outs.append(model(**{**kw, "hidden_states": kw["hidden_states"] * (1 - i / steps), "timestep": t})[0])
+    return torch.stack(outs)
+
+
+CACHED = {
+    "flux": (make_flux, lambda: flux_inputs(1, 8, 8), 1.0, FAMILIES["flux"][2], "single_transformer_blocks.1.proj_out"),
+    "wan": (make_wan, lambda: wan_inputs(1, 3, 8, 8), 1000.0, FAMILIES["wan"][2], "blocks.2.ffn"),
+}
+
+
+def cache_config(name: str, steps: int):
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+
+    if name == "fbcache":
+        return FirstBlockCacheConfig(threshold=0.5)
+    if name == "magcache":
+        return MagCacheConfig(threshold=1.0, num_inference_steps=steps, mag_ratios=[1.0] * steps, retention_ratio=0.2)
+    return TaylorSeerCacheConfig(cache_interval=3, disable_cache_before_step=2, taylor_factors_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("family,cache", [("flux", "fbcache"), ("wan", "fbcache"), ("flux", "magcache"), ("flux", "taylorseer")])
+def test_diffusers_caches_compose_with_toma(family, cache):
+    # The caches skip whole blocks (FirstBlockCache, MagCache) or predict attention outputs
+    # (TaylorSeer) on some steps; ToMA merges inside the steps that do compute. Either order
+    # of enabling gives the same outputs, and the cache does skip work on merged models.
+    make, inputs, scale, opts, probe = CACHED[family]
+    kw, steps = inputs(), 8
+    merged = make()
+    toma.apply_toma(merged, ratio=0.5, **opts)
+    toma_only = denoise(merged, kw, steps, scale)
+
+    outputs = []
+    for toma_first in (True, False):
+        model = make()
+        if toma_first:
+            toma.apply_toma(model, ratio=0.5, **opts)
+        model.enable_cache(cache_config(cache, steps))
+        if not toma_first:
+            toma.apply_toma(model, ratio=0.5, **opts)
+        calls = []
+        model.get_submodule(probe).register_forward_hook(lambda m, a, o: calls.append(a[0].shape[1]))
+        outputs.append(denoise(model, kw, steps, scale))
+        assert torch.isfinite(outputs[-1]).all()
+        if cache != "taylorseer":
+            assert 0 < len(calls) < steps  # blocks were skipped on some steps
+        toma.remove_toma(model)
+        model.disable_cache()
+        assert torch.equal(denoise(model, kw, 2, scale), denoise(make(), kw, 2, scale))
+    assert torch.equal(outputs[0], outputs[1])
+    assert not torch.equal(outputs[0], toma_only)  # the cache acted

@@ -1,0 +1,96 @@
+"""Merged MLPs under diffusers' feed-forward chunking.
+
+A block with chunking on (``set_chunk_feed_forward`` / ``enable_forward_chunking``) calls
+its MLP once per slice of the batch (``dim=0``) or of the tokens (``dim=1``). A slice of the
+tokens cannot be merged, and a slice of the batch would look up another sample's plan. So
+while a merged block runs, toma takes the chunking over: the block's own chunking is
+switched off, the MLP is called once with every token, and its merge hook merges them and
+then runs the MLP over the merged tokens in slices of the same size along the same
+dimension. The MLP treats tokens (and samples) independently, so the result is the one
+without chunking, and the memory the user asked to save stays saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from toma.adapters.base import CHUNK_HOOK_NAME, Hook, Patched, registry_of
+from toma.adapters.engine import MergeHook, hidden_states_of, with_hidden_states
+
+
+class ChunkState:
+    """The chunking a block asked for, handed from the block's hook to its MLP's."""
+
+    def __init__(self) -> None:
+        self.size: int | None = None  # slice length while the block runs, None: no chunking
+        self.dim = 0
+        self._taken: tuple[int, int] | None = None  # the block's own setting, while taken over
+
+
+class BlockChunkHook(Hook):
+    """On a block with feed-forward chunking: switches it off for the block's call and
+    records it for the MLP's :class:`ChunkedMergeHook`; restores it afterwards."""
+
+    def __init__(self, state: ChunkState) -> None:
+        self.state = state
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        state = self.state
+        if state._taken is not None:  # the previous call raised before post_forward
+            module._chunk_size, module._chunk_dim = state._taken
+        state._taken = None
+        state.size = getattr(module, "_chunk_size", None)
+        if state.size is not None:
+            state.dim = getattr(module, "_chunk_dim", 0)
+            state._taken = (state.size, state.dim)
+            module._chunk_size = None
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        state = self.state
+        if state._taken is not None:
+            module._chunk_size, module._chunk_dim = state._taken
+            state._taken = None
+        state.size = None
+        return output
+
+
+class ChunkedMergeHook(MergeHook):
+    """A merge hook on an MLP whose block may chunk it: runs the MLP over the (merged)
+    tokens in the slices the block asked for."""
+
+    def __init__(self, *args: Any, chunk: ChunkState, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.chunk = chunk
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        forward = self.fn_ref.original_forward
+        x = hidden_states_of(args, kwargs)
+        size = self.chunk.size
+        if size is None or x is None:
+            return forward(*args, **kwargs)
+        outputs = []
+        for piece in x.split(size, dim=self.chunk.dim):
+            a, k = with_hidden_states(args, kwargs, piece)
+            outputs.append(forward(*a, **k))
+        return torch.cat(outputs, dim=self.chunk.dim)
+
+
+def chunkable_block(model: torch.nn.Module, target: Patched, path: str) -> torch.nn.Module | None:
+    """The block that may chunk ``target``'s MLP (``path`` is the MLP's name inside it), or None."""
+    name = target.name
+    if not name.endswith("." + path):
+        return None
+    block = model.get_submodule(name[: -len(path) - 1])
+    if not hasattr(block, "_chunk_size") or block.get_submodule(path) is not target.module:
+        return None
+    return block
+
+
+def take_over_chunking(block: torch.nn.Module) -> ChunkState:
+    """Register the block's chunking hook; returns the state its MLP's hook reads."""
+    state = ChunkState()
+    registry_of(block).register_hook(BlockChunkHook(state), CHUNK_HOOK_NAME)
+    return state
