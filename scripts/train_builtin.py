@@ -164,6 +164,40 @@ class LossLog:
         return time.time() - self.t0
 
 
+def training_batch(
+    x: torch.Tensor, y: torch.Tensor, noise_sched, gen: torch.Generator, args: argparse.Namespace
+) -> dict[str, torch.Tensor]:
+    """One random training batch of the epsilon objective, drawn from ``gen``.
+
+    Args:
+        x: training images ``(N, 1, 32, 32)`` in ``[-1, 1]``; y: their labels ``(N,)``.
+        noise_sched: the DDPM scheduler that noises the images.
+        args: ``batch_size`` (B) and ``cond_dropout`` (share of labels replaced by the
+            null class, for classifier-free guidance).
+
+    Returns:
+        ``noisy`` ``(B, 1, 32, 32)``, ``t`` ``(B,)``, ``labels`` ``(B,)`` and the target
+        ``noise`` ``(B, 1, 32, 32)``.
+    """
+    idx = torch.randint(0, len(y), (args.batch_size,), generator=gen)
+    clean = random_shift(x[idx] + 1.0, 1, gen) - 1.0  # shift in [0, 2] so padding is background
+    labels = y[idx].clone()
+    drop = torch.rand(args.batch_size, generator=gen) < args.cond_dropout
+    labels[drop] = NULL_CLASS
+    noise = torch.randn(clean.shape, generator=gen)
+    t = torch.randint(0, noise_sched.config.num_train_timesteps, (args.batch_size,), generator=gen)
+    return {"noisy": noise_sched.add_noise(clean, noise, t), "t": t, "labels": labels, "noise": noise}
+
+
+def epsilon_loss(unet, embeddings: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean squared error of the UNet's noise prediction on a :func:`training_batch`.
+
+    ``embeddings`` ``(11, 4, 64)`` are the class conditioning tokens (row 10: null class).
+    """
+    pred = unet(batch["noisy"], batch["t"], encoder_hidden_states=embeddings[batch["labels"]]).sample
+    return F.mse_loss(pred, batch["noise"])
+
+
 def train_unet(data: dict[str, torch.Tensor], args: argparse.Namespace):
     """Train the conditional UNet with the epsilon objective; returns EMA UNet, embeddings, log."""
     from diffusers import DDPMScheduler, UNet2DConditionModel
@@ -186,16 +220,7 @@ def train_unet(data: dict[str, torch.Tensor], args: argparse.Namespace):
     log = LossLog(args)
     for step in range(args.steps):
         unet.train()
-        idx = torch.randint(0, len(y), (args.batch_size,), generator=gen)
-        clean = random_shift(x[idx] + 1.0, 1, gen) - 1.0  # shift in [0, 2] so padding is background
-        labels = y[idx].clone()
-        drop = torch.rand(args.batch_size, generator=gen) < args.cond_dropout
-        labels[drop] = NULL_CLASS
-        noise = torch.randn(clean.shape, generator=gen)
-        t = torch.randint(0, noise_sched.config.num_train_timesteps, (args.batch_size,), generator=gen)
-        noisy = noise_sched.add_noise(clean, noise, t)
-        pred = unet(noisy, t, encoder_hidden_states=embeddings[labels]).sample
-        loss = F.mse_loss(pred, noise)
+        loss = epsilon_loss(unet, embeddings, training_batch(x, y, noise_sched, gen, args))
         optimise(opt, params, loss, step, args)
         ema_update([*zip(ema_unet.parameters(), unet.parameters()), (ema_emb, embeddings.detach())], step, args)
         log.add(step, loss.item())

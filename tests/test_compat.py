@@ -23,8 +23,6 @@ from tests.conftest import (
     wan_inputs,
 )
 
-peft = pytest.importorskip("peft")
-
 FAMILIES = {
     "unet": (make_sd15_unet, lambda: unet_inputs(2, 16, 16, False), {}),
     "flux": (make_flux, lambda: flux_inputs(2, 8, 8), {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}),
@@ -41,6 +39,7 @@ def run(model, kw):
 def add_lora(model) -> None:
     """A LoRA on every attention projection, with random (non-zero) up-projections so that
     it changes the output."""
+    peft = pytest.importorskip("peft")
     torch.manual_seed(7)
     config = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
     model.add_adapter(config)

@@ -276,15 +276,14 @@ def test_ltx_rotary_per_sample_follows_the_merged_tokens():
 
 
 def test_known_unsupported_families_are_refused_with_why():
-    from diffusers import CogVideoXTransformer3DModel
+    from diffusers import SanaTransformer2DModel
 
     torch.manual_seed(0)
-    model = CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=8, text_embed_dim=16,
-        num_layers=1, sample_width=8, sample_height=8, sample_frames=5, patch_size=2, temporal_compression_ratio=4,
-        max_text_seq_length=8,
+    model = SanaTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1, num_cross_attention_heads=2,
+        cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=16, sample_size=8, patch_size=1,
     )
-    with pytest.raises(ValueError, match="CogVideoXTransformer3DModel: its attention applies rotary tables shared by the whole batch"):
+    with pytest.raises(ValueError, match="SanaTransformer2DModel: its attention is linear"):
         toma.apply_toma(model)
     assert not hasattr(model, "_diffusers_hook")
     with pytest.raises(ValueError, match="WanTransformer3DModel"):  # an unknown module lists the supported ones

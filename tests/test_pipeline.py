@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import numpy as np
@@ -228,7 +229,10 @@ def test_img2img_after_a_stopped_run_builds_its_own_plans(tmp_path):
     expected = img2img(fresh)
 
     pipe = build()
+    signature = inspect.signature(pipe.scheduler.set_timesteps)
     toma.apply_toma(pipe, ratio=0.5, recompute_every=100)
+    # pipelines read it to see whether custom sigmas or timesteps may be passed
+    assert inspect.signature(pipe.scheduler.set_timesteps) == signature
     pipe("a fox", image=torch.rand(1, 3, 32, 32), strength=1.0, num_inference_steps=10, output_type="np",
          callback_on_step_end=stop_after_two)
     assert np.array_equal(img2img(pipe), expected)

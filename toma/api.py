@@ -177,6 +177,8 @@ class _RunStart:
         self.own = scheduler.__dict__.get("set_timesteps")  # someone else's wrapper, kept
         self.call = scheduler.set_timesteps
         self.patch = patch
+        # pipelines inspect set_timesteps' signature (custom sigmas, timesteps): show the original's
+        self.__wrapped__ = self.call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.patch.new_run()

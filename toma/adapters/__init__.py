@@ -19,19 +19,15 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wan": ("toma.adapters.wan", ("WanTransformer3DModel",)),
     "ltx": ("toma.adapters.ltx", ("LTXVideoTransformer3DModel",)),
     "pixart": ("toma.adapters.pixart", ("PixArtTransformer2DModel",)),
+    "hunyuanvideo": ("toma.adapters.hunyuanvideo", ("HunyuanVideoTransformer3DModel",)),
+    "cogvideox": ("toma.adapters.cogvideox", ("CogVideoXTransformer3DModel",)),
+    "qwenimage": ("toma.adapters.qwenimage", ("QwenImageTransformer2DModel",)),
+    "flux2": ("toma.adapters.flux2", ("Flux2Transformer2DModel",)),
 }
 
 
 # denoiser classes toma knows and does not merge (yet), with why
 UNSUPPORTED: dict[str, str] = {
-    "QwenImageTransformer2DModel": "its attention applies complex rotary tables that one merge plan per sample "
-    "cannot pass through, and its text mask spans the joint sequence (not supported yet)",
-    "Flux2Transformer2DModel": "its single-stream blocks fuse the attention and MLP input projections in one layer, "
-    "which needs its own merged processor (not supported yet)",
-    "HunyuanVideoTransformer3DModel": "a padded text mask spans the joint [video; text] sequence of every block, "
-    "which merging would have to rebuild (not supported yet)",
-    "CogVideoXTransformer3DModel": "its attention applies rotary tables shared by the whole batch, which cannot "
-    "carry one merge plan per sample (not supported yet)",
     "SanaTransformer2DModel": "its attention is linear and its MLP a convolution on the token grid, so merging "
     "saves little (out of scope)",
 }

@@ -79,7 +79,7 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
 
 def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register hooks and processors; returns every module that got a hook (for removal)."""
-    order, hooks = order_hooks(replace(SPEC, grid=_IdsGrid()), model, cache)
+    order, hooks = order_hooks(replace(SPEC, grid=IdsGrid()), model, cache)
     for target in targets:
         block = target.module
         state = _SingleBlockState() if target.where.startswith("single") else None
@@ -106,14 +106,15 @@ def _original_processor(block: torch.nn.Module) -> Any:
 
 
 def image_grid(img_ids: torch.Tensor) -> tuple[int, int]:
-    """Token grid ``(h, w)`` of raster-ordered Flux image ids ``(N, 3)`` (or ``(B, N, 3)``)."""
+    """Token grid ``(h, w)`` of raster-ordered Flux image ids ``(N, 3)`` (or ``(B, N, 3)``;
+    Flux.2's have a fourth column), whose columns 1 and 2 are the row and column."""
     ids = img_ids[0] if img_ids.ndim == 3 else img_ids
     first, last = ids[0, 1:].tolist(), ids[-1, 1:].tolist()
     return int(last[0] - first[0]) + 1, int(last[1] - first[1]) + 1
 
 
-class _IdsGrid:
-    """Reads the image token grid from ``img_ids``; one per patched model.
+class IdsGrid:
+    """Reads the image token grid from ``img_ids`` (Flux.1, Flux.2); one per patched model.
 
     Reading the ids waits for the GPU; pipelines pass the same ids tensor at every step, so
     they are read once per denoising run rather than once per forward.
@@ -148,7 +149,7 @@ SPEC = FamilySpec(
     classes=("FluxTransformer2DModel",),
     stacks=("transformer_blocks", "single_transformer_blocks"),
     sites=lambda stack, block: [],  # merged by the processor and hooks below, not by engine sites
-    grid=_IdsGrid,  # replaced by a fresh reader per patched model
+    grid=IdsGrid,  # replaced by a fresh reader per patched model
     enter=("output", "x_embedder"),
     leave="norm_out",
     rope=("pos_embed", 0),

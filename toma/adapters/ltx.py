@@ -37,7 +37,7 @@ def _grid(model: torch.nn.Module, call: dict) -> Grid | str | None:
     return grid if math.prod(grid) == tokens.shape[1] else None
 
 
-def _tile_order_ok(call: dict) -> bool:
+def _tile_order_ok(model: torch.nn.Module, call: dict) -> bool:
     timestep = call.get("timestep")
     tokens = call["hidden_states"]
     return not (isinstance(timestep, torch.Tensor) and timestep.numel() > tokens.shape[0])

@@ -40,7 +40,7 @@ def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
     return (video.shape[2] // pt, video.shape[3] // ph, video.shape[4] // pw)
 
 
-def _tile_order_ok(call: dict) -> bool:
+def _tile_order_ok(model: torch.nn.Module, call: dict) -> bool:
     timestep = call.get("timestep")
     return not (isinstance(timestep, torch.Tensor) and timestep.ndim == 2)
 

@@ -128,6 +128,79 @@ LTX_VIDEO: dict[str, Any] = {
     "qk_norm": "rms_norm_across_heads",
 }
 
+# HunyuanVideo (13B): diffusers' class defaults are the published model (its conversion
+# script, scripts/convert_hunyuan_video_to_diffusers.py, builds HunyuanVideoTransformer3DModel())
+HUNYUAN_VIDEO: dict[str, Any] = {
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_attention_heads": 24,
+    "attention_head_dim": 128,
+    "num_layers": 20,
+    "num_single_layers": 40,
+    "num_refiner_layers": 2,
+    "mlp_ratio": 4.0,
+    "patch_size": 2,
+    "patch_size_t": 1,
+    "qk_norm": "rms_norm",
+    "guidance_embeds": True,
+    "text_embed_dim": 4096,
+    "pooled_projection_dim": 768,
+    "rope_theta": 256.0,
+    "rope_axes_dim": (16, 56, 56),
+}
+
+# CogVideoX-5B: the class defaults with 42 layers, 48 heads and rotary positions
+# (diffusers' scripts/convert_cogvideox_to_diffusers.py: "For 5B, it is 42 / 48 / True")
+COGVIDEOX_5B: dict[str, Any] = {
+    "num_attention_heads": 48,
+    "attention_head_dim": 64,
+    "in_channels": 16,
+    "out_channels": 16,
+    "time_embed_dim": 512,
+    "text_embed_dim": 4096,
+    "num_layers": 42,
+    "sample_width": 90,
+    "sample_height": 60,
+    "sample_frames": 49,
+    "patch_size": 2,
+    "temporal_compression_ratio": 4,
+    "max_text_seq_length": 226,
+    "use_rotary_positional_embeddings": True,
+}
+
+# Qwen-Image (20B): Qwen/Qwen-Image transformer/config.json, which matches diffusers'
+# QwenImageTransformer2DModel defaults (60 blocks of width 24 x 128; text width 3584, the
+# Qwen2.5-VL-7B encoder's hidden size)
+QWEN_IMAGE: dict[str, Any] = {
+    "patch_size": 2,
+    "in_channels": 64,
+    "out_channels": 16,
+    "num_layers": 60,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 3584,
+    "guidance_embeds": False,
+    "axes_dims_rope": (16, 56, 56),
+}
+
+# FLUX.2-dev (32B): black-forest-labs/FLUX.2-dev transformer/config.json, which matches
+# diffusers' Flux2Transformer2DModel defaults (8 double and 48 single blocks of width
+# 48 x 128; text width 15360, three stacked Mistral-Small-3.1 hidden states of 5120)
+FLUX2_DEV: dict[str, Any] = {
+    "patch_size": 1,
+    "in_channels": 128,
+    "num_layers": 8,
+    "num_single_layers": 48,
+    "attention_head_dim": 128,
+    "num_attention_heads": 48,
+    "joint_attention_dim": 15360,
+    "timestep_guidance_channels": 256,
+    "mlp_ratio": 3.0,
+    "axes_dims_rope": (32, 32, 32, 32),
+    "rope_theta": 2000,
+    "guidance_embeds": True,
+}
+
 # Small stand-ins with the same structure, for tests.
 TINY_UNET: dict[str, Any] = {
     "sample_size": 16,
@@ -167,21 +240,50 @@ TINY_WAN: dict[str, Any] = {
     "text_dim": 32, "freq_dim": 16, "ffn_dim": 32, "num_layers": 2, "rope_max_seq_len": 32,
 }
 
+TINY_HUNYUAN_VIDEO: dict[str, Any] = {
+    "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2,
+    "num_single_layers": 2, "num_refiner_layers": 1, "text_embed_dim": 32, "pooled_projection_dim": 16, "rope_axes_dim": (2, 2, 4),
+}
+
+TINY_COGVIDEOX: dict[str, Any] = {
+    "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 4, "out_channels": 4, "time_embed_dim": 8,
+    "text_embed_dim": 32, "num_layers": 2, "sample_width": 8, "sample_height": 8, "sample_frames": 5, "patch_size": 2,
+    "max_text_seq_length": 8, "use_rotary_positional_embeddings": True,
+}
+
+TINY_QWEN_IMAGE: dict[str, Any] = {
+    "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
+    "num_attention_heads": 2, "joint_attention_dim": 32, "axes_dims_rope": (4, 6, 6),
+}
+
+TINY_FLUX2: dict[str, Any] = {
+    "patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,
+    "num_attention_heads": 2, "joint_attention_dim": 32, "timestep_guidance_channels": 16, "axes_dims_rope": (4, 4, 4, 4),
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
+    "flux2": ("num_layers", "num_single_layers"),
+    "qwenimage": ("num_layers",),
     "sd3": ("num_layers",),
     "wan": ("num_layers",),
     "pixart": ("num_layers",),
     "ltx": ("num_layers",),
+    "hunyuanvideo": ("num_layers", "num_single_layers"),
+    "cogvideox": ("num_layers",),
 }
 # the block stacks of each transformer family, in the order of DEPTH_KEYS
 STACKS: dict[str, tuple[str, ...]] = {
     "flux": ("transformer_blocks", "single_transformer_blocks"),
+    "flux2": ("transformer_blocks", "single_transformer_blocks"),
+    "qwenimage": ("transformer_blocks",),
     "sd3": ("transformer_blocks",),
     "wan": ("blocks",),
     "pixart": ("transformer_blocks",),
     "ltx": ("transformer_blocks",),
+    "hunyuanvideo": ("transformer_blocks", "single_transformer_blocks"),
+    "cogvideox": ("transformer_blocks",),
 }
 
 
@@ -191,7 +293,8 @@ class Arch:
 
     Attributes:
         name: the ``--arch`` value.
-        family: ``"unet"``, ``"flux"``, ``"sd3"``, ``"wan"``, ``"pixart"`` or ``"ltx"``.
+        family: ``"unet"``, ``"flux"``, ``"sd3"``, ``"wan"``, ``"pixart"``, ``"ltx"``,
+            ``"hunyuanvideo"``, ``"cogvideox"``, ``"qwenimage"`` or ``"flux2"``.
         config: constructor keyword arguments of the diffusers model class.
         resolution: default image resolution in pixels.
         text_tokens: prompt length the pipeline feeds the denoiser.
@@ -238,6 +341,19 @@ ARCHS: dict[str, Arch] = {
     "tiny-wan": Arch("tiny-wan", "wan", TINY_WAN, 64, 8, 32, 0, 8, "tiny Wan-like transformer (tests)", 1.0, 5),
     "pixart": Arch("pixart", "pixart", PIXART_SIGMA, 1024, 300, 4096, 0, 8, "PixArt-Sigma XL 1024 transformer"),
     "ltx": Arch("ltx", "ltx", LTX_VIDEO, 512, 128, 4096, 0, 32, "LTX-Video 0.9 transformer", 768 / 512, 121, 8, 1),
+    "hunyuanvideo": Arch("hunyuanvideo", "hunyuanvideo", HUNYUAN_VIDEO, 720, 256, 4096, 768, 8,
+                         "HunyuanVideo 13B transformer", 1280 / 720, 129),
+    "cogvideox": Arch("cogvideox", "cogvideox", COGVIDEOX_5B, 480, 226, 4096, 0, 8, "CogVideoX-5B transformer", 720 / 480, 49),
+    "tiny-hunyuanvideo": Arch("tiny-hunyuanvideo", "hunyuanvideo", TINY_HUNYUAN_VIDEO, 64, 8, 32, 16, 8,
+                              "tiny HunyuanVideo-like transformer (tests)", 1.0, 5),
+    "tiny-cogvideox": Arch("tiny-cogvideox", "cogvideox", TINY_COGVIDEOX, 64, 8, 32, 0, 8,
+                           "tiny CogVideoX-like transformer (tests)", 1.0, 5),
+    # Qwen-Image's prompt embeddings are as long as the prompt (its pipeline trims the
+    # padding); 128 tokens stands for a prompt of a few sentences. FLUX.2 pads to 512.
+    "qwenimage": Arch("qwenimage", "qwenimage", QWEN_IMAGE, 1024, 128, 3584, 0, 8, "Qwen-Image transformer"),
+    "flux2": Arch("flux2", "flux2", FLUX2_DEV, 1024, 512, 15360, 0, 8, "FLUX.2-dev transformer"),
+    "tiny-qwenimage": Arch("tiny-qwenimage", "qwenimage", TINY_QWEN_IMAGE, 64, 8, 32, 0, 8, "tiny Qwen-Image-like transformer (tests)"),
+    "tiny-flux2": Arch("tiny-flux2", "flux2", TINY_FLUX2, 64, 8, 32, 0, 8, "tiny FLUX.2-like transformer (tests)"),
 }
 
 _CLASSES = {
@@ -247,6 +363,10 @@ _CLASSES = {
     "wan": "WanTransformer3DModel",
     "pixart": "PixArtTransformer2DModel",
     "ltx": "LTXVideoTransformer3DModel",
+    "hunyuanvideo": "HunyuanVideoTransformer3DModel",
+    "cogvideox": "CogVideoXTransformer3DModel",
+    "qwenimage": "QwenImageTransformer2DModel",
+    "flux2": "Flux2Transformer2DModel",
 }
 
 
@@ -344,6 +464,10 @@ def make_inputs(
     ``(B, 512, 4096)``, ``pooled_projections (B, 768)``, ``img_ids``, ``txt_ids``, ``guidance``.
     SD3: latents ``(B, 16, R/8, R/8)``, text, pooled. Wan: latents ``(B, 16, F', H/8, W/8)``
     with ``F' = (frames - 1) / 4 + 1`` latent frames (``frames`` defaults to the arch's), text.
+    HunyuanVideo: the same latents, text with its (all-ones) mask, pooled, guidance.
+    CogVideoX: latents ``(B, F', 16, H/8, W/8)``, text, the pipeline's rotary tables.
+    Qwen-Image: packed latents ``(B, (R/16)^2, 64)``, text, ``img_shapes``. Flux.2: packed
+    latents ``(B, (R/16)^2, 128)``, text ``(B, 512, 15360)``, 4-column ``img_ids``, ``txt_ids``.
     The timestep is a placeholder; :func:`set_timestep` changes it per step. ``dtype`` None
     means float32.
     """
@@ -395,8 +519,28 @@ def make_inputs(
         return {"hidden_states": rand(batch, count * lh * lw, channels), "encoder_hidden_states": text, "timestep": timestep,
                 "encoder_attention_mask": torch.ones(batch, arch.text_tokens, device=device, dtype=dtype),
                 "num_frames": count, "height": lh, "width": lw, "return_dict": False}
-    # Flux packs 2x2 latent patches into one token
+    if arch.family == "hunyuanvideo":
+        count = latent_frames(arch, frames)
+        return {"hidden_states": rand(batch, channels, count, lh, lw), "timestep": timestep, "encoder_hidden_states": text,
+                "encoder_attention_mask": torch.ones(batch, arch.text_tokens, device=device, dtype=dtype),
+                "pooled_projections": rand(batch, arch.pooled_dim),
+                "guidance": torch.full((batch,), 6000.0, device=device, dtype=dtype), "return_dict": False}
+    if arch.family == "cogvideox":
+        count = latent_frames(arch, frames)
+        return {"hidden_states": rand(batch, count, channels, lh, lw), "encoder_hidden_states": text, "timestep": timestep,
+                "image_rotary_emb": cogvideox_rotary(arch.config, count, lh, lw, device, dtype), "return_dict": False}
+    # Flux, Flux.2 and Qwen-Image pack 2x2 latent patches into one token
     th, tw = lh // 2, lw // 2
+    if arch.family == "qwenimage":  # no text mask: the pipeline drops an all-ones mask
+        return {"hidden_states": rand(batch, th * tw, channels), "encoder_hidden_states": text, "timestep": timestep / 1000,
+                "img_shapes": [[(1, th, tw)]] * batch, "return_dict": False}
+    if arch.family == "flux2":
+        one = torch.arange(1)
+        img_ids = torch.cartesian_prod(one, torch.arange(th), torch.arange(tw), one)
+        txt_ids = torch.cartesian_prod(one, one, one, torch.arange(arch.text_tokens))
+        return {"hidden_states": rand(batch, th * tw, channels), "encoder_hidden_states": text, "timestep": timestep / 1000,
+                "img_ids": img_ids[None].expand(batch, -1, -1).to(device), "txt_ids": txt_ids[None].expand(batch, -1, -1).to(device),
+                "guidance": torch.full((batch,), 4.0, device=device, dtype=dtype), "return_dict": False}
     ids = torch.zeros(th, tw, 3)
     ids[..., 1] = torch.arange(th)[:, None]
     ids[..., 2] = torch.arange(tw)[None, :]
@@ -410,6 +554,24 @@ def make_inputs(
         "guidance": torch.full((batch,), 3.5, device=device, dtype=dtype),
         "return_dict": False,
     }
+
+
+def cogvideox_rotary(config: dict[str, Any], frames: int, lh: int, lw: int, device: torch.device | str = "cpu",
+                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(frames * h * w, head_dim)`` cos and sin tables CogVideoXPipeline passes for a
+    ``frames x lh x lw`` latent video (CogVideoX 1.0's crop-to-base-grid positions), in
+    ``dtype`` (None: float32)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+    p = config["patch_size"]
+    h, w = lh // p, lw // p
+    crops = get_resize_crop_region_for_grid((h, w), config["sample_width"] // p, config["sample_height"] // p)
+    cos, sin = get_3d_rotary_pos_embed(config["attention_head_dim"], crops, (h, w), frames, device=device)
+    return cos.to(dtype), sin.to(dtype)
 
 
 def latent_frames(arch: Arch, frames: int | None = None) -> int:
@@ -432,7 +594,8 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
 
     frac = 1.0 - step / max(steps, 1)
     t = inputs["timestep"]
-    value = max(frac, 1e-3) if arch.family == "flux" else 999.0 * frac
+    # the flow-matching transformers take the timestep in [0, 1]
+    value = max(frac, 1e-3) if arch.family in ("flux", "flux2", "qwenimage") else 999.0 * frac
     return {**inputs, "timestep": torch.full_like(t, value)}
 
 
@@ -452,6 +615,7 @@ def token_grid(arch: Arch, resolution: int, frames: int | None = None) -> tuple[
 def merged_blocks(count: int, full_count: int, skip: int = 5) -> tuple[int, ...]:
     """Merged block indices when ``count`` of ``full_count`` blocks are built: the default
     skip of the first ``skip`` blocks, scaled by ``count / full_count`` (at least one merged)."""
+    skip = min(skip, full_count // 2)  # as the families' skip_first rule: at most half a stack
     scaled = min(count - 1, math.floor(skip * count / full_count + 0.5))
     return tuple(range(max(scaled, 0), count))
 

@@ -1,0 +1,591 @@
+"""Dual-stream MMDiTs with rotary positions on the engine (QwenImage, Flux.2), and the
+engine's per-sample calls for processors that take one rotary table for the whole batch."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+import toma
+from toma.adapters.base import HOOK_NAME, remove_hook
+from toma.adapters.engine import FamilySpec, Rotary, Site, attach, find_targets
+from toma.config import ToMAConfig
+from toma.core.plan import PlanCache
+
+
+# ------------------------------------------------------------------ the engine, on a toy model
+class _SharedRotaryAttention(torch.nn.Module):
+    """Joint attention over [text; image] that applies one ``(S, D)`` rotary table to the
+    whole batch, as diffusers' ``apply_rotary_emb`` does (``cos[None, :, None, :]``)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, encoder_hidden_states, image_rotary_emb):
+        text = encoder_hidden_states.shape[1]
+        x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).unbind(2)  # (B, S, heads, D) each
+        q, k = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1), apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        o = self.out(o.transpose(1, 2).flatten(2))
+        return o[:, text:], o[:, :text]
+
+
+class _ToyBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.attn = _SharedRotaryAttention()
+
+    def forward(self, hidden_states, encoder_hidden_states, image_rotary_emb):
+        image, text = self.attn(self.norm(hidden_states), encoder_hidden_states, image_rotary_emb=image_rotary_emb)
+        return hidden_states + image, encoder_hidden_states + text
+
+
+class ToyMMDiT(torch.nn.Module):
+    """Image tokens ``(B, h*w, 4)`` and text ``(B, T, 16)``; rotary rows for [text; image]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj_in = torch.nn.Linear(4, 16)
+        self.rope = FluxPosEmbed(theta=10000, axes_dim=[4, 4])
+        self.blocks = torch.nn.ModuleList([_ToyBlock() for _ in range(2)])
+        self.norm_out = torch.nn.LayerNorm(16)
+
+    def forward(self, hidden_states, encoder_hidden_states, height: int, width: int):
+        text = encoder_hidden_states.shape[1]
+        rows = torch.arange(height).repeat_interleave(width)
+        cols = torch.arange(width).repeat(height)
+        ids = torch.cat([torch.stack([torch.arange(text) + 100, torch.zeros(text)], 1), torch.stack([rows, cols], 1)])
+        tables = self.rope(ids.float())
+        x = self.proj_in(hidden_states)
+        for block in self.blocks:
+            x, encoder_hidden_states = block(x, encoder_hidden_states, tables)
+        return self.norm_out(x)
+
+
+def _toy_spec(shared: bool) -> FamilySpec:
+    rotary = Rotary("image_rotary_emb", None, shared=True) if shared else Rotary("image_rotary_emb", None, _keep_text_gather)
+    return FamilySpec(
+        name="toy",
+        classes=("ToyMMDiT",),
+        stacks=("blocks",),
+        sites=lambda stack, block: [Site("attn", "attn", rotary=rotary)],
+        grid=lambda model, call: (1, call["height"], call["width"]),
+        enter=("output", "proj_in"),
+        leave="norm_out",
+        rope=("rope", 0),
+    )
+
+
+def _keep_text_gather(table, dest):
+    # the per-sample (Bp, S, D) tables a broadcasting processor would take
+    text = table.shape[0] - 48
+    return torch.cat([table[:text].expand(dest.shape[0], -1, -1), table[text:][dest]], dim=1)
+
+
+def _toy_inputs(batch: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {"hidden_states": torch.randn(batch, 48, 4, generator=g), "encoder_hidden_states": torch.randn(batch, 3, 16, generator=g),
+            "height": 6, "width": 8}
+
+
+def _patch_toy(model: torch.nn.Module, spec: FamilySpec, **options) -> list[torch.nn.Module]:
+    config = ToMAConfig(ratio=0.5, blocks={"blocks": range(2)}, **options)
+    targets, _ = find_targets(spec, model, config)
+    return attach(spec, model, targets, PlanCache(config))
+
+
+def test_shared_rotary_runs_each_sample_with_its_own_table():
+    # a batch of 2 with a plan per sample: each sample's output is its batch-1 output
+    model = ToyMMDiT()
+    kw = _toy_inputs(2)
+    with torch.no_grad():
+        ref = model(**kw)
+    hooked = _patch_toy(model, _toy_spec(shared=True))
+    calls: list[tuple] = []
+    handle = model.blocks[1].attn.qkv.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
+    with torch.no_grad():
+        both = model(**kw)
+        alone = [model(**{**kw, **{k: kw[k][b : b + 1] for k in ("hidden_states", "encoder_hidden_states")}}) for b in range(2)]
+    handle.remove()
+    assert calls[:2] == [(1, 3 + 24)] * 2  # one call per sample, text whole and half the 48 image tokens
+    assert not torch.allclose(both, ref, atol=1e-3)
+    for b in range(2):
+        torch.testing.assert_close(both[b : b + 1], alone[b], rtol=1e-5, atol=1e-6)
+    for module in hooked:
+        remove_hook(module, HOOK_NAME)
+    with torch.no_grad():
+        assert torch.equal(model(**kw), ref)
+
+
+def test_shared_rotary_with_one_plan_for_the_batch_makes_one_call():
+    model = ToyMMDiT()
+    _patch_toy(model, _toy_spec(shared=True), share_batch_plan=True)
+    calls: list[tuple] = []
+    model.blocks[0].attn.qkv.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
+    with torch.no_grad():
+        model(**_toy_inputs(2))
+    assert calls == [(2, 3 + 24)]
+
+
+def test_per_sample_tables_break_a_shared_table_processor():
+    # the check above fails without the mechanism: per-sample tables do not broadcast
+    model = ToyMMDiT()
+    _patch_toy(model, _toy_spec(shared=False))
+    with pytest.raises(RuntimeError):
+        with torch.no_grad():
+            model(**_toy_inputs(2))
+
+
+def test_rotary_needs_a_gather_unless_shared():
+    with pytest.raises(ValueError, match="Rotary needs a gather function unless shared=True"):
+        Rotary("image_rotary_emb", None)
+
+
+# ------------------------------------------------------------------ QwenImage and Flux.2
+TEXT_DIM = 32
+
+
+def make_qwen(layers: int = 3):
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    return QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=layers, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6),
+    ).eval()
+
+
+def qwen_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Packed latents of ``h x w`` tokens (2x2 latent patches of 4 channels), a text mask of ones."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, h * w, 16, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "encoder_hidden_states_mask": torch.ones(batch, text),
+        "timestep": torch.full((batch,), 0.5),
+        "img_shapes": [[(1, h, w)]] * batch,
+    }
+
+
+def make_flux2(double: int = 2, single: int = 2, text_dim: int = TEXT_DIM):
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=double, num_single_layers=single, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=text_dim, timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4),
+    ).eval()
+
+
+def flux2_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Packed latents of ``h x w`` tokens with Flux.2's (t, h, w, l) ids, as its pipelines make them."""
+    g = torch.Generator().manual_seed(seed)
+    one = torch.arange(1)
+    img_ids = torch.cartesian_prod(one, torch.arange(h), torch.arange(w), one)
+    txt_ids = torch.cartesian_prod(one, one, one, torch.arange(text))
+    return {
+        "hidden_states": torch.randn(batch, h * w, 16, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "timestep": torch.full((batch,), 0.5),
+        "img_ids": img_ids[None].expand(batch, -1, -1),
+        "txt_ids": txt_ids[None].expand(batch, -1, -1),
+        "guidance": torch.full((batch,), 3.5),
+    }
+
+
+ALL_QWEN = {"blocks": {"transformer_blocks": range(3)}}
+ALL_FLUX2 = {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}
+MMDITS = {  # family -> (model maker, inputs(batch, token rows, token columns), every block)
+    "qwenimage": (make_qwen, qwen_inputs, ALL_QWEN),
+    "flux2": (make_flux2, flux2_inputs, ALL_FLUX2),
+}
+
+
+def run(model, **kw):
+    with torch.no_grad():
+        return model(**kw, return_dict=False)[0]
+
+
+def per_sample(kw: dict, b: int) -> dict:
+    return {k: (v[b : b + 1] if isinstance(v, torch.Tensor) else v[b : b + 1] if k == "img_shapes" else v) for k, v in kw.items()}
+
+
+def record_lengths(model, family: str):
+    """Sequence lengths reaching the image and text projections of every attention."""
+    image: list[tuple] = []
+    text: list[int] = []
+    handles = []
+    for block in model.transformer_blocks:
+        handles.append(block.attn.to_q.register_forward_hook(lambda m, a, o: image.append(tuple(a[0].shape[:2]))))
+        handles.append(block.attn.add_q_proj.register_forward_hook(lambda m, a, o: text.append(a[0].shape[1])))
+    for block in getattr(model, "single_transformer_blocks", ()):
+        handles.append(block.attn.to_qkv_mlp_proj.register_forward_hook(lambda m, a, o: image.append(tuple(a[0].shape[:2]))))
+    return image, text, handles
+
+
+@pytest.mark.parametrize("family", MMDITS)
+def test_ratio_zero_and_remove_are_bitwise_identical(family):
+    make, inputs, blocks = MMDITS[family]
+    model, kw = make(), inputs(2, 8, 12)
+    ref = run(model, **kw)
+    toma.apply_toma(model, ratio=0.0, merge_mlp=True, **blocks)
+    assert torch.equal(run(model, **kw), ref)
+    patch = toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
+    assert patch.adapter == family
+    out = run(model, **kw)
+    assert out.shape == ref.shape and torch.isfinite(out).all() and not torch.allclose(out, ref, atol=1e-3)
+    assert toma.remove_toma(model) and not hasattr(model, "_diffusers_hook")
+    assert torch.equal(run(model, **kw), ref)
+
+
+@pytest.mark.parametrize("family", MMDITS)
+def test_image_tokens_merge_and_text_passes_whole(family):
+    make, inputs, blocks = MMDITS[family]
+    model, kw = make(), inputs(1, 8, 12, text=5)
+    patch = toma.apply_toma(model, ratio=0.5, **blocks)
+    image, text, handles = record_lengths(model, family)
+    run(model, **kw)
+    for h in handles:
+        h.remove()
+    kept = patch.cache.layout(1, 8, 12).num_merged
+    assert kept == 48  # 6 tiles of 4x4, half of each kept
+    doubles = len(model.transformer_blocks)
+    assert image[:doubles] == [(1, kept)] * doubles  # the image stream of joint attention
+    assert image[doubles:] == [(1, 5 + kept)] * (len(image) - doubles)  # Flux.2 single blocks: [text; merged image]
+    assert text == [5] * doubles
+
+
+@pytest.mark.parametrize("family", MMDITS)
+@pytest.mark.parametrize("h,w", [(6, 10), (5, 7), (12, 4)])
+def test_grids_the_tiles_do_not_divide_and_non_square(family, h, w):
+    make, inputs, blocks = MMDITS[family]
+    model, kw = make(), inputs(2, h, w)
+    ref = run(model, **kw)
+    patch = toma.apply_toma(model, ratio=0.5, **blocks)
+    image, _, handles = record_lengths(model, family)
+    out = run(model, **kw)
+    for handle in handles:
+        handle.remove()
+    kept = patch.cache.layout(1, h, w).num_merged
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert kept < h * w and {n for _, n in image} <= {kept, 5 + kept}
+
+
+@pytest.mark.parametrize("family", MMDITS)
+def test_batch_elements_get_their_own_plan(family):
+    # per-sample plans through processors that take one rotary table: each sample's output
+    # is its batch-1 output
+    make, inputs, blocks = MMDITS[family]
+    model, kw = make(), inputs(2, 8, 12)
+    patch = toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
+    both = run(model, **kw)
+    [(_, plan)] = [v for k, v in patch.cache._plans.items()]
+    assert plan.dest.shape[0] == 2 and not torch.equal(plan.dest_tokens[0], plan.dest_tokens[1])
+    for b in range(2):
+        torch.testing.assert_close(both[b : b + 1], run(model, **per_sample(kw, b)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", MMDITS)
+def test_tile_order_matches_raster_order(family, monkeypatch):
+    make, inputs, blocks = MMDITS[family]
+    model, kw = make(), inputs(2, 8, 16)
+    toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
+    from toma.adapters import engine
+
+    conversions = []
+    real = engine.tile_order
+    monkeypatch.setattr(engine, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
+    tiled = run(model, **kw)
+    converted = len(conversions)
+    monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid: None)
+    raster = run(model, **kw)
+    assert converted >= 1 and len(conversions) == converted  # the raster run converted nothing
+    torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)
+
+
+class _Recording:
+    """An attention processor that records the rotary tables each call gets."""
+
+    def __init__(self, original, seen: list) -> None:
+        self.original = original
+        self.seen = seen
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None, attention_mask=None, image_rotary_emb=None):
+        self.seen.append(image_rotary_emb)
+        if encoder_hidden_states_mask is None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        return self.original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask, image_rotary_emb)
+
+
+def test_qwen_rotary_rows_are_the_destinations_positions():
+    model = make_qwen(layers=1)
+    kw = qwen_inputs(2, 8, 8)  # 4 tiles, in tile order through the blocks
+    patch = toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": [0]})
+    seen: list = []
+    attn = model.transformer_blocks[0].attn
+    original = attn.processor
+    attn.processor = _Recording(original, seen)
+    run(model, **kw)
+    attn.processor = original
+    [(_, plan)] = list(patch.cache._plans.values())
+    toma.remove_toma(model)
+    image, text = model.pos_embed(kw["img_shapes"], max_txt_seq_len=5, device=torch.device("cpu"))  # raster order
+    assert len(seen) == 2  # one call per sample
+    for b, (image_b, text_b) in enumerate(seen):
+        assert image_b.shape == (plan.num_merged, image.shape[-1]) and image_b.is_complex()
+        assert torch.equal(image_b, image[plan.dest_tokens[b]])
+        assert torch.equal(text_b, text)
+
+
+def test_flux2_rotary_rows_are_the_destinations_positions():
+    model = make_flux2(double=1, single=1)
+    kw = flux2_inputs(2, 8, 8, text=5)
+    patch = toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": [0], "single_transformer_blocks": [0]})
+    seen: list = []
+    processors = [model.transformer_blocks[0].attn, model.single_transformer_blocks[0].attn]
+    originals = [a.processor for a in processors]
+    processors[0].processor = lambda attn, h, e=None, attention_mask=None, image_rotary_emb=None: seen.append(image_rotary_emb) or originals[0](attn, h, e, attention_mask, image_rotary_emb)
+    processors[1].processor = lambda attn, h, attention_mask=None, image_rotary_emb=None: seen.append(image_rotary_emb) or originals[1](attn, h, attention_mask, image_rotary_emb)
+    run(model, **kw)
+    [(_, plan)] = list(patch.cache._plans.values())
+    toma.remove_toma(model)
+    cos = torch.cat([model.pos_embed(kw["txt_ids"][0])[0], model.pos_embed(kw["img_ids"][0])[0]])  # raster order
+    assert len(seen) == 4  # double and single block, one call per sample each
+    for i, (cos_b, sin_b) in enumerate(seen):
+        b = i % 2
+        assert cos_b.shape == (5 + plan.num_merged, cos.shape[-1])
+        assert torch.equal(cos_b, torch.cat([cos[:5], cos[5:][plan.dest_tokens[b]]]))
+
+
+def test_qwen_text_mask_applies_to_merged_attention():
+    # masked text tokens are hidden from merged image tokens: changing them changes nothing
+    model = make_qwen()
+    kw = qwen_inputs(2, 8, 8, text=6)
+    kw["encoder_hidden_states_mask"][:, -2:] = 0
+    patch = toma.apply_toma(model, ratio=0.5, **ALL_QWEN)
+    image, _, handles = record_lengths(model, "qwenimage")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: it merges
+        out = run(model, **kw)
+    for h in handles:
+        h.remove()
+    assert image == [(1, patch.cache.layout(1, 8, 8).num_merged)] * 6  # 3 blocks, one call per sample
+    changed = dict(kw, encoder_hidden_states=kw["encoder_hidden_states"].clone())
+    changed["encoder_hidden_states"][:, -2:] = 100.0
+    torch.testing.assert_close(run(model, **changed), out, rtol=1e-5, atol=1e-6)
+    unmasked = {k: dict(v, encoder_hidden_states_mask=torch.ones(2, 6)) for k, v in (("kw", kw), ("changed", changed))}
+    assert not torch.allclose(run(model, **unmasked["changed"]), run(model, **unmasked["kw"]), atol=1e-3)  # the tokens matter unmasked
+
+
+def test_flux2_attention_mask_runs_unmerged_with_one_warning():
+    model = make_flux2()
+    kw = flux2_inputs(2, 8, 8, text=5)
+    mask = torch.ones(2, 1, 1, 5 + 64, dtype=torch.bool)
+    mask[:, :, :, 3:5] = False
+    kw["joint_attention_kwargs"] = {"attention_mask": mask}
+    ref = run(model, **kw)
+    toma.apply_toma(model, ratio=0.5, **ALL_FLUX2)
+    with pytest.warns(UserWarning, match="attention_mask") as caught:
+        out = run(model, **kw)
+        run(model, **kw)
+    assert len([w for w in caught if "attention_mask" in str(w.message)]) == 1
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("family", MMDITS)
+def test_set_attention_backend_reaches_merged_attention(family, monkeypatch):
+    import importlib
+
+    make, inputs, blocks = MMDITS[family]
+    module = importlib.import_module(f"diffusers.models.transformers.transformer_{family}")
+    model, kw = make(), inputs(2, 8, 8)
+    seen = []
+    real = module.dispatch_attention_fn
+    monkeypatch.setattr(module, "dispatch_attention_fn", lambda *a, backend=None, **k: seen.append((a[0].shape[:2], backend)) or real(*a, backend=backend, **k))
+    ref = run(model, **kw)
+    toma.apply_toma(model, ratio=0.5, **blocks)
+    model.set_attention_backend("_native_math")
+    seen.clear()
+    merged = run(model, **kw)
+    assert seen and all(shape[0] == 1 and shape[1] < 5 + 64 for shape, _ in seen)  # per sample, merged
+    assert all(str(b) == "AttentionBackendName._NATIVE_MATH" for _, b in seen)
+    assert not torch.allclose(merged, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", MMDITS)
+def test_default_blocks_skip_the_first_and_flux_options_are_refused(family):
+    make = MMDITS[family][0]
+    model = make(layers=12) if family == "qwenimage" else make(double=8, single=12)
+    patch = toma.apply_toma(model, ratio=0.5)
+    names = [p.name for p in patch.patched]
+    if family == "qwenimage":
+        assert names == [f"transformer_blocks.{i}.attn" for i in range(5, 12)]
+    else:  # 8 double blocks: the skip is capped at half a stack
+        assert names == [f"transformer_blocks.{i}.attn" for i in range(4, 8)] + [f"single_transformer_blocks.{i}.attn" for i in range(5, 12)]
+    toma.remove_toma(model)
+    with pytest.raises(ValueError, match="flux_double_blocks applies to Flux.1 only; for .* use blocks="):
+        toma.apply_toma(model, flux_double_blocks=(1,))
+    with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
+        toma.apply_toma(model, proportional_attention=True)
+    assert toma.get_toma(model) is None and not hasattr(model, "_diffusers_hook")
+
+
+def tiny_qwen2_tokenizer(folder):
+    """A byte-level Qwen2 tokenizer, one token per byte, with a chat template (no download)."""
+    import json
+
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = Qwen2Tokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), pad_token="<|endoftext|>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
+    return tokenizer
+
+
+def test_qwenimage_pipeline_round_trip(tmp_path):
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from tests.test_pipeline import merged_round_trip
+
+    tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=TEXT_DIM, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}, max_position_embeddings=256,
+        bos_token_id=None, eos_token_id=None,
+    )
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM, fullatt_block_indexes=[0])
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=AutoencoderKLQwenImage(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                   temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
+        text_encoder=Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).eval(),
+        tokenizer=tokenizer,
+        transformer=make_qwen(),
+    )
+    pipe.save_pretrained(tmp_path / "pipe")
+    pipe = QwenImagePipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
+    kw = dict(negative_prompt="blurry", true_cfg_scale=2.0, height=64, width=128, num_inference_steps=2, max_sequence_length=64, output_type="np")
+
+    def generate():
+        return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images
+
+    # 64x128 px -> 8x16 latent -> 4x8 tokens (2x2 patches), half kept; the conditional and
+    # unconditional passes run apart
+    merged_round_trip(pipe, generate, [(1, 16)] * 4, blocks={"transformer_blocks": range(3)})
+
+
+def test_flux2_klein_pipeline_round_trip(tmp_path):
+    # Flux2Pipeline's text encoder (Mistral 3 with a Pixtral processor) cannot be built
+    # offline; FLUX.2 [klein]'s pipeline runs the same transformer with a Qwen3 encoder
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.test_pipeline import merged_round_trip
+
+    tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, eos_token_id=None,
+    )).eval()
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8, layers_per_block=1)
+    # the pipeline stacks 3 of the encoder's hidden states: text width 3 x 16
+    pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=encoder, tokenizer=tokenizer,
+                              transformer=make_flux2(text_dim=48))
+    pipe.save_pretrained(tmp_path / "pipe")
+    pipe = Flux2KleinPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
+    kw = dict(height=32, width=64, num_inference_steps=2, max_sequence_length=32, text_encoder_out_layers=(0, 1, 2), output_type="np")
+
+    def generate():
+        return pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), **kw).images
+
+    # 32x64 px -> 16x32 latent (the tiny VAE halves) -> 8x16 tokens (2x2 patches), half kept
+    merged_round_trip(pipe, generate, [(1, 64)] * 4, blocks=ALL_FLUX2["blocks"])
+
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwenimage", "tiny-flux2"])
+def test_bench_runs_the_tiny_archs(arch, tmp_path, capsys, one_thread):
+    import json
+
+    from toma.tools.cli import main
+
+    rc = main([
+        "bench", "--arch", arch, "--resolution", "64", "--batch", "2", "--ratios", "0.5", "--methods", "none,toma,ideal",
+        "--repeats", "1", "--warmup", "0", "--no-profile", "--out", str(tmp_path), "--name", "b", "--no-progress",
+    ])
+    assert rc == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert {r["method"] for r in report["results"]} == {"none", "toma", "ideal"}
+    assert report["blocks"] == ({"transformer_blocks": 2} if arch == "tiny-qwenimage" else {"transformer_blocks": 2, "single_transformer_blocks": 2})
+
+
+def test_full_size_configs_build_as_published():
+    # the published widths, on the meta device (no memory)
+    from toma.tools.archs import ARCHS, build_model, count_parameters
+
+    qwen = build_model(ARCHS["qwenimage"], device="meta")
+    flux2 = build_model(ARCHS["flux2"], device="meta")
+    assert len(qwen.transformer_blocks) == 60 and qwen.inner_dim == 3072
+    assert (len(flux2.transformer_blocks), len(flux2.single_transformer_blocks), flux2.inner_dim) == (8, 48, 6144)
+    assert 20.0e9 < count_parameters(qwen) < 20.8e9  # "Qwen-Image, a 20B MMDiT"
+    assert 31.5e9 < count_parameters(flux2) < 32.5e9  # "FLUX.2 [dev], 32B"
+
+
+@pytest.mark.parametrize("family", MMDITS)
+def test_deepcopy_runs_the_copys_own_attention_per_sample(family):
+    import copy
+
+    make, inputs, blocks = MMDITS[family]
+    model, kw = make(), inputs(2, 8, 8)
+    toma.apply_toma(model, ratio=0.5, **blocks)
+    out = run(model, **kw)
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(run(twin, **kw), out, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        for p in twin.transformer_blocks[-1].attn.parameters():
+            p.mul_(0.5)  # the per-sample calls must reach the copy's weights, not the original's
+    assert not torch.allclose(run(twin, **kw), out, atol=1e-4)
+    assert toma.remove_toma(twin) and torch.equal(run(model, **kw), out)
+
+
+def test_flux2_reads_its_image_ids_once_per_run(monkeypatch):
+    # reading ids waits for the GPU: a run that passes the same ids at every step reads them once
+    from toma.adapters import flux as flux_adapter
+
+    reads = []
+    real = flux_adapter.image_grid
+    monkeypatch.setattr(flux_adapter, "image_grid", lambda ids: reads.append(ids) or real(ids))
+    model = make_flux2()
+    toma.apply_toma(model, ratio=0.5, **ALL_FLUX2)
+    kw = flux2_inputs(1, 8, 8)
+    for t in (0.9, 0.8, 0.7):
+        run(model, **{**kw, "timestep": torch.full((1,), t)})
+    assert len(reads) == 1
+    other = make_flux2()  # another patched model keeps its own reader
+    toma.apply_toma(other, ratio=0.5, **ALL_FLUX2)
+    run(other, **kw)
+    assert len(reads) == 2

@@ -1,0 +1,48 @@
+"""CogVideoX 1.0 / 1.5 (``CogVideoXTransformer3DModel``): joint attention over [text; video].
+
+Each ``CogVideoXBlock`` merges the video stream of its attention (the text stream passes
+whole and stays first in the joint sequence). The 5B models take rotary tables from the
+pipeline, one ``(N, D)`` table for the batch in raster order (there is no rotary module to
+put them in tile order), gathered to the merged tokens' destinations by raster index; as
+the processor applies one table to the whole batch, samples with plans of their own
+(``share_batch_plan=False``) run one merged attention call each. The 2B model adds sin-cos
+positions at the patch embedding. ``merge_mlp`` merges the video part of the
+MLP's joint [text; video] sequence. Tiles span ``tile_frames`` latent
+frames (2 by default); CogVideoX 1.5 patches ``patch_size_t`` frames into one token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+
+# one (N, D) table for the whole batch, in raster order
+_ROTARY = Rotary("image_rotary_emb", None, shared=True, raster=True)
+
+
+def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
+    # the MLP runs on [text; video] in one sequence: its video part merges
+    return [Site("attn1", "attn", rotary=_ROTARY), Site("ff", "mlp", text_first=True)]
+
+
+def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
+    video = call.get("hidden_states")  # (B, F, C, H, W)
+    if video is None or video.ndim != 5:
+        return None
+    p, pt = model.config.patch_size, model.config.patch_size_t or 1
+    return (video.shape[1] // pt, video.shape[3] // p, video.shape[4] // p)
+
+
+SPEC = FamilySpec(
+    name="cogvideox",
+    classes=("CogVideoXTransformer3DModel",),
+    stacks=("transformer_blocks",),
+    sites=_sites,
+    grid=_grid,
+    enter=("block", ""),
+    leave="norm_final",
+    default_blocks=skip_first(5),
+    video=True,
+)
+ADAPTER = EngineAdapter(SPEC)

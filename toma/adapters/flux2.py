@@ -1,0 +1,42 @@
+"""Flux.2 (``Flux2Transformer2DModel``): dual-stream blocks, then single-stream blocks on ``[text; image]``.
+
+Double-stream blocks merge the image stream of their joint attention (and, with
+``merge_mlp``, their image MLP); the text stream passes whole. A single-stream block's
+attention module computes attention and MLP from one fused projection and returns their
+fused output projection, so it merges the image part of ``[text; image]`` around the whole
+module: attention and the parallel MLP run on the merged tokens, and the text part passes
+whole. Rotary tables come from the image ids, which go in tile order with the tokens; the
+processors apply one table to the whole batch, so merged attention runs once per sample
+when the samples have plans of their own (``Rotary(shared=True)``). Calls with reference
+image tokens (editing, KV caching) or an attention mask do not merge.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first
+from toma.adapters.flux import IdsGrid
+
+# image_rotary_emb is (cos, sin), each (text + N, D): text rows first
+_ROTARY = Rotary("image_rotary_emb", None, shared=True)
+
+
+def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
+    if stack == "single_transformer_blocks":
+        return [Site("attn", "attn", rotary=_ROTARY, text_first=True)]
+    return [Site("attn", "attn", rotary=_ROTARY), Site("ff", "mlp")]
+
+
+SPEC = FamilySpec(
+    name="flux2",
+    classes=("Flux2Transformer2DModel",),
+    stacks=("transformer_blocks", "single_transformer_blocks"),
+    sites=_sites,
+    grid=IdsGrid,
+    enter=("output", "x_embedder"),
+    leave="norm_out",
+    position_inputs=("img_ids",),
+    default_blocks=skip_first(5),
+)
+ADAPTER = EngineAdapter(SPEC)
