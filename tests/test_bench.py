@@ -87,6 +87,9 @@ def test_bench_cli_tiny_unet_writes_json_and_png(tmp_path, capsys):
     assert "speedup" in out and "efficiency" in out
     assert f"kernels per forward (batch 1): none {rows[('none', 1)]['kernels']}; " in out
     assert f"toma@0.5 {rows[('toma', 1)]['extra_kernels']:+d}" in out
+    if hasattr(__import__("os"), "getloadavg"):
+        assert len(report["load_average_before"]) == 3 and len(report["load_average_after"]) == 3
+        assert "load average" in out
 
 
 def spread_report(none, toma, ideal):
@@ -116,6 +119,33 @@ def test_rows_that_noise_decides_are_flagged(tmp_path, capsys):
     path.write_text(json.dumps(spread_report([10.0, 10.1, 10.05], [8.0, 8.05, 8.1], [7.5, 7.55, 7.6])))
     assert main(["bench", "--from-json", str(path), "--out", str(tmp_path / "o")]) == 0
     assert "UNRELIABLE" not in capsys.readouterr().out
+
+
+def plotted(monkeypatch, report, tmp_path):
+    """The figure plot_report draws for ``report`` (statistics derived first)."""
+    from toma.tools import bench_report
+
+    figs = []
+    monkeypatch.setattr(bench_report, "save_figure", lambda fig, path: figs.append(fig))
+    bench_report.derive(report["results"], 1)
+    assert bench_report.plot_report({**report, "arch": "x", "resolution": 64}, tmp_path / "p.png")
+    (fig,) = figs
+    return fig.axes[0]
+
+
+def test_bench_plot_uses_bars_for_one_ratio(monkeypatch, tmp_path):
+    from matplotlib.patches import Rectangle
+
+    ax = plotted(monkeypatch, spread_report([10.0, 10.2, 10.1], [8.0, 8.1, 8.2], [7.0, 7.1, 7.2]), tmp_path)
+    bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert [round(b.get_height(), 6) for b in bars] == [10.1, 8.1, 7.1]  # none, toma, ideal medians
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["none (unpatched)", "toma", "ideal"]
+    assert "ratio 0.5" in ax.get_title()
+    # several ratios: latency against the ratio axis, no bars
+    report = spread_report([10.0, 10.2, 10.1], [8.0, 8.1, 8.2], [7.0, 7.1, 7.2])
+    report["results"] += [{**r, "ratio": 0.25, "times_s": [t + 1 for t in r["times_s"]]} for r in report["results"][1:]]
+    ax = plotted(monkeypatch, report, tmp_path)
+    assert not [p for p in ax.patches if isinstance(p, Rectangle)] and list(ax.get_xticks()) == [0.25, 0.5]
 
 
 def test_from_json_rederives_statistics_and_replots(tmp_path, capsys):

@@ -101,3 +101,42 @@ def test_generate_missing_weights_is_clear(tmp_path, capsys):
     empty.mkdir()
     assert main(["generate", "--model", str(empty), "--out", str(tmp_path / "x.png")]) == 2
     assert "model_index.json" in capsys.readouterr().err
+
+
+def test_generate_labels_its_progress_bars_and_images(tmp_path, capsys):
+    out = tmp_path / "cmp.png"
+    assert main(["generate", "--steps", "2", "--labels", "1,7", "--compare", "--ratio", "0.25", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    # each run's progress bar says which run it is
+    assert "unmerged:" in err and "ToMA 0.25:" in err and "denoising:" not in err
+
+
+def dark_columns(img, top, bottom):
+    """Columns of ``img`` with a dark pixel between rows ``top`` and ``bottom`` (text drawn there)."""
+    import numpy as np
+
+    arr = np.asarray(img.convert("L"))[top:bottom]
+    return set(np.nonzero((arr < 128).any(axis=0))[0].tolist())
+
+
+def test_grid_writes_each_images_label_under_it():
+    from toma.tools.generate import LABEL_HEIGHT, make_grid
+
+    images = torch.zeros(3, 1, 8, 8)  # black cells, so only the label strips hold text
+    bare, labelled = make_grid(images, ncols=3, upscale=2), make_grid(images, ncols=3, upscale=2, labels=["0", "1", "7"])
+    assert labelled.height == bare.height + LABEL_HEIGHT and labelled.width == bare.width
+    ink = dark_columns(labelled, 2 + 16, labelled.height)
+    for col in range(3):  # text under every cell, inside its column
+        assert ink & set(range(2 + col * 18, 2 + col * 18 + 16)), col
+    strips = [labelled.crop((2 + col * 18, 18, 2 + col * 18 + 16, labelled.height)).tobytes() for col in range(3)]
+    assert len(set(strips)) == 3  # three different texts
+    with pytest.raises(ValueError, match="labels"):
+        make_grid(images, labels=["0"])
+
+
+def test_generated_grid_has_a_caption(tmp_path):
+    out = tmp_path / "digits.png"
+    assert main(["generate", "--steps", "1", "--labels", "3", "--out", str(out)]) == 0
+    img = Image.open(out)
+    assert dark_columns(img, 0, 18)  # the caption strip above the grid holds text
+    assert img.height == 18 + 20 + (2 + 128 + 14 + 2)  # caption, margins, one labelled 128px cell

@@ -32,3 +32,42 @@ def test_applying_to_one_family_imports_only_its_adapter():
     adapters = {m for m in mods if m.startswith("toma.adapters.")}
     # the engine and its MLP-chunking part, and SD3's spec; no other family's
     assert adapters == {"toma.adapters.base", "toma.adapters.engine", "toma.adapters.chunking", "toma.adapters.sd3"}
+
+
+def loaded_by_cli(*argv: str) -> tuple[int, set[str]]:
+    """Exit code and the modules loaded when a fresh interpreter runs the ``toma`` CLI with ``argv``."""
+    script = (
+        "import sys, json\n"
+        "from toma.tools.cli import main\n"
+        "try:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+        "print(json.dumps([code, sorted(sys.modules)]), file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
+                         cwd=Path(__file__).parents[1])
+    code, mods = json.loads(out.stderr.strip().splitlines()[-1])
+    return code, set(mods)
+
+
+def test_cli_help_version_and_argument_errors_do_not_import_torch():
+    # torch takes ~1.3 s to import: help, version and argparse errors must answer without it
+    cases = [("--help",), ("--version",), ("bench", "--help"), ("eval", "--help"), ("generate", "--help"),
+             ("bench", "--arch", "no-such-arch"), ("eval", "--steps", "x"), ("no-such-command",)]
+    for argv in cases:
+        code, mods = loaded_by_cli(*argv)
+        assert code in (0, 2), (argv, code)
+        heavy = sorted(m for m in mods if m.split(".")[0] in ("torch", "diffusers", "transformers", "matplotlib"))
+        assert not heavy, (argv, heavy[:5])
+
+
+def test_lazy_public_names_resolve():
+    import toma
+
+    assert {"apply_toma", "remove_toma", "get_toma", "ToMAConfig", "ToMAPatch"} <= set(dir(toma))
+    from toma import ToMAConfig, apply_toma
+    from toma.api import apply_toma as direct
+
+    assert apply_toma is direct and ToMAConfig(ratio=0.25).ratio == 0.25
+    import pytest
+
+    with pytest.raises(AttributeError, match="no_such_name"):
+        toma.no_such_name

@@ -9,9 +9,40 @@ Quick start::
     toma.apply_toma(pipe, config=toma.load_config("tuned.json"))   # settings from `toma tune`
 """
 
-from toma.api import ToMAPatch, apply_toma, get_toma, remove_toma
-from toma.config import ConfigFileError, ToMAConfig, load_config
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from toma.api import ToMAPatch, apply_toma, get_toma, remove_toma
+    from toma.config import ConfigFileError, ToMAConfig, load_config
 
 __version__ = "0.1.0"
 
 __all__ = ["ConfigFileError", "ToMAConfig", "ToMAPatch", "apply_toma", "get_toma", "load_config", "remove_toma", "__version__"]
+
+# public name -> module defining it. They load on first use (PEP 562), so that the ``toma``
+# command can print its help and version without importing torch (about 1.3 s).
+_LAZY = {
+    "ConfigFileError": "toma.config",
+    "ToMAConfig": "toma.config",
+    "load_config": "toma.config",
+    "ToMAPatch": "toma.api",
+    "apply_toma": "toma.api",
+    "get_toma": "toma.api",
+    "remove_toma": "toma.api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'toma' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

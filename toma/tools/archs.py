@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+# torch loads inside the functions that build models and inputs: ``toma bench --help``
+# reads ARCHS without paying for it
 
 # Published configs of the denoisers (only the fields that differ from diffusers' defaults
 # or that define the architecture).
@@ -395,7 +398,7 @@ def build_model(
     arch: Arch,
     depth: int = 1,
     model_path: str | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> torch.nn.Module:
@@ -407,10 +410,13 @@ def build_model(
         model_path: a local directory or an already-cached hub id with real weights (looked up
             without network access, in ``unet/`` or ``transformer/`` or at the top level).
             None builds random weights from ``arch.config``.
-        dtype, device: where the weights live.
+        dtype, device: where the weights live (dtype None: float32).
         seed: seed of the random weights.
     """
     import diffusers
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
 
     cls = getattr(diffusers, _CLASSES[arch.family])
     if model_path is not None:
@@ -435,14 +441,18 @@ def build_model(
         # initialise where the model will run: a 12B-parameter init on the CPU alone
         # takes minutes, on a GPU seconds
         model = cls(**config)
-    return model.to(dtype=dtype).eval()
+    if dtype != torch.float32 and getattr(model, "_keep_in_fp32_modules", None):
+        return model.to(dtype=dtype).eval()  # its warning is then true: those modules are cast too
+    # diffusers' ModelMixin.to warns "should be kept in float32: []" at any dtype cast, even
+    # when no module is to be kept or the dtype is float32; nn.Module.to casts alike, silently
+    return torch.nn.Module.to(model, dtype=dtype).eval()
 
 
 def make_inputs(
     arch: Arch,
     resolution: int,
     batch: int = 1,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     seed: int = 0,
     frames: int | None = None,
@@ -458,8 +468,12 @@ def make_inputs(
     CogVideoX: latents ``(B, F', 16, H/8, W/8)``, text, the pipeline's rotary tables.
     Qwen-Image: packed latents ``(B, (R/16)^2, 64)``, text, ``img_shapes``. Flux.2: packed
     latents ``(B, (R/16)^2, 128)``, text ``(B, 512, 15360)``, 4-column ``img_ids``, ``txt_ids``.
-    The timestep is a placeholder; :func:`set_timestep` changes it per step.
+    The timestep is a placeholder; :func:`set_timestep` changes it per step. ``dtype`` None
+    means float32.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     g = torch.Generator().manual_seed(seed)
     height, width = arch.size(resolution)
     step = arch.patch * arch.vae_scale
@@ -543,9 +557,13 @@ def make_inputs(
 
 
 def cogvideox_rotary(config: dict[str, Any], frames: int, lh: int, lw: int, device: torch.device | str = "cpu",
-                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``(frames * h * w, head_dim)`` cos and sin tables CogVideoXPipeline passes for a
-    ``frames x lh x lw`` latent video (CogVideoX 1.0's crop-to-base-grid positions)."""
+    ``frames x lh x lw`` latent video (CogVideoX 1.0's crop-to-base-grid positions), in
+    ``dtype`` (None: float32)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     from diffusers.models.embeddings import get_3d_rotary_pos_embed
     from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
@@ -572,6 +590,8 @@ def latent_frames(arch: Arch, frames: int | None = None) -> int:
 
 def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> dict[str, Any]:
     """``inputs`` at denoising step ``step`` of ``steps`` (timesteps decrease, as in a sampler)."""
+    import torch
+
     frac = 1.0 - step / max(steps, 1)
     t = inputs["timestep"]
     # the flow-matching transformers take the timestep in [0, 1]

@@ -21,24 +21,25 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
+# nothing here imports torch at module level: the CLI builds this parser for ``--help``
 from toma.tools.archs import ARCHS, DEPTH_KEYS, get_arch, latent_frames
-from toma.tools.bench_harness import benchmark
 from toma.tools.bench_report import CACHES, METHODS, derive, format_report, split_method, write_outputs
 from toma.tools.report import check_output, missing_extra, wrote
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+# --dtype spellings -> torch dtype names
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``bench`` subcommand."""
+    from toma.tools.cli import HelpFormatter
+
     p = subparsers.add_parser(
         "bench",
         help="time denoiser forwards: ToMA vs unpatched, tomesd, ToDo and the ideal",
         description=__doc__.split("\n\n")[0] + " Nothing is downloaded.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--arch", choices=sorted(ARCHS), help="denoiser architecture (required unless --from-json)")
     p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the arch's native)")
@@ -102,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     missing = missing_extra("matplotlib", "bench", "the PNG plot")
     if missing:
         print(f"note: {missing}; writing the JSON only")
+    from toma.tools.bench_harness import benchmark
+
     report = benchmark(**opts, log=print)
     _show_and_write(report, Path(args.out), args.name)
     return 130 if report["interrupted"] else 0
@@ -124,6 +127,8 @@ def _show_and_write(report: dict[str, Any], out: Path, name: str | None) -> None
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     if args.arch is None:
         raise ValueError(f"--arch is required (one of {', '.join(sorted(ARCHS))})")
     arch = get_arch(args.arch)
@@ -156,7 +161,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     if args.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     elif args.dtype in DTYPES:
-        dtype = DTYPES[args.dtype]
+        dtype = getattr(torch, DTYPES[args.dtype])
     else:
         raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {args.dtype!r}")
     if args.cuda_graph and device.type != "cuda":

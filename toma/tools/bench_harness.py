@@ -8,10 +8,14 @@ replays or under torch.compile. It returns the report dict of :mod:`toma.tools.b
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -153,6 +157,36 @@ def _time_sample(call: Callable[[dict[str, Any]], Any], inputs: list[dict[str, A
     return (time.perf_counter() - start) / len(inputs)
 
 
+# what PyTorch's profiler library (Kineto) prints straight to file descriptor 2 at every
+# profiler start and stop, whatever KINETO_LOG_LEVEL says
+_KINETO_NOISE = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _kineto_lines_dropped() -> Iterator[None]:
+    """Drop Kineto's ``USDT: ... profiler_start`` lines from stderr while the block runs.
+
+    They bypass Python, so the file descriptor itself is pointed at a temporary file; any
+    other text written to stderr meanwhile is passed on when the block ends.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not _KINETO_NOISE.match(line))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
+
+
 def _profile_forward(call: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], device: torch.device,
                      method: str) -> dict[str, float]:
     """Share of one forward spent in each overhead part of ``method``, from profiler ranges."""
@@ -161,7 +195,7 @@ def _profile_forward(call: Callable[[dict[str, Any]], Any], inputs: dict[str, An
     from toma.tools.baselines import tomesd_profiled
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with tomesd_profiled(), profile(activities=activities) as prof:
+    with _kineto_lines_dropped(), tomesd_profiled(), profile(activities=activities) as prof:
         with record_function("bench::forward"):
             call(inputs)
         _sync(device)
@@ -213,6 +247,9 @@ def benchmark(
     graph (on the first step's inputs) and a sample times ``steps`` replays of it. Ctrl-C
     stops the rounds and returns what was measured, with ``report["interrupted"] = True``.
     """
+    from toma.tools.report import load_average
+
+    load_before = load_average()
     device = torch.device(device)
     placement = {"levels": 1, "merge_mlp": False, "tile_size": 4, **(placement or {})}
     toma_options = dict(toma_options or {})
@@ -292,6 +329,7 @@ def benchmark(
     report = build_report(arch, model, resolution, dtype, device, depth, steps, repeats, warmup, methods, ratios,
                           batches, harness, settings, skipped, notes, results, interrupted, compile)
     report["cuda_graph"] = cuda_graph
+    report["load_average_before"], report["load_average_after"] = load_before, load_average()
     return report
 
 

@@ -12,13 +12,13 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from toma import __version__
 from toma.tools.archs import STACKS, Arch, count_parameters
 from toma.tools.report import cell, processor_name, pyplot, save_figure, write_json
 
 if TYPE_CHECKING:
+    import torch
+
     from toma.tools.bench_harness import Measurement, MethodPatcher, Variant
 
 # the report's vocabulary: rows are sorted by method in this order, overheads split in these parts
@@ -46,6 +46,8 @@ def build_report(arch: Arch, model: torch.nn.Module, resolution: int, dtype: tor
                  notes: list[str], results: dict[tuple[Variant, int], Measurement], interrupted: bool,
                  compiled: bool) -> dict[str, Any]:
     """The report of one benchmark run: its conditions, then one row per measured variant and batch."""
+    import torch  # here, not at the top: the CLI reads METHODS to build its help without torch
+
     rows = [
         {
             "method": v.method,
@@ -136,14 +138,19 @@ def derive(rows: list[dict[str, Any]], first_batch: int) -> list[dict[str, Any]]
             r[f"vs_batch{first_batch}"] = r["median_s"] / first["median_s"]
     for r in rows:
         r["spread"] = (r["max_s"] - r["min_s"]) / r["median_s"]
-        r["flags"] = _flags(r, by_key.get(("none", None, r["batch"], r["compiled"])))
+        r["flags"] = timing_flags(r, by_key.get(("none", None, r["batch"], r["compiled"])))
     return rows
 
 
-def _flags(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+def timing_flags(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
     """Why a row's figures cannot be trusted: samples that spread by more than the effect
     they measure (against the unpatched row's own spread too), or an efficiency above 100%
-    (the ideal is the ceiling, so that is noise)."""
+    (the ideal is the ceiling, so that is noise).
+
+    ``r`` and ``base`` (the unpatched row) hold ``spread``, (max - min) / median of their
+    samples; ``r`` holds ``speedup`` (base time / time) and may hold ``efficiency``. Shared
+    by ``toma bench`` and ``toma eval``.
+    """
     flags = []
     if base is not None and r is not base and r.get("speedup"):
         effect = abs(1 - 1 / r["speedup"])
@@ -182,6 +189,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"  {report['steps_per_sample']} forward(s) per sample, {report['repeats']} timed samples per variant "
         f"after {report['warmup']} warm-up, interleaved; placement {report['placement']}",
     ]
+    before, after = report.get("load_average_before"), report.get("load_average_after")
+    if before and after:
+        busy = max(before[0], after[0]) > (report["cpu_count"] or 1)
+        lines.append(f"  load average {before[0]:.2f} before, {after[0]:.2f} after (1 minute) on {report['cpu_count']} CPUs"
+                     + (": more than the CPUs, the timings shared them" if busy else ""))
     lines += [f"  note: {n}" for n in report["notes"]]
     lines += [f"  skipped {m}: {why}" for m, why in report["skipped"].items()]
     if report["interrupted"]:
@@ -235,7 +247,8 @@ def write_outputs(report: dict[str, Any], out: Path, name: str | None = None) ->
 
 
 def plot_report(report: dict[str, Any], path: Path) -> bool:
-    """Plot median latency against ratio, one line per method (first batch size, eager).
+    """Plot median latency against ratio, one line per method (first batch size, eager);
+    with a single ratio, one bar per method.
 
     Returns False (and writes nothing) when matplotlib is missing or nothing was measured.
     """
@@ -249,6 +262,14 @@ def plot_report(report: dict[str, Any], path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ratios = sorted({r["ratio"] for r in rows if r["ratio"] is not None}) or [0.0]
+    title = f"{report['arch']} {report['resolution']}px {report['dtype']} {report['device']} batch {batch}"
+    if len(ratios) == 1:
+        # a ratio axis with one value spreads the methods' small sideways offsets over the
+        # whole width, which reads as a trend; bars compare the methods as they are
+        _bars(ax, rows)
+        ax.set_title(f"{title}, ratio {ratios[0]:g}", fontsize=10)
+        save_figure(fig, path)
+        return True
     for method in METHODS:
         mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["ratio"] or 0)
         if not mine:
@@ -265,9 +286,26 @@ def plot_report(report: dict[str, Any], path: Path) -> bool:
     ax.set_xticks(ratios)
     ax.set_xlabel("merge ratio (fraction of tokens removed)")
     ax.set_ylabel("seconds per denoiser forward (median)")
-    ax.set_title(f"{report['arch']} {report['resolution']}px {report['dtype']} {report['device']} batch {batch}",
-                 fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     save_figure(fig, path)
     return True
+
+
+def _bars(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """One bar per method (median seconds, whiskers from min to max), in the report's method order."""
+    ordered = sorted(rows, key=lambda r: method_order(r["method"]))
+    xs = range(len(ordered))
+    medians = [r["median_s"] for r in ordered]
+    colours = ["gray" if r["method"] == "none" else f"C{METHODS.index(split_method(r['method'])[0])}" for r in ordered]
+    ax.bar(xs, medians, color=colours,
+           yerr=[[r["median_s"] - r["min_s"] for r in ordered], [r["max_s"] - r["median_s"] for r in ordered]],
+           capsize=4)
+    ax.set_xticks(list(xs), [("none (unpatched)" if r["method"] == "none" else r["method"]) for r in ordered])
+    for x, r in zip(xs, ordered):
+        if r.get("speedup") and r["method"] != "none":
+            ax.annotate(f"{r['speedup']:.2f}x", (x, r["max_s"]), textcoords="offset points", xytext=(0, 3),
+                        ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("seconds per denoiser forward (median, min-max)")
+    ax.grid(alpha=0.3, axis="y")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 # subcommand name -> module that registers it
@@ -16,8 +17,29 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "toma.tools.bench",
     "generate": "toma.tools.generate",
     "eval": "toma.tools.evaluate",
-    "tune": "toma.tools.tune",
+    "tune": "toma.tools.tune_cli",
 }
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that keeps descriptions as written and shows each option's default once.
+
+    argparse's ``ArgumentDefaultsHelpFormatter`` appends ``(default: ...)`` to every option,
+    also to those whose help already says what the default is, and prints ``(default:
+    None)`` for options whose default is worked out at run time. This appends the default
+    only where the help does not mention one and there is a value to show.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            re.search(r"\bdefault\b", text)
+            or action.default in (None, False, argparse.SUPPRESS)
+            or not action.option_strings
+            or action.nargs == 0  # flags: their default is the flag's absence
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,15 +11,22 @@ from typing import Any
 
 import torch
 
-from toma.tools.eval_harness import Processes, add_speedup, apply_method, frechet_to, key, mean_and_sem
-from toma.tools.generate import timed, toma_options
+from toma.tools.eval_harness import (
+    Processes,
+    add_speedup,
+    frechet_to,
+    generate_interleaved,
+    image_progress,
+    key,
+    mean_and_sem,
+    timing,
+)
+from toma.tools.generate import toma_options
 from toma.tools.metrics import feature_stats, psnr, ssim
 
 
 def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[str, float]]) -> dict[str, Any]:
     """Generate with every variant on this process's share; returns per-variant records."""
-    from tqdm.auto import tqdm
-
     from toma.tools.builtin import NUM_CLASSES, classify, load_builtin, sample
 
     model = load_builtin() if args.builtin_path is None else load_builtin(args.builtin_path)
@@ -28,23 +35,19 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
     options = toma_options(args)
     records: dict[str, Any] = {}
     reference: torch.Tensor | None = None
-    bar = tqdm(total=len(runs) * len(items), desc="eval images", disable=not procs.is_main)
+    batches = [items[start : start + args.batch_size] for start in range(0, len(items), args.batch_size)]
+
+    def generate(batch: list[tuple[int, int, int]]) -> torch.Tensor:
+        return sample(model, [b[1] for b in batch], [b[2] for b in batch], steps=steps,
+                      guidance_scale=args.guidance_scale, progress=False)
+
+    def warm_up() -> None:
+        sample(model, [0], [0], steps=1, guidance_scale=args.guidance_scale, progress=False)
+
+    with image_progress(len(runs) * len(items), procs.is_main) as progress:
+        generated = generate_interleaved(model.unet, runs, batches, options, generate, warm_up, progress)
     for method, ratio in runs:
-        remove = apply_method(model.unet, method, ratio, options)
-        try:
-            # the first calls pay one-off set-up; keep it out of the timing
-            sample(model, [0], [0], steps=1, guidance_scale=args.guidance_scale, progress=False)
-            chunks, seconds = [], 0.0
-            for start in range(0, len(items), args.batch_size):
-                batch = items[start : start + args.batch_size]
-                images, dt = timed(lambda: sample(
-                    model, [b[1] for b in batch], [b[2] for b in batch], steps=steps,
-                    guidance_scale=args.guidance_scale, progress=False))
-                chunks.append(images)
-                seconds += dt
-                bar.update(len(batch))
-        finally:
-            remove()
+        chunks, seconds = generated[(method, ratio)]
         images = torch.cat(chunks) if chunks else torch.empty(0, 1, 32, 32)
         if reference is None:
             reference = images
@@ -56,11 +59,11 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
             "ssim": ssim(images, reference).tolist(),
             "preds": preds.tolist(),
             "features": feats.double().tolist(),
-            "seconds": seconds,
+            "batch_seconds": seconds,
+            "batch_sizes": [len(b) for b in batches],
             "count": len(items),
             "preview": images[:20].tolist() if procs.is_main else None,
         }
-    bar.close()
     records["_reference"] = {"mu": model.reference_mu.tolist(), "sigma": model.reference_sigma.tolist()}
     records["_guidance_scale"] = model.guidance_scale if args.guidance_scale is None else args.guidance_scale
     return records
@@ -89,7 +92,7 @@ def summarise_builtin(gathered: list[dict[str, Any]], runs: list[tuple[str, floa
             "accuracy": float((preds == labels).double().mean()),
             "fd_real": frechet_to(feats, ref_mu, ref_sigma),
             "fd_vs_none": frechet_to(feats, *feature_stats(base_feats)) if len(base_feats) > 1 else float("nan"),
-            "latency_s": sum(p["seconds"] for p in parts) / max(count, 1),
+            **timing(parts),
         }
         rows.append(row)
     return add_speedup(rows)

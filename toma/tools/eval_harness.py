@@ -8,16 +8,27 @@ the per-variant statistics both summaries compute.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import statistics
+import sys
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-import torch
-
-from toma.tools.metrics import feature_stats, frechet_distance, mean_finite
+if TYPE_CHECKING:
+    import torch
+# torch and the metrics load in the functions that use them: the CLI reads METHODS and the
+# metric models' ids to build ``toma eval --help`` without importing torch
 
 METHODS = ("none", "toma", "toma-random", "toma-grid", "tomesd")
+# Frechet distances estimate a covariance from the images' features: below this many
+# images per variant they swing with the seeds drawn (the usual advice is thousands)
+FD_MIN_IMAGES = 100
+# hub ids of the metric models that --clip and --dino load (from the local cache only)
+DEFAULT_CLIP_MODEL = "openai/clip-vit-large-patch14"
+DEFAULT_DINO_MODEL = "facebook/dinov2-base"
 TOMA_SELECTION = {"toma": "facility", "toma-random": "random", "toma-grid": "grid"}
 
 
@@ -70,6 +81,76 @@ def tomesd_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+@contextlib.contextmanager
+def image_progress(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """Progress over ``total`` images; yields the function to call with each batch's size.
+
+    The bar clears itself at the end and one line says what was done: tqdm redraws a
+    finished bar once more when it closes, which a log (not a terminal) kept as a second
+    copy of the last line.
+    """
+    from tqdm.auto import tqdm
+
+    done = 0
+    start = time.perf_counter()
+    bar = tqdm(total=total, desc="eval images", disable=not enabled, leave=False, file=sys.stderr)
+
+    def update(n: int) -> None:
+        nonlocal done
+        done += n
+        bar.update(n)
+
+    try:
+        yield update
+    finally:
+        bar.close()
+        if enabled:
+            print(f"eval images: {done}/{total} generated in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+
+def generate_interleaved(
+    target: Any,
+    runs: Sequence[tuple[str, float]],
+    batches: Sequence[Sequence[Any]],
+    options: dict[str, Any],
+    generate: Callable[[Sequence[Any]], torch.Tensor],
+    warm_up: Callable[[], Any],
+    progress: Callable[[int], None] = lambda n: None,
+) -> dict[tuple[str, float], tuple[list[torch.Tensor], list[float]]]:
+    """Generate every batch with every variant, timed batch by batch with the variants interleaved.
+
+    For each batch the variants run one after another, each patched onto ``target`` (see
+    :func:`apply_method`) for that batch only, in an order that rotates by one every batch.
+    A slow spell of a shared machine then hits every variant alike; timing one variant's
+    images in one block and then the next's let it land on a single variant. Before a
+    variant's first batch, ``warm_up()`` runs once untimed (one-off set-up).
+
+    Returns:
+        per ``(method, ratio)``: the images ``generate(batch)`` returned, in batch order, and
+        the seconds each batch took.
+    """
+    from toma.tools.generate import timed
+
+    out: dict[tuple[str, float], tuple[list[Any], list[float]]] = {run: ([], []) for run in runs}
+    for i, batch in enumerate(batches):
+        shift = i % len(runs)
+        for run in [*runs[shift:], *runs[:shift]]:
+            remove = apply_method(target, run[0], run[1], options)
+            try:
+                if i == 0:
+                    warm_up()
+                images, seconds = timed(lambda: generate(batch))
+            finally:
+                remove()
+            out[run][0].append(images)
+            out[run][1].append(seconds)
+            progress(len(batch))
+    return out
 
 
 # ---------------------------------------------------------------------------- processes
@@ -139,6 +220,10 @@ def mean_and_sem(name: str, values: torch.Tensor) -> dict[str, float]:
 
     The standard error says whether two methods' means differ by more than seed noise.
     """
+    import torch
+
+    from toma.tools.metrics import mean_finite
+
     finite = values.double()[torch.isfinite(values.double())]
     sem = float(finite.std() / math.sqrt(finite.numel())) if finite.numel() > 1 else float("nan")
     return {name: mean_finite(values), f"{name}_sem": sem}
@@ -150,17 +235,53 @@ def frechet_to(feats: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> fl
     One feature vector has no covariance; a process or a variant with a single image
     reports NaN (shown as n/a) rather than failing.
     """
+    from toma.tools.metrics import feature_stats, frechet_distance
+
     if len(feats) < 2:
         return float("nan")
     return frechet_distance(*feature_stats(feats), mu, sigma)
 
 
+def timing(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Latency per image of one variant from every process's records, and its spread.
+
+    Each record holds ``batch_seconds`` and ``batch_sizes``. ``spread`` is (max - min) /
+    median of the seconds per image of the timed batches, as in ``toma bench``; a smaller
+    last batch is left out of it (a batch's size changes its time per image). None with
+    fewer than two batches.
+    """
+    count = sum(p["count"] for p in parts)
+    samples = [(s / n, n) for p in parts for s, n in zip(p["batch_seconds"], p["batch_sizes"]) if n]
+    full = max((n for _, n in samples), default=0)
+    per_image = [t for t, n in samples if n == full]
+    spread = (max(per_image) - min(per_image)) / statistics.median(per_image) if len(per_image) > 1 else None
+    return {"latency_s": sum(sum(p["batch_seconds"]) for p in parts) / max(count, 1),
+            "timed_batches": len(per_image), "spread": spread}
+
+
 def add_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Add ``speedup`` = unmerged latency / latency to every row."""
-    base = rows[0]["latency_s"]
+    """Add ``speedup`` = unmerged latency / latency to every row, and the ``flags`` of rows
+    whose timing cannot be trusted (the rules of ``toma bench``: samples that spread by more
+    than the effect measured)."""
+    from toma.tools.bench_report import timing_flags
+
+    base = rows[0]
     for row in rows:
-        row["speedup"] = base / row["latency_s"] if row["latency_s"] > 0 else float("nan")
+        row["speedup"] = base["latency_s"] / row["latency_s"] if row["latency_s"] > 0 else float("nan")
+    for row in rows:
+        measured = row.get("spread") is not None and base.get("spread") is not None
+        row["flags"] = timing_flags(row, base) if measured else []
     return rows
+
+
+def fd_warning(rows: Sequence[dict[str, Any]]) -> str | None:
+    """The warning that Frechet distances rest on too few images, or None."""
+    fd = [k for k in ("fd_real", "fd_vs_none", "fd_dino_reference") if k in rows[0]]
+    fewest = min(r["n_images"] for r in rows)
+    if not fd or fewest >= FD_MIN_IMAGES:
+        return None
+    return (f"Frechet distances ({', '.join(fd)}) from {fewest} images per variant are unreliable: "
+            f"they need about {FD_MIN_IMAGES} or more (--num-images)")
 
 
 def key(method: str, ratio: float) -> str:

@@ -12,8 +12,17 @@ from typing import Any
 
 import torch
 
-from toma.tools.eval_harness import Processes, add_speedup, apply_method, frechet_to, key, mean_and_sem
-from toma.tools.generate import check_frames, load_pipeline, pipeline_call, resolve_device_dtype, sync, timed, toma_options
+from toma.tools.eval_harness import (
+    Processes,
+    add_speedup,
+    frechet_to,
+    generate_interleaved,
+    image_progress,
+    key,
+    mean_and_sem,
+    timing,
+)
+from toma.tools.generate import check_frames, load_pipeline, pipeline_call, resolve_device_dtype, sync, toma_options
 from toma.tools.metrics import (
     ClipScorer,
     DinoFeatures,
@@ -48,8 +57,6 @@ def read_prompts(path: Path | None) -> list[str]:
 
 def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[str, float]]) -> dict[str, Any]:
     """Generate with every variant from a diffusers pipeline; returns per-variant records."""
-    from tqdm.auto import tqdm
-
     # metric weights first: a missing model should fail before minutes of generation
     clip = ClipScorer(args.clip_model) if args.clip else None
     dino = DinoFeatures(args.dino_model) if (args.dino or args.fid_reference) else None
@@ -68,23 +75,21 @@ def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[s
     records: dict[str, Any] = {}
     reference: torch.Tensor | None = None
     ref_dino: torch.Tensor | None = None
-    bar = tqdm(total=len(runs) * len(items), desc="eval images", disable=not procs.is_main)
+
+    def generate(batch: list[tuple[int, str, int]]) -> torch.Tensor:
+        (_, prompt, seed), = batch
+        out = pipeline_call(pipe, [prompt], [seed], steps, args, device, progress=False)
+        sync(device)
+        return out
+
+    def warm_up() -> None:
+        pipeline_call(pipe, [prompts[0]], [0], 1, args, device, progress=False)
+
+    # one image per pipeline call, so a batch is one image
+    with image_progress(len(runs) * len(items), procs.is_main) as progress:
+        generated = generate_interleaved(pipe, runs, [[item] for item in items], options, generate, warm_up, progress)
     for method, ratio in runs:
-        remove = apply_method(pipe, method, ratio, options)
-        try:
-            pipeline_call(pipe, [prompts[0]], [0], 1, args, device, progress=False)  # warm-up
-            chunks, seconds = [], 0.0
-            for idx, prompt, seed in items:
-                def one() -> torch.Tensor:
-                    out = pipeline_call(pipe, [prompt], [seed], steps, args, device, progress=False)
-                    sync(device)
-                    return out
-                image, dt = timed(one)
-                chunks.append(image)
-                seconds += dt
-                bar.update(1)
-        finally:
-            remove()
+        chunks, seconds = generated[(method, ratio)]
         images = torch.cat(chunks) if chunks else torch.empty(0, 3, 64, 64)  # a process may get no prompts
         texts = [b[1] for b in items]
         if images.dim() == 5:  # video clips (B, T, 3, H, W): every metric is per frame
@@ -96,7 +101,8 @@ def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[s
             "indices": [b[0] for b in items],
             "psnr": psnr(images, reference).tolist(),
             "ssim": ssim(images, reference).tolist(),
-            "seconds": seconds,
+            "batch_seconds": seconds,
+            "batch_sizes": [1] * len(items),
             "count": len(items),
             "preview": make_preview(images) if procs.is_main else None,
         }
@@ -109,7 +115,6 @@ def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[s
             rec["dino"] = cosine_similarity(feats, ref_dino).tolist()
             rec["dino_features"] = feats.tolist()
         records[key(method, ratio)] = rec
-    bar.close()
     return records
 
 
@@ -139,7 +144,7 @@ def summarise_pipeline(gathered: list[dict[str, Any]], runs: list[tuple[str, flo
             "n_images": count,
             **mean_and_sem("psnr", cat("psnr")),
             **mean_and_sem("ssim", cat("ssim")),
-            "latency_s": sum(p["seconds"] for p in parts) / max(count, 1),
+            **timing(parts),
         }
         if any("clip_t" in p for p in parts):
             row["clip_t"] = float(cat("clip_t").mean())

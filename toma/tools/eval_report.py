@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from toma.tools.eval_harness import METHODS, Processes, key
+from toma.tools.eval_harness import METHODS, Processes, fd_warning, key
 from toma.tools.generate import BUILTIN_UPSCALE, make_grid, side_by_side
 from toma.tools.report import cell, processor_name, pyplot, save_figure, write_json, wrote
 
@@ -32,20 +32,88 @@ COLUMNS = [
     ("fd_dino_reference", "FD (DINOv2) to reference", "{:.2f}"),
     ("latency_s", "latency (s/image)", "{:.3f}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("spread", "time spread", "{:.0%}"),
 ]
+FD_COLUMNS = ("fd_real", "fd_vs_none", "fd_dino_reference")
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """Rows as a markdown table with the columns present in the first row."""
+def markdown_table(rows: list[dict[str, Any]], mark_fd: bool = False) -> str:
+    """Rows as a markdown table with the columns present in the first row; ``mark_fd``
+    puts a ``*`` on the Frechet distance headings (see :func:`notes`)."""
     cols = [c for c in COLUMNS if c[0] in rows[0]]
-    lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
+    heads = [c[1] + (" *" if mark_fd and c[0] in FD_COLUMNS else "") for c in cols]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(cols)]
     for row in rows:
         lines.append("| " + " | ".join(cell(row[c[0]], c[2], missing="n/a") for c in cols) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Quality (PSNR, SSIM, and accuracy when present) against speedup, one series per method."""
+def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """What the reader must know to trust the table: the machine's load, rows whose timing
+    the noise decides, and Frechet distances from too few images."""
+    machine = meta["machine"]
+    out = []
+    before, after = machine.get("load_average_before"), machine.get("load_average_after")
+    if before and after:
+        busy = max(before[0], after[0]) > (machine["cpu_count"] or 1)
+        out.append(f"load average {before[0]:.2f} before and {after[0]:.2f} after the run (1 minute) "
+                   f"on {machine['cpu_count']} CPUs" + (", more than the CPUs: the timings shared them" if busy else "")
+                   + "; variants timed interleaved, batch by batch")
+    flagged = [r for r in rows if r.get("flags")]
+    for r in flagged:
+        out.append(f"UNRELIABLE timing of {key(r['method'], r['ratio'])}: " + "; ".join(r["flags"]))
+    if flagged:
+        threads = "" if machine.get("torch_threads") == 1 else "--threads 1, "
+        out.append(f"the machine was too noisy for these speedups: more images (more timed batches), {threads}"
+                   "or a quiet machine help")
+    if rows and all(r.get("spread") is None for r in rows):
+        out.append("one timed batch per variant: no spread to judge the timing by (--batch-size below --num-images)")
+    warning = fd_warning(rows)
+    if warning:
+        out.append(f"* warning: {warning}")
+    return out
+
+
+# where a ratio label may go, in points from its point, in order of preference
+LABEL_OFFSETS = [(4, 4), (4, -11), (-16, 4), (-16, -11), (4, 13), (-16, 13), (4, -20), (-16, -20), (12, -4), (-26, -4)]
+
+
+def place_labels(fig: Any, ax: Any, labels: list[tuple[float, float, str, Any]]) -> list[Any]:
+    """Annotate points ``(x, y, text, colour)`` so that no two labels overlap where there is room.
+
+    Labels of methods that land on nearly the same point (ToMA and its ablations at one
+    ratio) otherwise print on top of each other ("00.55"). Each label takes the first
+    offset in ``LABEL_OFFSETS`` whose box clears the labels placed before it, measured with
+    the figure's renderer after the final layout.
+    """
+    fig.tight_layout()  # the layout the figure is saved with, so the boxes measured hold
+    renderer = fig.canvas.get_renderer()
+    placed: list[Any] = []
+    boxes: list[Any] = []
+    for x, y, text, colour in labels:
+        for dx, dy in LABEL_OFFSETS:
+            note = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=7, color=colour)
+            note.set_in_layout(False)  # so saving's tight_layout keeps the layout measured here
+            box = note.get_window_extent(renderer)
+            if not any(box.overlaps(b) for b in boxes):
+                break
+            note.remove()
+        else:
+            note = ax.annotate(text, (x, y), textcoords="offset points", xytext=LABEL_OFFSETS[0], fontsize=7,
+                               color=colour)
+            note.set_in_layout(False)
+            box = note.get_window_extent(renderer)
+        placed.append(note)
+        boxes.append(box)
+    return placed
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Any:
+    """Quality (PSNR, SSIM, and accuracy when present) against speedup, one series per method.
+
+    With several ratios each point is labelled with its ratio; with one, the title says it.
+    Returns the figure (closed, already saved).
+    """
     plt = pyplot()
     panels = [("psnr", "PSNR vs unmerged (dB)"), ("ssim", "SSIM vs unmerged")]
     if "accuracy" in rows[0]:
@@ -53,6 +121,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     colours = plt.get_cmap("tab10")
+    ratios = sorted({r["ratio"] for r in rows if r["method"] != "none"})
+    labels: dict[Any, list[tuple[float, float, str, Any]]] = {}
     for ax, (metric, label) in zip(axes[0], panels):
         for method in methods:
             pts = sorted((r["speedup"], r[metric], r["ratio"]) for r in rows if r["method"] == method)
@@ -63,15 +133,17 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             style = ({"color": "black", "marker": "*", "markersize": 10} if method == "none"
                      else {"color": colours(METHODS.index(method)), "marker": "o"})
             ax.plot([p[0] for p in finite], [p[1] for p in finite], label=method, **style)
-            for x, y, rt in finite:
-                if method != "none":
-                    ax.annotate(f"{rt:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            if method != "none" and len(ratios) > 1:
+                labels.setdefault(ax, []).extend((x, y, f"{rt:g}", style["color"]) for x, y, rt in finite)
         ax.set_xlabel("speedup over unmerged (x)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title if len(ratios) != 1 else f"{title}, ratio {ratios[0]:g}")
+    for ax, points in labels.items():
+        place_labels(fig, ax, points)
     save_figure(fig, path)
+    return fig
 
 
 def write_samples(gathered: list[dict[str, Any]], runs: list[tuple[str, float]], path: Path, upscale: int) -> None:
@@ -115,14 +187,19 @@ def write_outputs(args: argparse.Namespace, rows: list[dict[str, Any]], meta: di
     """Write results.json, results.md, the plot and the samples sheet."""
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", {**meta, "results": rows})
-    table = markdown_table(rows)
+    warning = fd_warning(rows)
+    lines = notes(rows, meta)
+    write_json(out / "results.json", {**meta, "fd_reliable": warning is None, "notes": lines, "results": rows})
+    table = markdown_table(rows, mark_fd=warning is not None)
     header = (f"# toma eval: {meta['model']}\n\n{meta['num_images']} images per variant, {meta['steps']} steps, "
               f"seeds {meta['seed']}..{meta['seed'] + meta['num_images'] - 1}; {meta['machine']['processes']} process(es), "
               f"torch {meta['machine']['torch']}, {meta['machine']['torch_threads']} thread(s) each.\n\n")
-    (out / "results.md").write_text(header + table, encoding="utf-8")
+    footer = "".join(f"\n{line}\n" for line in lines)
+    (out / "results.md").write_text(header + table + footer, encoding="utf-8")
     plot(rows, out / "quality_vs_speedup.png", f"{meta['model']}: quality vs speedup")
     write_samples(gathered, runs, out / "samples.png", BUILTIN_UPSCALE if args.model is None else 1)
     print(table)
+    for line in lines:
+        print(line)
     print(wrote(out / name for name in ("results.json", "results.md", "quality_vs_speedup.png", "samples.png")))
 

@@ -23,12 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from toma.tools.eval_builtin import eval_builtin, summarise_builtin
-from toma.tools.eval_harness import METHODS, init_processes, tomesd_available, variants
-from toma.tools.eval_pipeline import eval_pipeline, summarise_pipeline
-from toma.tools.eval_report import machine_info, write_outputs
+# torch-free imports only: the CLI builds this parser for ``--help``; ``run`` loads the rest
+from toma.tools.eval_harness import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, METHODS
 from toma.tools.generate import (
     PipelineUnavailableError,
     add_frames_option,
@@ -38,17 +34,18 @@ from toma.tools.generate import (
     toma_options,
     validate_toma_options,
 )
-from toma.tools.metrics import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, MissingWeightsError
-from toma.tools.report import check_output, missing_extra
+from toma.tools.report import check_output, load_average, missing_extra
 
 
 def register(subparsers: Any) -> None:
     """Add the ``eval`` subcommand to the CLI."""
+    from toma.tools.cli import HelpFormatter
+
     p = subparsers.add_parser(
         "eval",
         help="compare merging methods against unmerged generation (quality and speed)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default=None, help="diffusers pipeline id or local folder (default: the built-in digits model)")
     p.add_argument("--methods", default="none,toma,toma-random,toma-grid,tomesd",
@@ -66,9 +63,9 @@ def register(subparsers: Any) -> None:
     add_frames_option(p)
     p.add_argument("--width", type=int, default=None, help="pipelines: image width")
     p.add_argument("--clip", action="store_true", help="pipelines: report CLIP-T (needs local CLIP weights)")
-    p.add_argument("--clip-model", default=DEFAULT_CLIP_MODEL)
+    p.add_argument("--clip-model", default=DEFAULT_CLIP_MODEL, help="pipelines: CLIP model id or folder for --clip")
     p.add_argument("--dino", action="store_true", help="pipelines: report DINO similarity to the unmerged image")
-    p.add_argument("--dino-model", default=DEFAULT_DINO_MODEL)
+    p.add_argument("--dino-model", default=DEFAULT_DINO_MODEL, help="pipelines: DINOv2 model id or folder for --dino")
     p.add_argument("--fid-reference", type=Path, default=None,
                    help="pipelines: folder of reference images; reports the Frechet distance on DINO features")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -109,6 +106,14 @@ def parse_ratios(text: str) -> list[float]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma eval``; returns the exit code."""
+    import torch
+
+    from toma.tools.eval_builtin import eval_builtin, summarise_builtin
+    from toma.tools.eval_harness import init_processes, tomesd_available, variants
+    from toma.tools.eval_pipeline import eval_pipeline, summarise_pipeline
+    from toma.tools.eval_report import machine_info, write_outputs
+    from toma.tools.metrics import MissingWeightsError
+
     try:
         methods = parse_methods(args.methods)
         ratios = parse_ratios(args.ratios)
@@ -142,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     runs = variants(methods, ratios)
+    load_before = load_average()
     try:
         records = eval_pipeline(args, procs, runs) if args.model else eval_builtin(args, procs, runs)
     except (PipelineUnavailableError, MissingWeightsError, FileNotFoundError, ValueError) as err:
@@ -165,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
             "guidance_scale": gathered[0].get("_guidance_scale", args.guidance_scale),
             "arguments": {k: (v if isinstance(v, (int, float, bool, type(None))) else str(v))
                           for k, v in vars(args).items() if k != "func"},
-            "machine": machine_info(procs),
+            "machine": {**machine_info(procs), "load_average_before": load_before, "load_average_after": load_average()},
         }
         write_outputs(args, rows, meta, gathered, runs)
     procs.barrier()

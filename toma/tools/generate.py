@@ -12,11 +12,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from toma.tools.report import IMAGE_SUFFIXES, check_output
+
+if TYPE_CHECKING:
+    import torch
+# torch loads in the functions that use it: the CLI builds this parser for ``--help`` without it
 
 BUILTIN_UPSCALE = 4  # 32x32 digits are shown at 128x128
 
@@ -27,18 +29,20 @@ class PipelineUnavailableError(RuntimeError):
 
 def register(subparsers: Any) -> None:
     """Add the ``generate`` subcommand to the CLI."""
+    from toma.tools.cli import HelpFormatter
+
     p = subparsers.add_parser(
         "generate",
         help="generate images with and without ToMA (built-in model by default)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default=None, help="diffusers pipeline id or local folder (default: the built-in digits model)")
     p.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="prompt for --model pipelines")
     p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="built-in model: comma-separated digits to draw")
     p.add_argument("--ratio", type=float, default=0.5, help="ToMA merge ratio in [0, 1) (default 0.5)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: 20 built-in, 30 pipelines)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the starting noise")
     p.add_argument("--out", type=Path, default=Path("toma_generate.png"), help="output PNG (default toma_generate.png)")
     p.add_argument("--compare", action="store_true", help="write the baseline and ToMA images side by side with timings")
     add_toma_options(p)
@@ -127,43 +131,65 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 # ---------------------------------------------------------------------------- images
 
 
-def make_grid(images: torch.Tensor, ncols: int | None = None, upscale: int = 1, pad: int = 2) -> Any:
-    """Tile images ``(B, C, H, W)`` in ``[0, 1]`` (C = 1 or 3) into one ``PIL.Image``."""
+LABEL_HEIGHT = 14  # pixels of the strip under each cell that holds its label
+
+
+def make_grid(images: torch.Tensor, ncols: int | None = None, upscale: int = 1, pad: int = 2,
+              labels: Sequence[str] | None = None) -> Any:
+    """Tile images ``(B, C, H, W)`` in ``[0, 1]`` (C = 1 or 3) into one ``PIL.Image``.
+
+    ``labels``: one text per image, written under it (the digit class, say).
+    """
     import math
 
-    from PIL import Image
+    import torch
+    from PIL import Image, ImageDraw
 
     if images.dim() != 4 or images.shape[1] not in (1, 3):
         raise ValueError(f"images must be (B, 1 or 3, H, W); got {tuple(images.shape)}")
     b, c, h, w = images.shape
+    if labels is not None and len(labels) != b:
+        raise ValueError(f"labels must give one text per image; got {len(labels)} for {b} images")
     if upscale > 1:
         images = torch.nn.functional.interpolate(images, scale_factor=upscale, mode="nearest")
         h, w = h * upscale, w * upscale
     ncols = ncols or min(b, 10)
     nrows = math.ceil(b / ncols)
-    canvas = torch.ones(c, nrows * (h + pad) + pad, ncols * (w + pad) + pad)
+    cell_h = h + pad + (LABEL_HEIGHT if labels is not None else 0)
+    canvas = torch.ones(c, nrows * cell_h + pad, ncols * (w + pad) + pad)
     for i, img in enumerate(images):
         r, col = divmod(i, ncols)
-        y, x = pad + r * (h + pad), pad + col * (w + pad)
+        y, x = pad + r * cell_h, pad + col * (w + pad)
         canvas[:, y : y + h, x : x + w] = img
     arr = (canvas.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-    return Image.fromarray(arr[..., 0] if c == 1 else arr).convert("RGB")
+    grid = Image.fromarray(arr[..., 0] if c == 1 else arr).convert("RGB")
+    if labels is not None:
+        draw = ImageDraw.Draw(grid)
+        for i, text in enumerate(labels):
+            r, col = divmod(i, ncols)
+            draw.text((pad + col * (w + pad) + w / 2, pad + r * cell_h + h + 1), text, fill="black", anchor="ma")
+    return grid
 
 
 def side_by_side(panels: Sequence[tuple[str, Any]]) -> Any:
     """Place labelled ``PIL`` images left to right, each with its caption above it."""
+    import math
+
     from PIL import Image, ImageDraw
 
     caption_h = 18
-    width = sum(img.width for _, img in panels) + 10 * (len(panels) + 1)
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    # a panel is as wide as its image or its caption, whichever is wider
+    widths = [max(img.width, math.ceil(measure.textlength(caption))) for caption, img in panels]
+    width = sum(widths) + 10 * (len(panels) + 1)
     height = max(img.height for _, img in panels) + caption_h + 20
     out = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(out)
     x = 10
-    for caption, img in panels:
+    for (caption, img), w in zip(panels, widths):
         draw.text((x, 6), caption, fill="black")
         out.paste(img, (x, caption_h + 10))
-        x += img.width + 10
+        x += w + 10
     return out
 
 
@@ -180,20 +206,21 @@ def run_builtin(args: argparse.Namespace) -> int:
     model = load_builtin() if args.builtin_path is None else load_builtin(args.builtin_path)
     opts = dict(toma_options(args), selection=args.selection)
 
-    def generate(progress: bool) -> torch.Tensor:
+    def generate(progress: str) -> torch.Tensor:
         return sample(model, labels, args.seed, steps=steps, guidance_scale=args.guidance_scale, progress=progress)
 
     # the first calls pay one-off kernel set-up; keep that out of both timings
     sample(model, labels[:1], args.seed, steps=1, guidance_scale=args.guidance_scale, progress=False)
     print(f"built-in digits model: {len(labels)} images, {steps} steps, seed {args.seed}")
-    baseline, t_base = timed(lambda: generate(True))
+    baseline, t_base = timed(lambda: generate("unmerged"))
     apply_toma(model.unet, ratio=args.ratio, **opts)
     try:
         sample(model, labels[:1], args.seed, steps=1, guidance_scale=args.guidance_scale, progress=False)
-        merged, t_toma = timed(lambda: generate(True))
+        merged, t_toma = timed(lambda: generate(f"ToMA {args.ratio:g}"))
     finally:
         remove_toma(model.unet)
-    report_and_save(args, baseline, merged, t_base, t_toma, len(labels), upscale=BUILTIN_UPSCALE)
+    report_and_save(args, baseline, merged, t_base, t_toma, len(labels), upscale=BUILTIN_UPSCALE,
+                    cell_labels=[str(v) for v in labels], setting=f"{steps} steps, seed {args.seed}")
     return 0
 
 
@@ -205,18 +232,24 @@ def report_and_save(
     t_toma: float,
     n: int,
     upscale: int = 1,
+    cell_labels: Sequence[str] | None = None,
+    setting: str = "",
 ) -> None:
-    """Print per-image timings and write the PNG (ToMA grid, or both with ``--compare``)."""
+    """Print per-image timings and write the PNG (ToMA grid, or both with ``--compare``), each
+    grid captioned with its settings and timing, each image with its ``cell_labels`` entry."""
     per_base, per_toma = t_base / n, t_toma / n
     print(f"time per image: unmerged {per_base:.3f} s, ToMA (ratio {args.ratio}) {per_toma:.3f} s, "
           f"speedup {per_base / per_toma:.2f}x")
     ncols = min(n, 5 if args.compare else 10)
-    grid = make_grid(merged, ncols=ncols, upscale=upscale)
+    grid = make_grid(merged, ncols=ncols, upscale=upscale, labels=cell_labels)
+    toma_caption = f"ToMA ratio {args.ratio:g}, {args.selection}: {per_toma:.3f} s/image ({per_base / per_toma:.2f}x)"
     if args.compare:
         grid = side_by_side([
-            (f"unmerged: {per_base:.3f} s/image", make_grid(baseline, ncols=ncols, upscale=upscale)),
-            (f"ToMA ratio {args.ratio}: {per_toma:.3f} s/image ({per_base / per_toma:.2f}x)", grid),
+            (f"unmerged: {per_base:.3f} s/image" + (f"; {setting}" if setting else ""), make_grid(baseline, ncols=ncols, upscale=upscale, labels=cell_labels)),
+            (toma_caption, grid),
         ])
+    else:
+        grid = side_by_side([(toma_caption + (f"; {setting}" if setting else ""), grid)])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     grid.save(args.out)
     print(f"wrote {args.out}")
@@ -227,6 +260,8 @@ def report_and_save(
 
 def resolve_device_dtype(device: str | None, dtype: str) -> tuple[str, torch.dtype]:
     """Default device (cuda if available) and dtype (float16 on cuda, float32 on cpu)."""
+    import torch
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         return device, (torch.float16 if device.startswith("cuda") else torch.float32)
@@ -279,10 +314,16 @@ def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
 
 
 def pipeline_call(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], steps: int, args: argparse.Namespace,
-                  device: str, progress: bool = True) -> torch.Tensor:
+                  device: str, progress: bool | str = True) -> torch.Tensor:
     """Run a pipeline once per prompt/seed pair; returns images ``(B, 3, H, W)`` in ``[0, 1]``,
-    or clips ``(B, T, 3, H, W)`` from a video pipeline."""
-    pipe.set_progress_bar_config(disable=not progress, leave=False)
+    or clips ``(B, T, 3, H, W)`` from a video pipeline.
+
+    ``progress``: show the pipeline's progress bar; a string labels it (which run it is).
+    """
+    import torch
+
+    # the config persists on the pipeline: reset the label when none is given
+    pipe.set_progress_bar_config(disable=not progress, leave=False, desc=progress if isinstance(progress, str) else None)
     kwargs: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt"}
     if getattr(args, "frames", None) is not None:
         kwargs["num_frames"] = args.frames
@@ -349,6 +390,8 @@ def save_video(args: argparse.Namespace, baseline: torch.Tensor, merged: torch.T
 def sync(device: str) -> None:
     """Wait for queued GPU work so timings are honest."""
     if device.startswith("cuda"):
+        import torch
+
         torch.cuda.synchronize()
 
 
@@ -361,8 +404,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     check_frames(pipe, args.frames)
     steps = args.steps or 30
 
-    def generate() -> torch.Tensor:
-        images = pipeline_call(pipe, [args.prompt], [args.seed], steps, args, device)
+    def generate(label: str) -> torch.Tensor:
+        images = pipeline_call(pipe, [args.prompt], [args.seed], steps, args, device, progress=label)
         sync(device)
         return images
 
@@ -371,22 +414,24 @@ def run_pipeline(args: argparse.Namespace) -> int:
         pipeline_call(pipe, [args.prompt], [args.seed], 1, args, device, progress=False)
 
     warm_up()
-    baseline, t_base = timed(generate)
+    baseline, t_base = timed(lambda: generate("unmerged"))
     apply_toma(pipe, ratio=args.ratio, selection=args.selection, **toma_options(args))
     try:
         warm_up()
-        merged, t_toma = timed(generate)
+        merged, t_toma = timed(lambda: generate(f"ToMA {args.ratio:g}"))
     finally:
         remove_toma(pipe)
     if merged.dim() == 5:
         save_video(args, baseline, merged, t_base, t_toma)
     else:
-        report_and_save(args, baseline, merged, t_base, t_toma, 1)
+        report_and_save(args, baseline, merged, t_base, t_toma, 1, setting=f"{steps} steps, seed {args.seed}")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma generate``; returns the exit code."""
+    import torch
+
     try:
         threads = default_threads(args)
         if threads is not None:

@@ -22,8 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-DEFAULT_CLIP_MODEL = "openai/clip-vit-large-patch14"
-DEFAULT_DINO_MODEL = "facebook/dinov2-base"
+from toma.tools.eval_harness import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL  # noqa: F401  (torch-free home)
 
 
 class MissingWeightsError(RuntimeError):

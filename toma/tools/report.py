@@ -57,6 +57,17 @@ def processor_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages, or None where the platform has none.
+
+    Load above the CPU count means the timed runs shared the cores with other work.
+    """
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def missing_extra(module: str, extra: str, what: str) -> str | None:
     """A one-line message if the optional ``module`` is not installed, naming the extra that
     brings it (``pip install 'toma-diffusion[extra]'``); None when it is there."""

@@ -222,7 +222,7 @@ def sample(
     seeds: Sequence[int] | int,
     steps: int = 20,
     guidance_scale: float | None = None,
-    progress: bool = True,
+    progress: bool | str = True,
     unet: Any = None,
 ) -> torch.Tensor:
     """Generate digits with DDIM (deterministic, eta = 0).
@@ -234,7 +234,8 @@ def sample(
         steps: number of denoising steps (>= 1).
         guidance_scale: classifier-free guidance scale; ``None`` uses the model's
             recommended value; ``1.0`` disables guidance (half the UNet batch).
-        progress: show a tqdm progress bar over the denoising steps.
+        progress: show a tqdm progress bar over the denoising steps, labelled "denoising"
+            or, given a string, with that string (which run it is).
         unet: the UNet to call instead of ``model.unet`` (e.g. a patched copy).
 
     Returns:
@@ -254,7 +255,8 @@ def sample(
     scheduler = make_scheduler(model.scheduler_config)
     scheduler.set_timesteps(steps)
     x = initial_noise(seeds) * scheduler.init_noise_sigma
-    for t in tqdm(scheduler.timesteps, desc="denoising", disable=not progress, leave=False):
+    desc = progress if isinstance(progress, str) else "denoising"
+    for t in tqdm(scheduler.timesteps, desc=desc, disable=not progress, leave=False):
         inp = torch.cat([x, x]) if guided else x
         eps = unet(inp, t, encoder_hidden_states=cond).sample
         if guided:
