@@ -52,7 +52,6 @@ from toma.tools.builtin import NULL_CLASS, NUM_CLASSES, DigitClassifier  # noqa:
 from toma.tools.builtin.video import (  # noqa: E402
     COND_DIM,
     COND_TOKENS,
-    TRANSFORMER_CONFIG,
     VIDEO_DIR,
     classify_frames,
     frames_for_classifier,
@@ -60,6 +59,7 @@ from toma.tools.builtin.video import (  # noqa: E402
     moving_digit_clips,
     sample_video,
     shrink_digits,
+    transformer_config,
     velocity,
 )
 
@@ -126,7 +126,7 @@ def train(digits: torch.Tensor, labels: torch.Tensor, classifier: DigitClassifie
 
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    transformer = WanTransformer3DModel(**TRANSFORMER_CONFIG)
+    transformer = WanTransformer3DModel(**transformer_config(args.stem_frames))
     adaln_zero_(transformer)
     tokens = torch.nn.Parameter(torch.randn(NUM_CLASSES + 1, COND_TOKENS, COND_DIM, generator=gen))
     ema = copy.deepcopy(transformer).requires_grad_(False)
@@ -172,19 +172,21 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=VIDEO_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=700, help="optimisation steps")
+    parser.add_argument("--steps", type=int, default=900, help="optimisation steps")
     parser.add_argument("--batch-size", type=int, default=8, help="clips per step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--ema", type=float, default=0.995)
     parser.add_argument("--cond-dropout", type=float, default=0.1)
+    parser.add_argument("--stem-frames", type=int, default=3, choices=(1, 3),
+                        help="frames in each token's input neighbourhood (own frame only, or also its neighbours)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                         help="bfloat16 autocast for forward and backward")
     parser.add_argument("--guidance-scale", type=float, default=2.0, help="recommended sampling guidance")
     parser.add_argument("--classifier-epochs", type=int, default=12)
     parser.add_argument("--classifier-frames", type=int, default=2, help="frames per digit per classifier epoch")
     parser.add_argument("--checkpoint-every", type=int, default=100)
-    parser.add_argument("--max-minutes", type=float, default=60.0, help="stop training after this long (0: never)")
+    parser.add_argument("--max-minutes", type=float, default=105.0, help="stop training after this long (0: never)")
     parser.add_argument("--eval-samples", type=int, default=20, help="generated clips for the accuracy check")
     parser.add_argument("--eval-steps", type=int, default=10, help="Euler steps for the accuracy check")
     parser.add_argument("--log-every", type=int, default=25)
@@ -208,7 +210,7 @@ def main() -> int:
     metadata = {
         "description": "class-conditional pixel-space rectified-flow Wan transformer on moving digits: "
         "8 frames of 16x16, a 10x10 digit bouncing at 1 px/frame (2048 video tokens, patch (1,1,1), "
-        "3x3 in-frame neighbourhood per token)",
+        f"3x3 neighbourhood in {args.stem_frames} frame(s) per token)",
         "guidance_scale": args.guidance_scale,
         "sampler": "Euler on the rectified flow, uniform times 1 -> 0",
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},

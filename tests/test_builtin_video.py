@@ -96,6 +96,20 @@ def test_pack_gives_each_token_its_in_frame_neighbourhood():
     assert torch.equal(unpack(packed[:, 4:5]), clips)
 
 
+def test_pack_with_three_frames_adds_the_neighbouring_frames():
+    clips = torch.rand(2, 4, 1, 5, 6, generator=torch.Generator().manual_seed(3))
+    own = pack(clips)
+    packed = pack(clips, stem_frames=3)
+    assert packed.shape == (2, 3 * STEM_KERNEL**2, 4, 5, 6)
+    for t in range(4):
+        assert torch.equal(packed[:, 9:18, t], own[:, :, t])  # the middle block is the frame's own
+        before = own[:, :, t - 1] if t > 0 else torch.zeros_like(own[:, :, 0])
+        after = own[:, :, t + 1] if t < 3 else torch.zeros_like(own[:, :, 0])
+        assert torch.equal(packed[:, :9, t], before) and torch.equal(packed[:, 18:, t], after)
+    with pytest.raises(ValueError, match="stem_frames"):
+        pack(clips, stem_frames=2)
+
+
 # ---- shipped model -------------------------------------------------------------------
 
 

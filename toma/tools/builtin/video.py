@@ -12,8 +12,9 @@ canvas, built from the same bundled scikit-learn digits as the other built-in mo
   copy of the digit, so frames differ only by where it is.
 * Tokens: pixel space, patch size ``(1, 1, 1)``: every block self-attends over
   ``FRAMES x FRAME_SIZE x FRAME_SIZE = 8 x 16 x 16 = 2048`` tokens. A token's input
-  features are the 3 x 3 neighbourhood of its pixel within its frame (``F.unfold``, zero
-  padding), its output is the pixel's velocity.
+  features are the 3 x 3 neighbourhood of its pixel within its frame, or within its frame
+  and the two next to it (``stem_frames`` 1 or 3, read off the transformer's
+  ``in_channels``; :func:`pack`); its output is the pixel's velocity.
 * Class conditioning, no text encoder: each class (and a "null" class used by
   classifier-free guidance) owns a learned sequence of ``COND_TOKENS`` "text" tokens of
   width ``COND_DIM`` (``encoder_hidden_states``); Wan has no pooled text vector, so the
@@ -71,10 +72,11 @@ FRAME_SIZE = 16
 DIGIT_SIZE = 10  # side of the moving digit; it has FRAME_SIZE - DIGIT_SIZE + 1 positions per axis
 COND_TOKENS = 4
 COND_DIM = 64
-STEM_KERNEL = 3
+STEM_KERNEL = 3  # each token sees the STEM_KERNEL x STEM_KERNEL pixels around it in a frame ...
+STEM_FRAMES_CHOICES = (1, 3)  # ... of its own frame only (1) or also of the frames before and after (3)
 
-# Architecture of the built-in video DiT; the training script builds it from this dict so
-# the shipped config and the code cannot drift apart.
+# Architecture of the built-in video DiT; the training script builds it with
+# transformer_config(stem_frames) so the shipped config and the code cannot drift apart.
 TRANSFORMER_CONFIG: dict[str, Any] = {
     "patch_size": (1, 1, 1),
     "num_attention_heads": 2,
@@ -89,6 +91,13 @@ TRANSFORMER_CONFIG: dict[str, Any] = {
     "qk_norm": "rms_norm_across_heads",
     "rope_max_seq_len": 64,
 }
+
+
+def transformer_config(stem_frames: int = 1) -> dict[str, Any]:
+    """:data:`TRANSFORMER_CONFIG` with the input width of a ``stem_frames``-frame neighbourhood."""
+    if stem_frames not in STEM_FRAMES_CHOICES:
+        raise ValueError(f"stem_frames must be one of {STEM_FRAMES_CHOICES}; got {stem_frames!r}")
+    return {**TRANSFORMER_CONFIG, "in_channels": stem_frames * STEM_KERNEL * STEM_KERNEL}
 
 
 @dataclass
@@ -212,15 +221,25 @@ def moving_digit_clips(
     return render_clips(digits, corners, size)
 
 
-def pack(clips: torch.Tensor) -> torch.Tensor:
-    """Wan input ``(B, STEM_KERNEL**2, T, H, W)`` of clips ``(B, T, 1, H, W)``.
+def pack(clips: torch.Tensor, stem_frames: int = 1) -> torch.Tensor:
+    """Wan input ``(B, stem_frames * STEM_KERNEL**2, T, H, W)`` of clips ``(B, T, 1, H, W)``.
 
-    Channel ``k`` at ``(t, r, c)`` is pixel ``k`` of the 3 x 3 neighbourhood of ``(r, c)``
-    in frame ``t`` (zero outside the frame); neighbourhoods never cross frames.
+    Channel ``j * STEM_KERNEL**2 + k`` at ``(t, r, c)`` is pixel ``k`` of the 3 x 3
+    neighbourhood of ``(r, c)`` in frame ``t + j - stem_frames // 2``, zero outside the
+    frame or the clip. With ``stem_frames=1`` a token sees its own frame only; with 3 it
+    also sees where a digit moving 1 pixel per frame came from and goes to.
     """
+    if stem_frames not in STEM_FRAMES_CHOICES:
+        raise ValueError(f"stem_frames must be one of {STEM_FRAMES_CHOICES}; got {stem_frames!r}")
     b, t, _, h, w = clips.shape
+    k2 = STEM_KERNEL * STEM_KERNEL
     cols = F.unfold(clips.reshape(b * t, 1, h, w), STEM_KERNEL, padding=STEM_KERNEL // 2)  # (B*T, k*k, H*W)
-    return cols.reshape(b, t, STEM_KERNEL * STEM_KERNEL, h, w).transpose(1, 2)
+    cols = cols.reshape(b, t, k2, h, w)
+    if stem_frames > 1:
+        half = stem_frames // 2
+        padded = F.pad(cols, (0, 0, 0, 0, 0, 0, half, half))  # zero frames before and after the clip
+        cols = torch.cat([padded[:, j : j + t] for j in range(stem_frames)], dim=2)  # (B, T, frames*k*k, H, W)
+    return cols.transpose(1, 2)
 
 
 def unpack(output: torch.Tensor) -> torch.Tensor:
@@ -234,7 +253,9 @@ def velocity(transformer: Any, x: torch.Tensor, t: torch.Tensor, tokens: torch.T
     ``tokens`` ``(B, COND_TOKENS, COND_DIM)`` are the class tokens of each clip. Shared by
     training and sampling so both feed the transformer identically.
     """
-    out = transformer(hidden_states=pack(x), timestep=t * 1000.0, encoder_hidden_states=tokens).sample
+    # the input width says which neighbourhood the transformer was trained on
+    stem_frames = transformer.config.in_channels // (STEM_KERNEL * STEM_KERNEL)
+    out = transformer(hidden_states=pack(x, stem_frames), timestep=t * 1000.0, encoder_hidden_states=tokens).sample
     return unpack(out.to(x.dtype))
 
 
