@@ -20,6 +20,7 @@ from toma.tools.metrics import (
     mean_finite,
     psnr,
     ssim,
+    temporal_difference_error,
 )
 
 
@@ -116,3 +117,42 @@ def test_load_image_folder(tmp_path):
     assert images[:, 0].min() == 1.0 and images[:, 1:].max() == 0.0
     with pytest.raises(FileNotFoundError):
         load_image_folder(str(tmp_path / "missing"))
+
+
+def test_temporal_difference_error_matches_a_loop_and_ignores_static_errors():
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(3, 5, 2, 4, 6, generator=g, dtype=torch.float64)
+    y = torch.rand(3, 5, 2, 4, 6, generator=g, dtype=torch.float64)
+    expected = []
+    for b in range(3):
+        total, count = 0.0, 0
+        for t in range(4):
+            for v in ((x[b, t + 1] - x[b, t]) - (y[b, t + 1] - y[b, t])).flatten().tolist():
+                total += abs(v)
+                count += 1
+        expected.append(total / count)
+    assert temporal_difference_error(x, y).tolist() == pytest.approx(expected, rel=1e-12)
+    # an error that is the same in every frame cancels; multiples of 1/16 keep the sums exact
+    steady = torch.randint(0, 17, (3, 5, 2, 4, 6), generator=g) / 16
+    offset = torch.randint(-4, 5, (3, 1, 2, 4, 6), generator=g) / 16
+    assert temporal_difference_error(steady + offset, steady).tolist() == [0.0, 0.0, 0.0]
+    assert temporal_difference_error(y, y).dtype == torch.float64
+
+
+def test_temporal_difference_error_counts_flicker_by_hand():
+    ref = torch.zeros(1, 4, 1, 2, 2)  # a still clip
+    flicker = ref.clone()
+    flicker[:, 1::2] = 0.5  # frames 0.0, 0.5, 0.0, 0.5: every difference is +-0.5
+    assert temporal_difference_error(flicker, ref).item() == 0.5
+    flicker_one_pixel = ref.clone()
+    flicker_one_pixel[0, 2, 0, 0, 0] = 0.4  # one pixel in one frame: differences +0.4, -0.4 among 3 x 4
+    assert temporal_difference_error(flicker_one_pixel, ref).item() == pytest.approx(0.8 / 12)
+
+
+def test_temporal_difference_error_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="same shape"):
+        temporal_difference_error(torch.zeros(1, 4, 1, 2, 2), torch.zeros(1, 3, 1, 2, 2))
+    with pytest.raises(ValueError, match=r"\(B, T, C, H, W\) with T >= 2"):
+        temporal_difference_error(torch.zeros(1, 1, 1, 2, 2), torch.zeros(1, 1, 1, 2, 2))
+    with pytest.raises(ValueError, match="T >= 2"):
+        temporal_difference_error(torch.zeros(4, 1, 2, 2), torch.zeros(4, 1, 2, 2))

@@ -1,7 +1,8 @@
 """Image-quality metrics for comparing merged generations against unmerged ones.
 
 Pure tensor functions (no weights): :func:`psnr`, :func:`ssim`, :func:`frechet_distance`,
-:func:`feature_stats`, :func:`accuracy`.
+:func:`feature_stats`, :func:`accuracy`,
+:func:`temporal_difference_error` (videos).
 
 Model-based metrics for real pipelines load their weights lazily, only from the local
 Hugging Face cache (``local_files_only=True``); when the weights are absent they raise
@@ -52,6 +53,35 @@ def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float = 1.0) -> torch.Ten
     _check_pair(a, b)
     mse = (a.double() - b.double()).pow(2).flatten(1).mean(dim=1)
     return 10.0 * torch.log10(data_range**2 / mse)
+
+
+def temporal_difference_error(clips: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Temporal consistency of clips against reference clips: the mean absolute change of
+    their frame-to-frame differences.
+
+    ``E = mean_{t,c,h,w} |(x[t+1] - x[t]) - (y[t+1] - y[t])|`` for clips ``x`` and references
+    ``y``. An error that is the same in every frame (a static offset, a blurred stroke that
+    stays put) cancels, so ``E`` isolates what PSNR and SSIM per frame cannot separate:
+    flicker between frames and motion that differs from the reference's. ``E = 0`` means
+    every pixel changes from frame to frame exactly as in the reference. Absolute rather
+    than squared differences keep it in pixel units (for ``[0, 1]`` pixels it lies in
+    ``[0, 2]``) and count a pixel that flickers once as much as one small steady drift.
+
+    Args:
+        clips, reference: videos ``(B, T, C, H, W)`` with ``T >= 2``, same shape.
+
+    Returns:
+        ``(B,)`` float64 tensor, one value per clip.
+
+    Raises:
+        ValueError: the shapes differ, are not 5-D, or have fewer than 2 frames.
+    """
+    if clips.shape != reference.shape:
+        raise ValueError(f"clips and reference must have the same shape; got {tuple(clips.shape)} and {tuple(reference.shape)}")
+    if clips.dim() != 5 or clips.shape[1] < 2:
+        raise ValueError(f"clips must be (B, T, C, H, W) with T >= 2 frames; got shape {tuple(clips.shape)}")
+    x, y = clips.double(), reference.double()
+    return ((x[:, 1:] - x[:, :-1]) - (y[:, 1:] - y[:, :-1])).abs().flatten(1).mean(dim=1)
 
 
 def _gaussian_window(size: int, sigma: float) -> torch.Tensor:

@@ -17,7 +17,9 @@ Files under ``toma/builtin/``:
 - ``reference_stats.safetensors``: mean and covariance of those features on the real digits;
 - ``metadata.json``: training settings and measured metrics;
 - ``digits-dit/``: a second built-in model, a class-conditional image DiT on
-  :class:`diffusers.FluxTransformer2DModel` (see :mod:`toma.tools.builtin.dit`).
+  :class:`diffusers.FluxTransformer2DModel` (see :mod:`toma.tools.builtin.dit`);
+- ``digits-video/``: a built-in video DiT on moving digits, on
+  :class:`diffusers.WanTransformer3DModel` (see :mod:`toma.tools.builtin.video`).
 """
 
 from __future__ import annotations

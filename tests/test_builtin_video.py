@@ -1,0 +1,231 @@
+"""The built-in video DiT (a Wan transformer on moving digits): data, shipped weights, ToMA.
+
+The data generator is checked against its defining rules; the model tests load the
+weights shipped in the package (never train) and sample a few clips with few Euler steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import toma
+from toma.tools.builtin.video import (
+    COND_DIM,
+    COND_TOKENS,
+    DIGIT_SIZE,
+    FRAME_SIZE,
+    FRAMES,
+    STEM_KERNEL,
+    VIDEO_DIR,
+    classify_frames,
+    load_video_dit,
+    moving_digit_clips,
+    pack,
+    render_clips,
+    sample_video,
+    trajectories,
+    unpack,
+    video_available,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPAN = FRAME_SIZE - DIGIT_SIZE
+
+
+# ---- data ----------------------------------------------------------------------------
+
+
+def test_trajectories_bounce_by_the_rule():
+    corners = trajectories(500, torch.Generator().manual_seed(0))
+    assert corners.shape == (500, FRAMES, 2) and corners.dtype == torch.long
+    assert corners.min() == 0 and corners.max() == SPAN  # the walls are reached
+    steps = corners[:, 1:] - corners[:, :-1]
+    assert steps.abs().max() == 1
+    assert (steps[:, 0] != 0).any(dim=1).all()  # every digit moves
+    # the rule, one step at a time: keep the velocity unless it would leave [0, SPAN]
+    for n in range(500):
+        for t in range(FRAMES - 2):
+            pos, vel = corners[n, t + 1], steps[n, t]
+            leaves = (pos + vel < 0) | (pos + vel > SPAN)
+            assert torch.equal(steps[n, t + 1], torch.where(leaves, -vel, vel)), (n, t)
+    # all eight directions and every start position occur
+    assert len({tuple(v) for v in steps[:, 0].tolist()}) == 8
+    assert set(corners[:, 0].flatten().tolist()) == set(range(SPAN + 1))
+
+
+def test_trajectories_are_seeded_and_check_span():
+    a = trajectories(4, torch.Generator().manual_seed(3))
+    assert torch.equal(a, trajectories(4, torch.Generator().manual_seed(3)))
+    assert not torch.equal(a, trajectories(4, torch.Generator().manual_seed(4)))
+    with pytest.raises(ValueError, match="span"):
+        trajectories(2, torch.Generator(), span=0)
+
+
+def test_render_places_an_exact_copy_of_the_digit_per_frame():
+    g = torch.Generator().manual_seed(1)
+    digits = torch.rand(3, 1, DIGIT_SIZE, DIGIT_SIZE, generator=g) + 0.01  # no zero pixel
+    corners = trajectories(3, g)
+    clips = render_clips(digits, corners)
+    assert clips.shape == (3, FRAMES, 1, FRAME_SIZE, FRAME_SIZE)
+    for n in range(3):
+        for t in range(FRAMES):
+            r, c = corners[n, t].tolist()
+            expected = torch.zeros(1, FRAME_SIZE, FRAME_SIZE)
+            expected[:, r : r + DIGIT_SIZE, c : c + DIGIT_SIZE] = digits[n]
+            assert torch.equal(clips[n, t], expected)
+    with pytest.raises(ValueError, match="corners"):
+        render_clips(digits, corners + SPAN)
+    same = moving_digit_clips(digits, torch.Generator().manual_seed(5))
+    assert torch.equal(same, moving_digit_clips(digits, torch.Generator().manual_seed(5)))
+
+
+def test_pack_gives_each_token_its_in_frame_neighbourhood():
+    clips = torch.rand(2, 3, 1, 5, 6, generator=torch.Generator().manual_seed(2))
+    packed = pack(clips)
+    assert packed.shape == (2, STEM_KERNEL**2, 3, 5, 6)
+    padded = torch.nn.functional.pad(clips, (1, 1, 1, 1))  # zero outside each frame
+    for b in range(2):
+        for t in range(3):
+            for r in range(5):
+                for c in range(6):
+                    window = padded[b, t, 0, r : r + 3, c : c + 3].reshape(-1)
+                    assert torch.equal(packed[b, :, t, r, c], window)
+    # the centre channel is the pixel itself, and unpack inverts the layout
+    assert torch.equal(unpack(packed[:, 4:5]), clips)
+
+
+def test_pack_with_three_frames_adds_the_neighbouring_frames():
+    clips = torch.rand(2, 4, 1, 5, 6, generator=torch.Generator().manual_seed(3))
+    own = pack(clips)
+    packed = pack(clips, stem_frames=3)
+    assert packed.shape == (2, 3 * STEM_KERNEL**2, 4, 5, 6)
+    for t in range(4):
+        assert torch.equal(packed[:, 9:18, t], own[:, :, t])  # the middle block is the frame's own
+        before = own[:, :, t - 1] if t > 0 else torch.zeros_like(own[:, :, 0])
+        after = own[:, :, t + 1] if t < 3 else torch.zeros_like(own[:, :, 0])
+        assert torch.equal(packed[:, :9, t], before) and torch.equal(packed[:, 18:, t], after)
+    with pytest.raises(ValueError, match="stem_frames"):
+        pack(clips, stem_frames=2)
+
+
+# ---- shipped model -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_video_dit()
+
+
+def test_video_files_ship_and_are_small():
+    assert video_available(), f"built-in video DiT missing under {VIDEO_DIR}; run scripts/train_builtin_video.py"
+    size = sum(p.stat().st_size for p in VIDEO_DIR.rglob("*") if p.is_file())
+    assert size < 20 * 10**6
+
+
+def test_video_dit_loads_as_a_wan_transformer(model):
+    from diffusers import WanTransformer3DModel
+
+    assert isinstance(model.transformer, WanTransformer3DModel)
+    assert not model.transformer.training
+    assert next(model.transformer.parameters()).dtype == torch.float32
+    assert model.class_tokens.shape == (11, COND_TOKENS, COND_DIM)
+    assert model.metadata["frame_classifier_accuracy_real_clips"] > 0.85
+
+
+def test_sample_shape_and_2048_video_tokens(model):
+    seen: list[int] = []
+    handle = model.transformer.blocks[0].attn1.to_q.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[1]))
+    try:
+        clips = sample_video(model, [3, 7], [0, 1], steps=1, progress=False)
+    finally:
+        handle.remove()
+    assert clips.shape == (2, FRAMES, 1, FRAME_SIZE, FRAME_SIZE) and clips.dtype == torch.float32
+    assert 0.0 <= clips.min() and clips.max() <= 1.0
+    assert seen == [FRAMES * FRAME_SIZE * FRAME_SIZE] == [2048]
+    assert sample_video(model, [5], 0, steps=1, guidance_scale=1.0, progress=False).shape == (1, *clips.shape[1:])
+
+
+def test_sample_rejects_bad_arguments(model):
+    with pytest.raises(ValueError, match="labels"):
+        sample_video(model, [10], [0], steps=1, progress=False)
+    with pytest.raises(ValueError, match="seeds"):
+        sample_video(model, [1, 2], [0], steps=1, progress=False)
+    with pytest.raises(ValueError, match="steps"):
+        sample_video(model, [1], [0], steps=0, progress=False)
+
+
+def real_clips(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clips ``(count, T, 1, S, S)`` of the last ``count`` bundled digits and their labels."""
+    from sklearn.datasets import load_digits
+
+    from toma.tools.builtin import IMAGE_SIZE
+    from toma.tools.builtin.video import shrink_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images[-count:], dtype=torch.float32).unsqueeze(1) / 16.0
+    # the training data's path: bicubic to 32 x 32 (as the UNet's), then area down to the digit size
+    images = torch.nn.functional.interpolate(images, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bicubic", align_corners=False)
+    clips = moving_digit_clips(shrink_digits(images.clamp(0, 1)), torch.Generator().manual_seed(0))
+    return clips, torch.tensor(digits.target[-count:])
+
+
+def test_frame_classifier_reads_real_clips(model):
+    clips, labels = real_clips(40)
+    preds, feats = classify_frames(model.classifier, clips)
+    assert preds.shape == (40, FRAMES) and feats.shape == (40, FRAMES, 64)
+    # measured 0.91 on the test split's frames; chance is 0.1
+    assert (preds == labels[:, None]).float().mean() > 0.75
+
+
+def test_a_few_sampled_clips_classify_above_chance(model):
+    if model.metadata.get("partial"):
+        pytest.skip(f"the shipped checkpoint is partial ({model.metadata.get('steps_done')} steps); "
+                    "its samples are not judged until training has finished")
+    labels = [0, 1, 2, 3, 4]
+    clips = sample_video(model, labels, [10_000 + i for i in range(5)], steps=4, progress=False)
+    preds, _ = classify_frames(model.classifier, clips)
+    # 5 clips x 8 frames; chance is 4 of 40 frames
+    assert (preds == torch.tensor(labels)[:, None]).sum() >= 20
+
+
+def test_apply_then_remove_is_bitwise(model):
+    ref = sample_video(model, [2, 8], [5, 6], steps=2, progress=False)
+    toma.apply_toma(model.transformer, ratio=0.5)
+    try:
+        sample_video(model, [2, 8], [5, 6], steps=2, progress=False)
+    finally:
+        toma.remove_toma(model.transformer)
+    assert torch.equal(sample_video(model, [2, 8], [5, 6], steps=2, progress=False), ref)
+
+
+def test_ratio_zero_is_bitwise(model):
+    ref = sample_video(model, [1], [3], steps=2, progress=False)
+    toma.apply_toma(model.transformer, ratio=0.0)
+    try:
+        out = sample_video(model, [1], [3], steps=2, progress=False)
+    finally:
+        toma.remove_toma(model.transformer)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("tile_frames", [1, 2])
+def test_ratio_half_merges_the_later_blocks(model, tile_frames):
+    ref = sample_video(model, [4, 9], [7, 8], steps=2, progress=False)
+    seen: dict[int, set[int]] = {}
+    handles = [
+        block.attn1.to_q.register_forward_hook(lambda m, a, o, i=i: seen.setdefault(i, set()).add(a[0].shape[1]))
+        for i, block in enumerate(model.transformer.blocks)
+    ]
+    patch = toma.apply_toma(model.transformer, ratio=0.5, tile_frames=tile_frames)
+    try:
+        merged = sample_video(model, [4, 9], [7, 8], steps=2, progress=False)
+    finally:
+        toma.remove_toma(model.transformer)
+        for h in handles:
+            h.remove()
+    assert patch.patched and torch.isfinite(merged).all() and not torch.equal(merged, ref)
+    n = len(model.transformer.blocks)
+    # the default skips the first half of the blocks; the others attend over half the tokens
+    assert seen == {i: ({2048} if i < n // 2 else {1024}) for i in range(n)}
