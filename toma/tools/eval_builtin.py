@@ -1,4 +1,7 @@
-"""``toma eval`` on the built-in digits model: generation, classifier accuracy and Frechet distances.
+"""``toma eval`` on the built-in digits models: generation, classifier accuracy and Frechet distances.
+
+The model (``--model builtin``, the default UNet, or ``builtin-dit``) comes through
+:func:`toma.tools.builtin.samplers.load_sampler`, so this code is the same for all of them.
 
 Every process generates its share of the images with each variant from the same seeds
 and classes; :func:`summarise_builtin` merges the shares into one row per variant.
@@ -20,26 +23,30 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
     """Generate with every variant on this process's share; returns per-variant records."""
     from tqdm.auto import tqdm
 
-    from toma.tools.builtin import NUM_CLASSES, classify, load_builtin, sample
+    from toma.tools.builtin import NUM_CLASSES, classify
+    from toma.tools.builtin.samplers import load_sampler
 
-    model = load_builtin() if args.builtin_path is None else load_builtin(args.builtin_path)
+    model = load_sampler(getattr(args, "builtin", "builtin"), args.builtin_path)
     steps = args.steps or 20
     items = procs.split([(i, i % NUM_CLASSES, args.seed + i) for i in range(args.num_images)])
     options = toma_options(args)
+    for method, ratio in runs:
+        # settings the model cannot take (e.g. --blocks naming a stack it lacks) fail now,
+        # not after the unmerged reference has been generated
+        apply_method(model.denoiser, method, ratio, options)()
     records: dict[str, Any] = {}
     reference: torch.Tensor | None = None
     bar = tqdm(total=len(runs) * len(items), desc="eval images", disable=not procs.is_main)
     for method, ratio in runs:
-        remove = apply_method(model.unet, method, ratio, options)
+        remove = apply_method(model.denoiser, method, ratio, options)
         try:
             # the first calls pay one-off set-up; keep it out of the timing
-            sample(model, [0], [0], steps=1, guidance_scale=args.guidance_scale, progress=False)
+            model.draw([0], [0], 1, args.guidance_scale, False)
             chunks, seconds = [], 0.0
             for start in range(0, len(items), args.batch_size):
                 batch = items[start : start + args.batch_size]
-                images, dt = timed(lambda: sample(
-                    model, [b[1] for b in batch], [b[2] for b in batch], steps=steps,
-                    guidance_scale=args.guidance_scale, progress=False))
+                images, dt = timed(lambda: model.draw(
+                    [b[1] for b in batch], [b[2] for b in batch], steps, args.guidance_scale, False))
                 chunks.append(images)
                 seconds += dt
                 bar.update(len(batch))
