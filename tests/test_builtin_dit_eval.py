@@ -135,7 +135,12 @@ def test_generate_dit_bad_settings(tmp_path, capsys):
     assert "--labels" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin-dit", "--blocks", "blocks=0", "--out", str(out)]) == 2
     assert "single_transformer_blocks" in capsys.readouterr().err
-    assert not out.exists()
+    # the UNet would ignore --blocks, so it is refused there
+    assert main(["generate", "--model", "builtin", "--blocks", "transformer_blocks=0", "--out", str(out)]) == 2
+    assert "--blocks" in capsys.readouterr().err
+    assert main(["eval", "--blocks", "transformer_blocks=0", "--out-dir", str(tmp_path / "ev")]) == 2
+    assert "--levels" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "ev").exists()
 
 
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate is not installed")

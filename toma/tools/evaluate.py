@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from toma.tools.builtin.samplers import BUILTIN_MODELS, builtin_name, check_methods
+from toma.tools.builtin.samplers import BUILTIN_MODELS, builtin_name, check_blocks, check_methods
 from toma.tools.eval_builtin import eval_builtin, summarise_builtin
 from toma.tools.eval_harness import METHODS, init_processes, tomesd_available, variants
 from toma.tools.eval_pipeline import eval_pipeline, summarise_pipeline
@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         methods = parse_methods(args.methods)
         if args.builtin is not None:
             check_methods(args.builtin, methods)
+            check_blocks(args.builtin, args.blocks)
         ratios = parse_ratios(args.ratios)
         if args.num_images < 1:
             raise ValueError(f"--num-images must be >= 1; got {args.num_images}")

@@ -374,7 +374,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma generate``; returns the exit code."""
-    from toma.tools.builtin.samplers import builtin_name
+    from toma.tools.builtin.samplers import builtin_name, check_blocks
 
     # a built-in model is named by args.builtin; args.model stays for pipelines only
     args.builtin = builtin_name(args.model)
@@ -387,6 +387,8 @@ def run(args: argparse.Namespace) -> int:
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1; got {args.steps}")
         validate_toma_options(args, [args.ratio])
+        if args.builtin is not None:
+            check_blocks(args.builtin, args.blocks)
         check_output(args.out, "--out", folder=False, suffixes=IMAGE_SUFFIXES)  # before generating
         return run_pipeline(args) if args.model else run_builtin(args)
     except PipelineUnavailableError as err:

@@ -97,6 +97,7 @@ class BuiltinEntry:
     title: str  # what reports call the model
     methods: tuple[str, ...]
     why_not: str = ""  # why a method outside ``methods`` does not apply
+    transformer: bool = False  # whether ``--blocks`` chooses its merged blocks
 
 
 _NO_TOMESD = "tomesd merges the transformer blocks of UNets only; {name} is a Flux transformer"
@@ -107,7 +108,7 @@ BUILTIN_MODELS: dict[str, BuiltinEntry] = {
     "builtin": BuiltinEntry(_load_unet, "built-in digits", UNET_METHODS),
     "builtin-unet": BuiltinEntry(_load_unet, "built-in digits", UNET_METHODS),
     "builtin-dit": BuiltinEntry(_load_dit, "built-in digits DiT (Flux)", TRANSFORMER_METHODS,
-                                _NO_TOMESD.format(name="the built-in DiT")),
+                                _NO_TOMESD.format(name="the built-in DiT"), transformer=True),
 }
 
 
@@ -116,6 +117,13 @@ def builtin_name(model: str | None) -> str | None:
     if model is None:
         return "builtin"
     return model if model in BUILTIN_MODELS else None
+
+
+def check_blocks(name: str, blocks: Any) -> None:
+    """Raise ``ValueError`` naming ``--blocks`` when it is given for a built-in UNet (which would ignore it)."""
+    if blocks is not None and not BUILTIN_MODELS[name].transformer:
+        raise ValueError(f"--blocks chooses transformer blocks; --model {name} is a UNet, whose merged "
+                         "attention levels --levels chooses (or use --model builtin-dit)")
 
 
 def check_methods(name: str, methods: Sequence[str]) -> None:
