@@ -1,6 +1,7 @@
 """``toma eval``: quality and speed of token merging against unmerged generation.
 
-Every method generates from the same seeds and classes (built-in model) or prompts
+Every method generates from the same seeds and classes (built-in models: the digits UNet
+by default, ``--model builtin-dit`` for the digits Flux transformer) or prompts
 (``--model`` pipelines). Per method and ratio it reports PSNR and SSIM of the merged images
 against the unmerged ones and the latency per image; on the built-in model also the digit
 classifier's accuracy and a Frechet distance on its features; on pipelines, when asked,
@@ -8,7 +9,7 @@ CLIP-T, DINO similarity to the unmerged image and a Frechet distance to referenc
 
 Methods: ``none`` (unmerged reference), ``toma`` (facility-location selection),
 ``toma-random`` and ``toma-grid`` (ToMA's merge with random / grid destinations) and
-``tomesd`` (ToMeSD, if installed).
+``tomesd`` (ToMeSD, if installed; UNets only).
 
 Outputs in ``--out-dir``: ``results.json``, ``results.md``, ``quality_vs_speedup.png`` and
 ``samples.png``. Under ``accelerate launch`` the images are split across processes (data
@@ -47,14 +48,17 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", default=None, help="diffusers pipeline id or local folder (default: the built-in digits model)")
-    p.add_argument("--methods", default="none,toma,toma-random,toma-grid,tomesd",
-                   help=f"comma-separated, from {', '.join(METHODS)} (none is always run as the reference)")
+    p.add_argument("--model", default=None,
+                   help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
+                        "the default) or builtin-dit (the digits Flux transformer)")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated, from {', '.join(METHODS)} (none is always run as the reference; "
+                        "default: all that apply to the model, tomesd only to UNets)")
     p.add_argument("--ratios", default="0.5", help="comma-separated merge ratios in [0, 1) (default 0.5)")
     p.add_argument("--num-images", type=int, default=100, help="images per method and ratio (default 100)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: 20 built-in, 30 pipelines)")
     p.add_argument("--seed", type=int, default=0, help="image i uses seed SEED+i")
-    p.add_argument("--batch-size", type=int, default=50, help="built-in model: images per UNet batch")
+    p.add_argument("--batch-size", type=int, default=50, help="built-in models: images per denoiser batch")
     p.add_argument("--out-dir", type=Path, default=Path("toma_eval"), help="output folder (default toma_eval)")
     add_toma_options(p)
     p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (default: model's)")
@@ -74,7 +78,8 @@ def register(subparsers: Any) -> None:
                    help="torch CPU threads per process (default: 1 for the built-in model; "
                         "for pipelines CPU cores / processes)")
     p.add_argument("--builtin-path", type=Path, default=None,
-                   help="folder written by scripts/train_builtin.py (default: the copy in the package)")
+                   help="folder written by scripts/train_builtin.py, or by train_builtin_dit.py for builtin-dit "
+                        "(default: the copy in the package)")
     p.set_defaults(func=run)
 
 
@@ -112,10 +117,21 @@ def run(args: argparse.Namespace) -> int:
     from toma.tools.eval_harness import init_processes, tomesd_available, variants
     from toma.tools.eval_pipeline import eval_pipeline, summarise_pipeline
     from toma.tools.eval_report import machine_info, write_outputs
+    from toma.tools.builtin.samplers import BUILTIN_MODELS, builtin_name, check_blocks, check_methods
     from toma.tools.metrics import MissingWeightsError
 
+    # a built-in model is named by args.builtin; args.model stays for pipelines only
+    args.builtin = builtin_name(args.model)
+    if args.builtin is not None:
+        args.model = None
     try:
+        if args.methods is None:
+            default = BUILTIN_MODELS[args.builtin].methods if args.builtin else METHODS
+            args.methods = ",".join(default)
         methods = parse_methods(args.methods)
+        if args.builtin is not None:
+            check_methods(args.builtin, methods)
+            check_blocks(args.builtin, args.blocks)
         ratios = parse_ratios(args.ratios)
         if args.num_images < 1:
             raise ValueError(f"--num-images must be >= 1; got {args.num_images}")
@@ -161,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         meta = {
-            "model": args.model or "built-in digits",
+            "model": args.model or BUILTIN_MODELS[args.builtin].title,
             "methods": methods,
             "ratios": ratios,
             "num_images": args.num_images,

@@ -1,7 +1,8 @@
 """``toma generate``: generate images with and without ToMA and compare their speed.
 
-Without ``--model`` it uses the built-in digits model shipped in the package, so it runs
-offline right after install. With ``--model ID_OR_PATH`` it loads a diffusers pipeline
+Without ``--model`` it uses the built-in digits UNet shipped in the package, so it runs
+offline right after install; ``--model builtin-dit`` uses the built-in digits Flux
+transformer. With ``--model ID_OR_PATH`` it loads a diffusers pipeline
 (SD 1.x/2.x, SDXL, Flux, ...) from the local Hugging Face cache or a local folder; it
 never downloads.
 """
@@ -37,7 +38,9 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", default=None, help="diffusers pipeline id or local folder (default: the built-in digits model)")
+    p.add_argument("--model", default=None,
+                   help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
+                        "the default) or builtin-dit (the digits Flux transformer)")
     p.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="prompt for --model pipelines")
     p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="built-in model: comma-separated digits to draw")
     p.add_argument("--ratio", type=float, default=0.5, help="ToMA merge ratio in [0, 1) (default 0.5)")
@@ -56,7 +59,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 for the built-in model, torch's choice for pipelines)")
     p.add_argument("--builtin-path", type=Path, default=None,
-                   help="folder written by scripts/train_builtin.py (default: the copy in the package)")
+                   help="folder written by scripts/train_builtin.py, or by train_builtin_dit.py for builtin-dit "
+                        "(default: the copy in the package)")
     p.set_defaults(func=run)
 
 
@@ -74,9 +78,12 @@ def add_toma_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--levels", type=int, default=1, help="UNet attention levels to merge, from the highest resolution (default 1)")
     p.add_argument("--temperature", type=float, default=None, help="ToMA assignment temperature (default: ToMA's)")
     p.add_argument("--proportional-attention", dest="proportional_attention", action="store_true", default=None,
-                   help="log-mass bias in merged self-attention (default: on for UNets, off for Flux)")
+                   help="log-mass bias in merged self-attention (default: on for UNets and Flux, off for other transformers)")
     p.add_argument("--no-proportional-attention", dest="proportional_attention", action="store_false", default=None,
                    help="no log-mass bias (the paper's plain merged attention)")
+    p.add_argument("--blocks", type=parse_blocks, default=None, metavar="STACK=I,J-K;...",
+                   help="transformers: blocks that merge, e.g. 'transformer_blocks=0-1;single_transformer_blocks=2,3' "
+                        "(stacks left out merge nothing; default: the family's rule)")
 
 
 def default_threads(args: argparse.Namespace) -> int | None:
@@ -99,7 +106,40 @@ def toma_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["temperature"] = args.temperature
     if getattr(args, "proportional_attention", None) is not None:
         opts["proportional_attention"] = args.proportional_attention
+    if getattr(args, "blocks", None) is not None:
+        opts["blocks"] = args.blocks
     return opts
+
+
+def parse_blocks(text: str) -> dict[str, tuple[int, ...]]:
+    """``"transformer_blocks=0-1;single_transformer_blocks=2,3"`` -> ``{stack: indices}``.
+
+    Indices are comma-separated ints or inclusive ranges ``a-b``; ``stack=`` (nothing after
+    the ``=``) merges no block of that stack. Raises ``argparse.ArgumentTypeError`` (shown
+    by argparse as an error naming ``--blocks``) on malformed text.
+    """
+    usage = "--blocks must look like 'transformer_blocks=0-1;single_transformer_blocks=2,3'"
+    out: dict[str, tuple[int, ...]] = {}
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        stack, sep, indices = (x.strip() for x in part.partition("="))
+        if not sep or not stack or stack in out:
+            raise argparse.ArgumentTypeError(f"{usage}; got {text!r}")
+        chosen: list[int] = []
+        for item in (i.strip() for i in indices.split(",") if i.strip()):
+            lo, dash, hi = item.partition("-")
+            try:
+                first, last = (int(lo), int(hi)) if dash else (int(item), int(item))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{usage} (indices are ints or ranges a-b); got {item!r}") from None
+            if first < 0 or last < first:
+                raise argparse.ArgumentTypeError(f"{usage} (indices >= 0, ranges a-b with a <= b); got {item!r}")
+            chosen.extend(range(first, last + 1))
+        out[stack] = tuple(dict.fromkeys(chosen))
+    if not out:
+        raise argparse.ArgumentTypeError(f"{usage}; got {text!r}")
+    return out
 
 
 def validate_toma_options(args: argparse.Namespace, ratios: Sequence[float]) -> None:
@@ -197,28 +237,36 @@ def side_by_side(panels: Sequence[tuple[str, Any]]) -> Any:
 
 
 def run_builtin(args: argparse.Namespace) -> int:
-    """Generate digits with the built-in model, unmerged and with ToMA."""
+    """Generate digits with a built-in model (``args.builtin``), unmerged and with ToMA."""
     from toma import apply_toma, remove_toma
-    from toma.tools.builtin import load_builtin, sample
+    from toma.tools.builtin.samplers import BUILTIN_MODELS, load_sampler
 
     labels = parse_labels(args.labels)
     steps = args.steps or 20
-    model = load_builtin() if args.builtin_path is None else load_builtin(args.builtin_path)
+    name = getattr(args, "builtin", "builtin")
+    model = load_sampler(name, args.builtin_path)
     opts = dict(toma_options(args), selection=args.selection)
+    # settings the model cannot take (e.g. --blocks naming a stack it lacks) fail before sampling
+    apply_toma(model.denoiser, ratio=args.ratio, **opts)
+    remove_toma(model.denoiser)
 
     def generate(progress: str) -> torch.Tensor:
-        return sample(model, labels, args.seed, steps=steps, guidance_scale=args.guidance_scale, progress=progress)
+        # progress: the bar's label, naming the run
+        return model.draw(labels, [args.seed + i for i in range(len(labels))], steps, args.guidance_scale, progress)
 
-    # the first calls pay one-off kernel set-up; keep that out of both timings
-    sample(model, labels[:1], args.seed, steps=1, guidance_scale=args.guidance_scale, progress=False)
-    print(f"built-in digits model: {len(labels)} images, {steps} steps, seed {args.seed}")
+    def warm_up() -> None:
+        # the first calls pay one-off kernel set-up; keep that out of both timings
+        model.draw(labels[:1], [args.seed], 1, args.guidance_scale, False)
+
+    warm_up()
+    print(f"{BUILTIN_MODELS[name].title}: {len(labels)} images, {steps} steps, seed {args.seed}")
     baseline, t_base = timed(lambda: generate("unmerged"))
-    apply_toma(model.unet, ratio=args.ratio, **opts)
+    apply_toma(model.denoiser, ratio=args.ratio, **opts)
     try:
-        sample(model, labels[:1], args.seed, steps=1, guidance_scale=args.guidance_scale, progress=False)
+        warm_up()
         merged, t_toma = timed(lambda: generate(f"ToMA {args.ratio:g}"))
     finally:
-        remove_toma(model.unet)
+        remove_toma(model.denoiser)
     report_and_save(args, baseline, merged, t_base, t_toma, len(labels), upscale=BUILTIN_UPSCALE,
                     cell_labels=[str(v) for v in labels], setting=f"{steps} steps, seed {args.seed}")
     return 0
@@ -432,6 +480,12 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma generate``; returns the exit code."""
     import torch
 
+    from toma.tools.builtin.samplers import builtin_name, check_blocks
+
+    # a built-in model is named by args.builtin; args.model stays for pipelines only
+    args.builtin = builtin_name(args.model)
+    if args.builtin is not None:
+        args.model = None
     try:
         threads = default_threads(args)
         if threads is not None:
@@ -439,6 +493,8 @@ def run(args: argparse.Namespace) -> int:
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1; got {args.steps}")
         validate_toma_options(args, [args.ratio])
+        if args.builtin is not None:
+            check_blocks(args.builtin, args.blocks)
         check_output(args.out, "--out", folder=False, suffixes=IMAGE_SUFFIXES)  # before generating
         return run_pipeline(args) if args.model else run_builtin(args)
     except PipelineUnavailableError as err:

@@ -211,7 +211,7 @@ def sample(
     labels: Sequence[int] | torch.Tensor,
     seeds: Sequence[int] | int,
     steps: int = 20,
-    progress: bool = True,
+    progress: bool | str = True,
     guidance_scale: float | None = None,
     transformer: Any = None,
 ) -> torch.Tensor:
@@ -223,7 +223,8 @@ def sample(
         seeds: one seed per image, or a single int ``s`` meaning seeds ``s, s+1, ...``; the
             starting noise is the UNet's (:func:`toma.tools.builtin.initial_noise`).
         steps: number of Euler steps (>= 1), one transformer call each.
-        progress: show a tqdm progress bar over the steps.
+        progress: show a tqdm progress bar over the steps, labelled "denoising" or, given a
+            string, with that label (``toma generate`` names the run it times).
         guidance_scale: classifier-free guidance scale; ``None`` uses the model's
             recommended value; ``1.0`` disables guidance (half the transformer batch).
         transformer: the transformer to call instead of ``model.transformer``.
@@ -242,7 +243,8 @@ def sample(
     tokens, pooled = model.class_tokens[rows], model.class_pooled[rows]
     times = time_grid(steps)
     x = initial_noise(seeds)
-    for i in tqdm(range(steps), desc="denoising", disable=not progress, leave=False):
+    label = progress if isinstance(progress, str) else "denoising"
+    for i in tqdm(range(steps), desc=label, disable=not progress, leave=False):
         inp = torch.cat([x, x]) if guided else x
         v = velocity(transformer, inp, times[i].expand(inp.shape[0]), tokens, pooled)
         if guided:

@@ -1,0 +1,147 @@
+"""One interface over the built-in models for ``toma eval`` and ``toma generate``.
+
+``--model builtin`` (the default, the digits UNet) and ``--model builtin-dit`` (the digits
+Flux transformer) both draw 32 x 32 digits of a given class from per-image seeds and are
+scored by the same digit classifier against the same reference statistics. Each is wrapped
+in a :class:`BuiltinSampler`: the module that merging methods patch, a sampling function,
+and (in :data:`BUILTIN_MODELS`) the methods that apply to it. The eval and generate code only sees this interface, so
+a further built-in model is one more loader in :data:`BUILTIN_MODELS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+# what an eval of a UNet and of a transformer can run; tomesd patches UNet blocks only
+UNET_METHODS = ("none", "toma", "toma-random", "toma-grid", "tomesd")
+TRANSFORMER_METHODS = ("none", "toma", "toma-random", "toma-grid")
+
+
+@dataclass
+class BuiltinSampler:
+    """A built-in model as ``toma eval`` / ``toma generate`` use it.
+
+    Attributes:
+        name: the ``--model`` value, e.g. ``"builtin-dit"``.
+        denoiser: the module merging methods patch (the UNet, the transformer).
+        draw: ``draw(labels, seeds, steps, guidance_scale, progress)`` returns images
+            ``(B, 1, 32, 32)`` in ``[0, 1]`` for ``B`` labels in ``0..9`` and ``B`` seeds;
+            ``guidance_scale=None`` means the model's recommended one.
+        classifier: the digit classifier (:class:`toma.tools.builtin.DigitClassifier`).
+        reference_mu: ``(64,)`` mean classifier feature on the real digits.
+        reference_sigma: ``(64, 64)`` covariance of those features.
+        guidance_scale: the model's recommended classifier-free guidance scale.
+    """
+
+    name: str
+    denoiser: Any
+    draw: Callable[[Sequence[int], Sequence[int], int, float | None, bool], torch.Tensor]
+    classifier: Any
+    reference_mu: torch.Tensor
+    reference_sigma: torch.Tensor
+    guidance_scale: float
+
+
+def load_reference_stats(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mu (64,), sigma (64, 64))`` in float64 from ``folder/reference_stats.safetensors``."""
+    from safetensors.torch import load_file
+
+    stats = load_file(str(folder / "reference_stats.safetensors"))
+    return stats["mu"].double(), stats["sigma"].double()
+
+
+def _load_unet(path: Path | None) -> BuiltinSampler:
+    from toma.tools.builtin import load_builtin, sample
+
+    model = load_builtin() if path is None else load_builtin(path)
+
+    def draw(labels: Sequence[int], seeds: Sequence[int], steps: int, guidance: float | None, progress: bool | str) -> torch.Tensor:
+        return sample(model, labels, seeds, steps=steps, guidance_scale=guidance, progress=progress)
+
+    return BuiltinSampler(
+        name="builtin", denoiser=model.unet, draw=draw, classifier=model.classifier,
+        reference_mu=model.reference_mu, reference_sigma=model.reference_sigma,
+        guidance_scale=model.guidance_scale,
+    )
+
+
+def _load_dit(path: Path | None) -> BuiltinSampler:
+    from toma.tools.builtin import BUILTIN_DIR
+    from toma.tools.builtin.dit import DIT_DIR, load_dit, sample
+
+    folder = DIT_DIR if path is None else Path(path)
+    model = load_dit(folder)
+    # the reference statistics sit next to the classifier, as for the classifier itself
+    stats_dir = folder.parent if (folder.parent / "reference_stats.safetensors").is_file() else BUILTIN_DIR
+    mu, sigma = load_reference_stats(stats_dir)
+
+    def draw(labels: Sequence[int], seeds: Sequence[int], steps: int, guidance: float | None, progress: bool | str) -> torch.Tensor:
+        return sample(model, labels, seeds, steps=steps, guidance_scale=guidance, progress=progress)
+
+    return BuiltinSampler(
+        name="builtin-dit", denoiser=model.transformer, draw=draw,
+        classifier=model.classifier, reference_mu=mu, reference_sigma=sigma,
+        guidance_scale=model.guidance_scale,
+    )
+
+
+@dataclass(frozen=True)
+class BuiltinEntry:
+    """How to load a built-in model and what applies to it, known before loading it."""
+
+    load: Callable[[Path | None], BuiltinSampler]
+    title: str  # what reports call the model
+    methods: tuple[str, ...]
+    why_not: str = ""  # why a method outside ``methods`` does not apply
+    transformer: bool = False  # whether ``--blocks`` chooses its merged blocks
+
+
+_NO_TOMESD = "tomesd merges the transformer blocks of UNets only; {name} is a Flux transformer"
+
+# ``--model`` name -> entry; "builtin-unet" is an alias of the default. A new built-in model
+# (e.g. a video DiT) adds a loader returning a BuiltinSampler and an entry here.
+BUILTIN_MODELS: dict[str, BuiltinEntry] = {
+    "builtin": BuiltinEntry(_load_unet, "built-in digits", UNET_METHODS),
+    "builtin-unet": BuiltinEntry(_load_unet, "built-in digits", UNET_METHODS),
+    "builtin-dit": BuiltinEntry(_load_dit, "built-in digits DiT (Flux)", TRANSFORMER_METHODS,
+                                _NO_TOMESD.format(name="the built-in DiT"), transformer=True),
+}
+
+
+def builtin_name(model: str | None) -> str | None:
+    """The built-in model a ``--model`` value names (``None`` -> ``"builtin"``), or None for a pipeline."""
+    if model is None:
+        return "builtin"
+    return model if model in BUILTIN_MODELS else None
+
+
+def check_blocks(name: str, blocks: Any) -> None:
+    """Raise ``ValueError`` naming ``--blocks`` when it is given for a built-in UNet (which would ignore it)."""
+    if blocks is not None and not BUILTIN_MODELS[name].transformer:
+        raise ValueError(f"--blocks chooses transformer blocks; --model {name} is a UNet, whose merged "
+                         "attention levels --levels chooses (or use --model builtin-dit)")
+
+
+def check_methods(name: str, methods: Sequence[str]) -> None:
+    """Raise ``ValueError`` naming ``--methods`` if a method does not apply to built-in model ``name``."""
+    entry = BUILTIN_MODELS[name]
+    bad = [m for m in methods if m not in entry.methods]
+    if bad:
+        raise ValueError(f"--methods {', '.join(bad)} cannot run on --model {name} ({entry.why_not}); "
+                         f"choose from {', '.join(entry.methods)}")
+
+
+def load_sampler(name: str, path: Path | None = None) -> BuiltinSampler:
+    """Load the built-in model ``name`` (a key of :data:`BUILTIN_MODELS`) from ``path`` or the package.
+
+    Raises:
+        ValueError: an unknown name.
+        FileNotFoundError: the model's files are missing.
+    """
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"--model must be a diffusers pipeline or one of {', '.join(BUILTIN_MODELS)}; got {name!r}")
+    return BUILTIN_MODELS[name].load(path)
