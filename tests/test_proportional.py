@@ -95,7 +95,7 @@ def test_proportional_attention_is_validated():
 
 
 @pytest.mark.parametrize("proportional", [None, True, False])
-def test_flux_bias_is_on_by_default_and_covers_image_keys_only(proportional, monkeypatch):
+def test_flux_bias_is_opt_in_and_covers_image_keys_only(proportional, monkeypatch):
     from tests.conftest import flux_inputs, make_flux
     from toma.adapters import flux as flux_adapter
 
@@ -114,26 +114,9 @@ def test_flux_bias_is_on_by_default_and_covers_image_keys_only(proportional, mon
     assert len(masks) == 2  # one merged double-stream and one merged single-stream block
     plans = {p for p in patch.cache._plans.values()}
     for mask, keys in masks:
-        if proportional is False:  # None means on for Flux
+        if not proportional:  # None means off for Flux
             assert mask is None
             continue
         assert mask.shape == (2, 1, 1, keys) and keys == 5 + 32
         assert torch.equal(mask[:, 0, 0, :5], torch.zeros(2, 5))  # text keys are not merged
         assert any(torch.equal(mask[:, 0, 0, 5:], plan.log_mass) for _, plan in plans)
-
-
-def test_flux_default_is_proportional_attention():
-    from tests.conftest import flux_inputs, make_flux
-
-    model = make_flux()
-    inputs = flux_inputs(2, 8, 8, text=5)
-    outs = {}
-    for setting in (None, True, False):
-        toma.apply_toma(model, ratio=0.5, proportional_attention=setting)
-        try:
-            with torch.no_grad():
-                outs[setting] = model(**inputs).sample
-        finally:
-            toma.remove_toma(model)
-    assert torch.equal(outs[None], outs[True])
-    assert not torch.equal(outs[None], outs[False])

@@ -47,9 +47,11 @@ class ToMAConfig:
             number of tokens it stands for (a ``log(mass)`` bias on the attention logits), so
             that a destination absorbing many similar tokens draws the attention those
             tokens would have drawn. Exact when merged tokens are identical; costs an
-            additive attention mask. None (the default) means on for UNets and Flux, where
-            it was measured to help (on the built-in UNet and the built-in Flux DiT), and off
-            for the other transformers, where it has not been measured.
+            additive attention mask. None (the default) means on for UNets, where it was
+            measured to help, and off for Flux, where a float mask keeps GPU attention off
+            its flash kernels (a speed cost not yet measured); on the built-in Flux DiT it
+            raised ToMA's PSNR against unmerged at ratio 0.5 from 25.4 to 29.3 dB (a 30-image
+            screening), so turn it on where quality matters more than that cost.
         flux_double_blocks: Flux only. Indices of double-stream blocks to merge; None means
             every block but the first 5 (the authors' default). Same as
             ``blocks={"transformer_blocks": ...}``.

@@ -304,9 +304,7 @@ class _MergedFluxProcessor:
         )
         query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
         mask = None
-        # None means on: on the built-in Flux DiT it raised ToMA's PSNR against unmerged at
-        # ratio 0.5 from 25.4 to 29.3 dB (benchmarks/results/cpu/builtin_dit_r05*)
-        if self.cache.config.proportional_attention is not False:
+        if self.cache.config.proportional_attention:  # off unless asked for (None is off for Flux)
             mask = plan.memo(f"flux_bias_{text_len}", lambda: _key_bias(plan, text_len, query.dtype))
         out = dispatch_attention_fn(
             query,

@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--share-batch-plan", action="store_true", help="ToMA: one plan for the whole batch")
     p.add_argument("--recompute-every", type=int, default=1, help="ToMA: fresh plans every this many steps")
     p.add_argument("--proportional-attention", dest="proportional_attention", action="store_true", default=None,
-                   help="ToMA: log-mass bias in merged self-attention (default: on for UNets and Flux, off for other transformers)")
+                   help="ToMA: log-mass bias in merged self-attention (default: on for UNets, off for Flux)")
     p.add_argument("--no-proportional-attention", dest="proportional_attention", action="store_false", default=None,
                    help="ToMA: no log-mass bias in merged self-attention")
     p.add_argument("--tomesd-max-downsample", type=int, default=None,

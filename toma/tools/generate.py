@@ -78,7 +78,7 @@ def add_toma_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--levels", type=int, default=1, help="UNet attention levels to merge, from the highest resolution (default 1)")
     p.add_argument("--temperature", type=float, default=None, help="ToMA assignment temperature (default: ToMA's)")
     p.add_argument("--proportional-attention", dest="proportional_attention", action="store_true", default=None,
-                   help="log-mass bias in merged self-attention (default: on for UNets and Flux, off for other transformers)")
+                   help="log-mass bias in merged self-attention (default: on for UNets, off for Flux)")
     p.add_argument("--no-proportional-attention", dest="proportional_attention", action="store_false", default=None,
                    help="no log-mass bias (the paper's plain merged attention)")
     p.add_argument("--blocks", type=parse_blocks, default=None, metavar="STACK=I,J-K;...",
