@@ -129,6 +129,17 @@ def train(digits: torch.Tensor, labels: torch.Tensor, classifier: DigitClassifie
     transformer = WanTransformer3DModel(**transformer_config(args.stem_frames))
     adaln_zero_(transformer)
     tokens = torch.nn.Parameter(torch.randn(NUM_CLASSES + 1, COND_TOKENS, COND_DIM, generator=gen))
+    first = 0
+    if args.resume is not None:
+        # a checkpoint holds the EMA weights only: training and EMA both restart from them, with
+        # fresh optimiser moments, at the checkpoint's step of the schedule, on a data stream
+        # seeded by that step (so a resumed run is seeded too, but not the uninterrupted one)
+        saved = load_video_dit(args.resume)
+        transformer.load_state_dict(saved.transformer.state_dict())
+        tokens = torch.nn.Parameter(saved.class_tokens.clone())
+        first = int(saved.metadata.get("steps_done", 0))
+        gen = torch.Generator().manual_seed(args.seed + first)
+        print(f"resumed from {args.resume} at step {first}", flush=True)
     ema = copy.deepcopy(transformer).requires_grad_(False)
     ema_tokens = tokens.detach().clone()
     params = list(transformer.parameters()) + [tokens]
@@ -138,7 +149,7 @@ def train(digits: torch.Tensor, labels: torch.Tensor, classifier: DigitClassifie
 
     log = LossLog(args)
     done = 0
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         transformer.train()
         idx = torch.randint(0, len(labels), (args.batch_size,), generator=gen)
         clean = moving_digit_clips(digits[idx], gen) * 2.0 - 1.0
@@ -190,6 +201,9 @@ def main() -> int:
     parser.add_argument("--eval-samples", type=int, default=20, help="generated clips for the accuracy check")
     parser.add_argument("--eval-steps", type=int, default=10, help="Euler steps for the accuracy check")
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="continue from a checkpoint folder this script wrote (its EMA weights, class tokens "
+                             "and frame classifier, at its steps_done)")
     args = parser.parse_args()
 
     # rms_norm warns on every bf16 call that its weight stays float32, which is intended
@@ -200,7 +214,10 @@ def main() -> int:
     digits, labels = shrink_digits(data["x_train"]), data["y_train"]
     print(f"data: {len(labels)} train digits", flush=True)
 
-    classifier = train_frame_classifier(digits, labels, args)
+    if args.resume is not None:  # the checkpoint's classifier: the same seeded training gives it
+        classifier = load_video_dit(args.resume).classifier
+    else:
+        classifier = train_frame_classifier(digits, labels, args)
     test_clips = moving_digit_clips(shrink_digits(data["x_test"]), torch.Generator().manual_seed(args.seed + 2))
     preds, _ = classify_frames(classifier, test_clips)
     clf_acc = (preds == data["y_test"][:, None]).float().mean().item()
