@@ -1,24 +1,5 @@
-"""``toma tune``: find the fastest ToMA setting for this machine, model, resolution and batch.
-
-Times a short list of candidate settings (levels or blocks merged, attention only or with
-the MLP, ratios, per-part MLP ratios) side by side with the unpatched denoiser, interleaved
-round by round with ``toma bench``'s harness, checks each candidate's fidelity against the
-unpatched model on the same inputs, prints a table, and writes the fastest setting within
-the quality bound as a config file for ``apply_toma(pipe, config=toma.load_config(path))``.
-Every measurement is also recorded (``$TOMA_CACHE_DIR/tune.json``, default
-``~/.cache/toma/tune.json``) so that ``apply_toma`` can warn about a setting measured slower.
-
-Quality check: on the built-in model (the default) the PSNR of a few images sampled with
-its DDIM sampler (``--check-images``, ``--check-steps``) against the unpatched images from
-the same seeds; on ``--arch``/``--model`` the PSNR of the denoiser's output on the timed
-inputs (random latents and text, one forward per ``--steps`` timestep) against the
-unpatched output, with the unpatched output's range as peak. With random weights
-(``--arch`` without ``--model``) that PSNR says little about images.
-
-Exit status: 0 when a config was written; 1 when no candidate within the bound was faster
-than unpatched (no config is written, the table says why); 2 for bad arguments; 130 when
-interrupted (a config is still written from what was measured, marked as interrupted).
-"""
+"""The measuring behind ``toma tune`` (what it does, its quality check and exit status:
+:mod:`toma.tools.tune_cli`, which holds the command line)."""
 
 from __future__ import annotations
 
