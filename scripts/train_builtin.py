@@ -108,6 +108,14 @@ def train_classifier(data: dict[str, torch.Tensor], args: argparse.Namespace) ->
     return model, (preds == data["y_test"]).float().mean().item()
 
 
+def write_metadata(folder: Path, metadata: dict, show: bool = False) -> None:
+    """Write ``folder/metadata.json``; with ``show``, also print it without its loss log."""
+    with open(folder / "metadata.json", "w", encoding="utf-8") as fh:
+        json.dump(metadata, fh, indent=2)
+    if show:
+        print(json.dumps({k: v for k, v in metadata.items() if k != "loss_log"}, indent=2))
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warm-up, then cosine decay to 5% of the peak."""
     if step < args.warmup:
@@ -314,9 +322,7 @@ def main() -> int:
         f"{args.eval_steps} DDIM steps, unmerged",
         "loss_log": log,
     }
-    with open(args.out / "metadata.json", "w", encoding="utf-8") as fh:
-        json.dump(metadata, fh, indent=2)
-    print(json.dumps({k: v for k, v in metadata.items() if k != "loss_log"}, indent=2))
+    write_metadata(args.out, metadata, show=True)
     return 0
 
 

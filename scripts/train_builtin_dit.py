@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 import warnings
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from train_builtin import LossLog, ema_update, load_digits_32, optimise  # noqa: E402
+from train_builtin import LossLog, ema_update, load_digits_32, optimise, write_metadata  # noqa: E402
 
 from toma.tools.builtin import NULL_CLASS, NUM_CLASSES, classify  # noqa: E402
 from toma.tools.builtin.dit import (  # noqa: E402
@@ -154,8 +153,7 @@ def main() -> int:
         "torch": torch.__version__,
         "train_seconds": round(train_s, 1),
     }
-    with open(args.out / "metadata.json", "w", encoding="utf-8") as fh:
-        json.dump(metadata, fh, indent=2)
+    write_metadata(args.out, metadata)
 
     # recognisability check on the saved (float16-rounded) weights: unmerged, balanced
     # classes, the UNet's evaluation seeds
@@ -186,9 +184,7 @@ def main() -> int:
         f"{args.eval_steps} Euler steps, unmerged, float32 inference, {args.threads} thread(s)",
         "loss_log": log,
     })
-    with open(args.out / "metadata.json", "w", encoding="utf-8") as fh:
-        json.dump(metadata, fh, indent=2)
-    print(json.dumps({k: v for k, v in metadata.items() if k != "loss_log"}, indent=2))
+    write_metadata(args.out, metadata, show=True)
     return 0
 
 

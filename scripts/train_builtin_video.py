@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 import warnings
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from train_builtin import LossLog, ema_update, load_digits_32, optimise  # noqa: E402
+from train_builtin import LossLog, ema_update, load_digits_32, optimise, write_metadata  # noqa: E402
 
 from toma.tools.builtin import NULL_CLASS, NUM_CLASSES, DigitClassifier  # noqa: E402
 from toma.tools.builtin.video import (  # noqa: E402
@@ -115,8 +114,7 @@ def save(out: Path, transformer, tokens: torch.Tensor, classifier: DigitClassifi
     copy.deepcopy(transformer).to(torch.float16).save_pretrained(out / "transformer", safe_serialization=True)
     save_file({"tokens": tokens.contiguous()}, str(out / "class_embeddings.safetensors"))
     save_file({k: v.contiguous() for k, v in classifier.state_dict().items()}, str(out / "frame_classifier.safetensors"))
-    with open(out / "metadata.json", "w", encoding="utf-8") as fh:
-        json.dump(metadata, fh, indent=2)
+    write_metadata(out, metadata)
 
 
 def train(digits: torch.Tensor, labels: torch.Tensor, classifier: DigitClassifier, metadata: dict,
@@ -267,9 +265,7 @@ def main() -> int:
         f"{args.eval_steps} Euler steps, unmerged, float32 inference, {args.threads} thread(s)",
         "loss_log": log,
     })
-    with open(args.out / "metadata.json", "w", encoding="utf-8") as fh:
-        json.dump(metadata, fh, indent=2)
-    print(json.dumps({k: v for k, v in metadata.items() if k != "loss_log"}, indent=2))
+    write_metadata(args.out, metadata, show=True)
     return 0
 
 
