@@ -113,15 +113,21 @@ def test_tile_order_matches_raster_order(family, monkeypatch):
     make, inputs, blocks = FAMILIES[family]
     model, kw = make(), inputs(2, 16, 16)
     toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
+    check_tile_order_matches_raster(model, kw, monkeypatch, run)
+
+
+def check_tile_order_matches_raster(model, kw, monkeypatch, forward) -> None:
+    """A patched model's output with tokens kept in tile order between merges equals its
+    output with every site merging from raster order (``forward(model, **kw)`` runs it)."""
     from toma.adapters import engine
 
     conversions = []
     real = engine.tile_order
     monkeypatch.setattr(engine, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
-    tiled = run(model, **kw)
+    tiled = forward(model, **kw)
     converted = len(conversions)
     monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
-    raster = run(model, **kw)
+    raster = forward(model, **kw)
     assert converted >= 1 and len(conversions) == converted  # the raster run converted nothing
     torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)
 

@@ -16,6 +16,7 @@ from toma.adapters.base import HOOK_NAME, remove_hook
 from toma.adapters.engine import FamilySpec, Rotary, Site, attach, find_targets
 from toma.config import ToMAConfig
 from toma.core.plan import PlanCache
+from tests.test_dit import check_tile_order_matches_raster
 
 
 # ------------------------------------------------------------------ the engine, on a toy model
@@ -301,17 +302,7 @@ def test_tile_order_matches_raster_order(family, monkeypatch):
     make, inputs, blocks = MMDITS[family]
     model, kw = make(), inputs(2, 8, 16)
     toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
-    from toma.adapters import engine
-
-    conversions = []
-    real = engine.tile_order
-    monkeypatch.setattr(engine, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
-    tiled = run(model, **kw)
-    converted = len(conversions)
-    monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
-    raster = run(model, **kw)
-    assert converted >= 1 and len(conversions) == converted  # the raster run converted nothing
-    torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)
+    check_tile_order_matches_raster(model, kw, monkeypatch, run)
 
 
 class _Recording:

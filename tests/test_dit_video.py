@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import toma
+from tests.test_dit import check_tile_order_matches_raster
 
 TEXT_DIM = 32
 
@@ -201,17 +202,7 @@ def test_tile_order_matches_raster_order(case, monkeypatch):
     _, make, inputs, blocks, patch_t = FAMILIES[case]
     model, kw = make(), inputs(2, 4 * patch_t, 16, 16)
     toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
-    from toma.adapters import engine
-
-    conversions = []
-    real = engine.tile_order
-    monkeypatch.setattr(engine, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
-    tiled = run(model, **kw)
-    converted = len(conversions)
-    monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
-    raster = run(model, **kw)
-    assert converted >= 1 and len(conversions) == converted  # the raster run converted nothing
-    torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)
+    check_tile_order_matches_raster(model, kw, monkeypatch, run)
 
 
 @pytest.mark.parametrize("case", FAMILIES)
