@@ -297,7 +297,8 @@ def test_ideal_flux_matches_toma_blocks_and_counts(tiny_flux):
     toma.remove_toma(tiny_flux)
     ideal = apply_ideal(tiny_flux, 0.5)
     assert [p.name for p in ideal.patched] == names
-    seen, handles = token_counts(tiny_flux, [f"{n}.attn" for n in names])
+    attns = {n: n if n.endswith(".attn") else f"{n}.attn" for n in names}  # double: attn sites; single: spans
+    seen, handles = token_counts(tiny_flux, list(attns.values()))
     forward("tiny-flux", tiny_flux)
     remove_baseline(tiny_flux)
     for h in handles:
@@ -306,7 +307,7 @@ def test_ideal_flux_matches_toma_blocks_and_counts(tiny_flux):
     grid = 64 // 16
     kept = make_layout(grid, grid, (4, 4), 0.5).num_merged
     for name in names:  # double blocks project image tokens alone; single blocks [text; image]
-        assert seen[f"{name}.attn"] == (kept if name.startswith("transformer_blocks") else text + kept)
+        assert seen[attns[name]] == (kept if name.startswith("transformer_blocks") else text + kept)
 
 
 def test_baselines_remove_exactly_and_refuse_to_stack(tiny_unet):

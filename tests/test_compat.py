@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor2_0
 
 import toma
-from diffusers.models.attention_processor import AttnProcessor2_0
 from tests.conftest import (
     flux_inputs,
     make_flux,
@@ -24,6 +24,7 @@ from tests.conftest import (
     unet_inputs,
     wan_inputs,
 )
+from tests.test_dit_mmdit import flux2_inputs, make_flux2
 
 FAMILIES = {
     "unet": (make_sd15_unet, lambda: unet_inputs(2, 16, 16, False), {}),
@@ -159,11 +160,17 @@ def denoise(model, kw, steps: int, scale: float):
 CACHED = {
     "flux": (make_flux, lambda: flux_inputs(1, 8, 8), 1.0, FAMILIES["flux"][2], "single_transformer_blocks.1.proj_out"),
     "wan": (make_wan, lambda: wan_inputs(1, 3, 8, 8), 1000.0, FAMILIES["wan"][2], "blocks.2.ffn"),
+    "flux2": (lambda: make_flux2(), lambda: flux2_inputs(1, 8, 8), 1.0,
+              {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}, "transformer_blocks.1.ff"),
 }
 
 
 def cache_config(name: str, steps: int):
-    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+    from diffusers.hooks import (
+        FirstBlockCacheConfig,
+        MagCacheConfig,
+        TaylorSeerCacheConfig,
+    )
 
     if name == "fbcache":
         return FirstBlockCacheConfig(threshold=0.5)
@@ -172,7 +179,8 @@ def cache_config(name: str, steps: int):
     return TaylorSeerCacheConfig(cache_interval=3, disable_cache_before_step=2, taylor_factors_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("family,cache", [("flux", "fbcache"), ("wan", "fbcache"), ("flux", "magcache"), ("flux", "taylorseer")])
+@pytest.mark.parametrize("family,cache", [("flux", "fbcache"), ("wan", "fbcache"), ("flux", "magcache"), ("flux", "taylorseer"),
+                                          ("flux2", "taylorseer")])
 def test_diffusers_caches_compose_with_toma(family, cache):
     # The caches skip whole blocks (FirstBlockCache, MagCache) or predict attention outputs
     # (TaylorSeer) on some steps; ToMA merges inside the steps that do compute. Either order

@@ -9,7 +9,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 import toma
-from tests.conftest import make_flux, make_sd15_unet, unet_inputs
+from tests.conftest import flux_inputs, make_flux, make_sd15_unet, unet_inputs
 
 
 def hooked_modules(model):
@@ -92,21 +92,33 @@ def test_options_that_select_nothing_raise():
     assert not hooked_modules(unet)
 
 
-def test_flux_bad_block_indices_and_unsupported_processor():
+def test_flux_bad_block_indices_and_other_processors():
     model = make_flux(double=3, single=3)
     with pytest.raises(ValueError, match=r"flux_single_blocks must hold indices in \[0, 2\]"):
         toma.apply_toma(model, flux_single_blocks=(1, 7))
     assert not hooked_modules(model)
+    with pytest.raises(ValueError, match="give blocks or flux_double_blocks/flux_single_blocks, not both"):
+        toma.apply_toma(model, flux_double_blocks=(1,), blocks={"transformer_blocks": (1,)})
+    assert not hooked_modules(model)
 
-    class OtherProcessor:
-        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-            raise AssertionError("not expected to run")
+    # merging wraps the attention module, so a processor of the user's own runs on the
+    # merged tokens as Flux's does
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    seen = []
+
+    class OtherProcessor(FluxAttnProcessor):
+        def __call__(self, attn, hidden_states, *args, **kwargs):
+            seen.append(hidden_states.shape[1])
+            return super().__call__(attn, hidden_states, *args, **kwargs)
 
     model.transformer_blocks[2].attn.processor = OtherProcessor()
-    patch = toma.apply_toma(model, flux_double_blocks=(1, 2))
-    names = [p.name for p in patch.patched]
-    assert "transformer_blocks.1" in names and "transformer_blocks.2" not in names
-    assert any(s.name == "transformer_blocks.2" and "OtherProcessor" in s.reason for s in patch.skipped)
+    patch = toma.apply_toma(model, ratio=0.5, flux_double_blocks=(1, 2))
+    double = [p.name for p in patch.patched if p.name.startswith("transformer_blocks")]
+    assert double == ["transformer_blocks.1.attn", "transformer_blocks.2.attn"]
+    with torch.no_grad():
+        model(**flux_inputs(1, 8, 8))
+    assert seen == [32]  # 64 image tokens at ratio 0.5
 
 
 def test_failure_while_attaching_rolls_back(monkeypatch):

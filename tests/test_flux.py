@@ -51,7 +51,7 @@ def test_only_image_tokens_are_merged(flux):
     text = 5
     kw = flux_inputs(1, 8, 8, text=text)
     patch = toma.apply_toma(flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(1,))
-    assert [p.name for p in patch.patched] == ["transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.1"]
+    assert [p.name for p in patch.patched] == ["transformer_blocks.0.attn", "transformer_blocks.1.attn", "single_transformer_blocks.1"]
     seen, handles = record_q(flux)
     ctx_seen: list[int] = []
     handles.append(flux.transformer_blocks[0].attn.add_q_proj.register_forward_hook(lambda m, a, o: ctx_seen.append(a[0].shape[1])))

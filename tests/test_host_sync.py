@@ -74,7 +74,7 @@ def test_flux_forward_after_the_ids_read_reads_no_device_data():
         model.to("meta")
         meta = on_meta(kw)
         # the step hook recognises ids by identity: hand it the meta ids as already read
-        reader = model._diffusers_hook.get_hook("toma").spec.grid
+        reader = model._diffusers_hook.get_hook("toma").grid
         reader._known = (meta["img_ids"], meta["img_ids"]._version, reader._known[2])
         out = model(**meta).sample
     assert out.shape == (2, 64, 16) and out.device.type == "meta"

@@ -96,27 +96,31 @@ def test_proportional_attention_is_validated():
 
 @pytest.mark.parametrize("proportional", [None, True, False])
 def test_flux_bias_is_opt_in_and_covers_image_keys_only(proportional, monkeypatch):
+    from diffusers.models.transformers import transformer_flux
+
     from tests.conftest import flux_inputs, make_flux
-    from toma.adapters import flux as flux_adapter
 
     masks = []
-    real = flux_adapter.dispatch_attention_fn
+    real = transformer_flux.dispatch_attention_fn
 
     def recording(query, key, value, attn_mask=None, **kw):
         masks.append((attn_mask, key.shape[1]))
         return real(query, key, value, attn_mask=attn_mask, **kw)
 
-    monkeypatch.setattr(flux_adapter, "dispatch_attention_fn", recording)
+    monkeypatch.setattr(transformer_flux, "dispatch_attention_fn", recording)
     model = make_flux()
     patch = toma.apply_toma(model, ratio=0.5, proportional_attention=proportional)
     with torch.no_grad():
         model(**flux_inputs(2, 8, 8, text=5))
-    assert len(masks) == 2  # one merged double-stream and one merged single-stream block
-    plans = {p for p in patch.cache._plans.values()}
+    # block 0 of each stack runs unmerged (default blocks); the merged double-stream and
+    # single-stream block run once per sample (one rotary table per call, a plan per sample)
+    merged = [(mask, keys) for mask, keys in masks if keys < 5 + 64]
+    assert len(merged) == 4 and len(masks) == 6
+    plans = [plan for _, plan in patch.cache._plans.values()]
     for mask, keys in masks:
-        if not proportional:  # None means off for Flux
+        if not proportional or keys == 5 + 64:  # None means off for Flux
             assert mask is None
             continue
-        assert mask.shape == (2, 1, 1, keys) and keys == 5 + 32
-        assert torch.equal(mask[:, 0, 0, :5], torch.zeros(2, 5))  # text keys are not merged
-        assert any(torch.equal(mask[:, 0, 0, 5:], plan.log_mass) for _, plan in plans)
+        assert mask.shape == (1, 1, 1, keys) and keys == 5 + 32
+        assert torch.equal(mask[:, 0, 0, :5], torch.zeros(1, 5))  # text keys are not merged
+        assert any(torch.equal(mask[0, 0, 0, 5:], plan.log_mass[b]) for plan in plans for b in range(2))

@@ -112,9 +112,23 @@ def test_bad_part_ratios_are_refused_before_patching(options, message):
     assert toma.get_toma(unet) is None
 
 
-def test_flux_refuses_mlp_and_crossattn_options():
+def test_flux_mlp_merges_the_double_stream_image_mlp_at_its_ratio():
+    # 8x8 tokens, 4x4 tiles of 16: double-stream attention at 0.5 keeps 32, the image MLP
+    # (ff) at 0.75 keeps 16; the text MLP (ff_context) stays whole; single-stream blocks
+    # run attention and MLP on one merged input, at the attention ratio
     model = make_flux()
-    for options in ({"merge_mlp": True}, {"merge_crossattn": True}):
-        with pytest.raises(ValueError, match="do not apply to Flux"):
-            toma.apply_toma(model, ratio=0.5, **options)
-        assert toma.get_toma(model) is None
+    kw = flux_inputs(1, 8, 8, text=5)
+    blocks = {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}
+    toma.apply_toma(model, ratio=0.5, merge_mlp=True, mlp_ratio=0.75, blocks=blocks)
+    seen, handles = record(model, ("0.attn.to_q", "0.ff.net.0", "0.ff_context.net.0", "0.proj_mlp"))
+    run(model, kw)
+    for h in handles:
+        h.remove()
+    assert seen == {"0.attn.to_q": [32, 5 + 32], "0.ff.net.0": [16], "0.ff_context.net.0": [5], "0.proj_mlp": [5 + 32]}
+
+
+def test_flux_refuses_crossattn():
+    model = make_flux()
+    with pytest.raises(ValueError, match=r"merge_crossattn=True: flux has no cross-attention"):
+        toma.apply_toma(model, ratio=0.5, merge_crossattn=True)
+    assert toma.get_toma(model) is None

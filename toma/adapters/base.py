@@ -45,6 +45,38 @@ def registry_of(module: torch.nn.Module) -> Any:
     return HookRegistry.check_if_exists_or_initialize(module)
 
 
+def register_innermost(module: torch.nn.Module, hook: Any, name: str) -> None:
+    """Register the diffusers hook ``hook`` as ``name`` on ``module``, inside any hooks it already has.
+
+    A diffusers hook registered later wraps the earlier ones. toma's hooks change what a
+    module computes on (merged tokens, tile order); a hook of a cache (TaylorSeer predicts a
+    module's outputs from earlier steps) must see the module as toma makes it, whichever was
+    enabled first. Otherwise, enabled before toma, it would extrapolate merged outputs
+    across steps whose plans differ, and the order of enabling would change the images.
+    """
+    registry = registry_of(module)
+    order, refs = getattr(registry, "_hook_order", None), getattr(registry, "_fn_refs", None)
+    outer = module.forward
+    registry.register_hook(hook, name)
+    if not isinstance(order, list) or not isinstance(refs, list) or len(order) < 2 or len(refs) != len(order):
+        return
+    # registered outermost; link it in at the bottom of the chain instead
+    first, added = refs[0], refs[-1]
+    base = first.original_forward if getattr(first, "original_forward", None) is not None else first.forward
+    wrapped = module.forward
+    module.forward = outer
+    if getattr(added, "original_forward", None) is not None:  # a hook with its own new_forward
+        added.original_forward = base
+    else:
+        added.forward = base
+    if getattr(first, "original_forward", None) is not None:
+        first.original_forward = wrapped
+    else:
+        first.forward = wrapped
+    order.insert(0, order.pop())
+    refs.insert(0, refs.pop())
+
+
 @dataclass(frozen=True)
 class Patched:
     """One merged sub-module.

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from toma.adapters.base import CHUNK_HOOK_NAME, Hook, Patched, registry_of
+from toma.adapters.base import CHUNK_HOOK_NAME, Hook, Patched, register_innermost
 from toma.adapters.engine import MergeHook, hidden_states_of, with_hidden_states
 
 
@@ -92,5 +92,5 @@ def chunkable_block(model: torch.nn.Module, target: Patched, path: str) -> torch
 def take_over_chunking(block: torch.nn.Module) -> ChunkState:
     """Register the block's chunking hook; returns the state its MLP's hook reads."""
     state = ChunkState()
-    registry_of(block).register_hook(BlockChunkHook(state), CHUNK_HOOK_NAME)
+    register_innermost(block, BlockChunkHook(state), CHUNK_HOOK_NAME)
     return state

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, registry_of, step_timestep
+from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, register_innermost, step_timestep
 from toma.adapters.chunking import ChunkedMergeHook, chunkable_block, take_over_chunking
 from toma.adapters.engine import MergeHook, TileState, hidden_states_of, with_hidden_states
 from toma.config import ToMAConfig
@@ -78,7 +78,7 @@ _PARTS = {"attn1": "attn", "attn2": "cross", "ff": "mlp"}
 def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register the hooks; returns every module that got one (for removal)."""
     hooked = [model]
-    registry_of(model).register_hook(UNetStepHook(cache), HOOK_NAME)
+    register_innermost(model, UNetStepHook(cache), HOOK_NAME)
     states: dict[str, TileState] = {}
     for target in targets:
         stack, inside, _ = target.name.rpartition(".transformer_blocks.")
@@ -91,7 +91,7 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
             first, last = blocks[0], blocks[len(blocks) - 1]
             for block in dict.fromkeys((first, last)):
                 hook = _TileOrderHook(cache, target.downsample, states[stack], block is first, block is last)
-                registry_of(block).register_hook(hook, HOOK_NAME)
+                register_innermost(block, hook, HOOK_NAME)
                 hooked.append(block)
         # only self-attention has keys among the merged tokens to weight by their mass
         bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
@@ -103,7 +103,7 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
             hook = ChunkedMergeHook(cache, target.downsample, states[stack], bias=bias, part=part,
                                     chunk=take_over_chunking(block))
             hooked.append(block)
-        registry_of(target.module).register_hook(hook, HOOK_NAME)
+        register_innermost(target.module, hook, HOOK_NAME)
         hooked.append(target.module)
     return hooked
 

@@ -1,0 +1,199 @@
+"""What a model family declares for the engine (:mod:`toma.adapters.engine`).
+
+A :class:`FamilySpec` names a family's block stacks, the sub-modules of a block that merge
+(:class:`Site`), how to read the token grid from the model's call, where its rotary tables
+come from (:class:`Rotary`) and which modules bracket the token sequence. The helpers here
+are the small pieces specs share (grids from latents, default blocks, table gathering,
+mask layouts). Nothing here registers a hook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+Grid = tuple[int, int, int]
+
+
+# reads the token grid from the model and the named arguments of its forward call; None
+# (or a reason, which is shown once as a warning) when the call cannot merge
+GridReader = Callable[[torch.nn.Module, dict], "Grid | str | None"]
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """Where a merged call receives rotary tables, and how to gather them to merged tokens.
+
+    Attributes:
+        name: keyword of the tables in the call.
+        index: their position when passed positionally (None if never).
+        gather: ``gather(table, dest)`` takes one table over the ``N`` image tokens (in the
+            order the tokens are in) and ``dest`` ``(Bp, K)`` token indices, and returns the
+            table for the merged tokens, shaped so that the family's processor broadcasts
+            it over a batch of ``Bp`` (or any batch when ``Bp`` is 1). Unused when ``shared``.
+        shared: the processor applies one ``(S, ...)`` table to the whole batch: its last
+            ``N`` rows (dimension 0) are the image tokens', any rows before them text's. The
+            engine builds each sample's table (text rows, then the rows of the sample's
+            destinations) and, when samples have their own plans, calls the module once per
+            sample (see the module docstring).
+        items: which items of the call's table tuple hold image rows (None: all of them);
+            the others pass unchanged (e.g. QwenImage's text table).
+        raster: the tables come from the model's caller in raster order and no module of
+            the model makes them (so none puts them in tile order): they are gathered with
+            raster token indices even while the tokens run in tile order.
+    """
+
+    name: str
+    index: int | None
+    gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    shared: bool = False
+    items: tuple[int, ...] | None = None
+    raster: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gather is None and not self.shared:
+            raise ValueError("Rotary needs a gather function unless shared=True (one table for the whole batch)")
+
+
+@dataclass(frozen=True)
+class Site:
+    """A sub-module of a block whose image tokens merge.
+
+    Attributes:
+        path: the sub-module's name inside the block (``"attn1"``, ``"ff"``).
+        part: ``"attn"`` (self or joint attention), ``"cross"`` (queries of
+            cross-attention) or ``"mlp"``: which of the config's ``merge_*`` switches it obeys.
+        rotary: where its call takes rotary tables, if it does.
+        mask: ``(keyword, position)`` of the call's additive attention mask, when the
+            family's processor takes one over merged keys (proportional attention); None if
+            it cannot.
+        mask_layout: ``mask_layout(log_mass, batch, heads)`` turns the plan's ``(Bp, K)``
+            log masses into the mask the processor wants.
+        joint_mask: ``joint_mask(mask, N, K)`` adapts the attention mask the model itself
+            passes (over its joint sequence of ``N`` image tokens and the text) to ``K``
+            merged image tokens, or returns None when it cannot (the call then runs
+            unmerged, with a warning once). Without it, a call with a mask of the model's
+            own runs unmerged.
+        text_first: the call's hidden states are ``[text; image]`` (a single-stream block):
+            the last ``N`` tokens merge, the text before them passes whole, and so does the
+            text part of the output.
+        text_keys: keyword of the call's text tokens when its processor puts them before the
+            image tokens in one joint attention (Flux): under proportional attention their
+            keys get a log mass of 0, before the merged image keys'.
+        until: makes the merge span several sub-modules of the block: the output of
+            ``path`` (its first item, when a tuple) is merged, everything the block computes
+            from it runs on the merged tokens, and the output of ``until`` is unmerged
+            (Flux's single-stream blocks: their norm feeds attention and the MLP in
+            parallel, and ``proj_out`` joins them).
+        call: with ``until``, the sub-module in between whose call takes ``rotary`` and
+            ``mask``.
+        group: sites with the same group share one plan per step and grid (None: one group
+            for every site of the family without one).
+    """
+
+    path: str
+    part: str
+    rotary: Rotary | None = None
+    mask: tuple[str, int | None] | None = None
+    mask_layout: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+    joint_mask: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None
+    text_first: bool = False
+    text_keys: str | None = None
+    until: str | None = None
+    call: str | None = None
+    group: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.until is None) != (self.call is None):
+            raise ValueError("Site: give until and call together (a spanning merge), or neither")
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What the engine needs to know about one model family.
+
+    Attributes:
+        name: short name (``"sd3"``, ``"wan"``), shown in summaries.
+        classes: class names of the denoisers of this family (matched by name, so that
+            matching imports no model code).
+        stacks: attribute names of the block lists, in call order.
+        sites: the mergeable sub-modules of a block, given the stack name and the block.
+        grid: reads the ``(t, h, w)`` token grid from the model and its forward call's
+            arguments by name (positional ones included), or None when the call cannot be
+            merged (the forward then runs unmerged). A class is instantiated once per
+            patched model (for readers that remember what they read).
+        enter: where tokens enter the blocks: ``("output", path)`` for a module whose
+            output is the ``(B, N, C)`` tokens, or ``("block", "")`` for the first block's
+            ``hidden_states`` input.
+        leave: a module after the blocks whose first input (``hidden_states``) is the
+            ``(B, N, C)`` tokens; they go back to raster order there.
+        rope: path of the module whose output tuple holds the rotary tables, and the
+            sequence dimension of each table (their image rows are put in tile order), or
+            None.
+        rope_items: which items of that tuple hold image rows (None: all of them).
+        position_inputs: forward arguments holding one position row per image token,
+            ``(N, d)`` or ``(B, N, d)`` (Flux.2's ``img_ids``), put in tile order at the call
+            when tokens are, so that tables computed from them follow the tokens.
+        raster_kwargs: forward keywords that add raster-ordered residuals between blocks;
+            a call that passes one runs in raster order.
+        tile_order_ok: optional check of the model and its forward's named arguments; False
+            keeps raster order (e.g. per-token modulation laid out over the raster sequence).
+        default_blocks: the block indices merged by default in each stack, given the
+            stack name and its length.
+        video: whether tiles span frames by default (``tile_frames``).
+    """
+
+    name: str
+    classes: tuple[str, ...]
+    stacks: tuple[str, ...]
+    sites: Callable[[str, torch.nn.Module], list[Site]]
+    grid: GridReader
+    enter: tuple[str, str]
+    leave: str
+    rope: tuple[str, int] | None = None
+    rope_items: tuple[int, ...] | None = None
+    position_inputs: tuple[str, ...] = ()
+    raster_kwargs: tuple[str, ...] = ()
+    tile_order_ok: Callable[[torch.nn.Module, dict], bool] | None = None
+    default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
+    video: bool = False
+
+    def matches(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` is (a subclass of) one of this family's classes."""
+        return any(cls.__name__ in self.classes for cls in type(model).__mro__)
+
+
+def image_grid(model: torch.nn.Module, call: dict) -> Grid | None:
+    """The ``(1, h, w)`` token grid of image latents ``(B, C, H, W)`` patchified by the
+    model's ``config.patch_size`` (SD3, PixArt)."""
+    latents = call.get("hidden_states")
+    if latents is None or latents.ndim != 4:
+        return None
+    p = model.config.patch_size
+    return (1, latents.shape[-2] // p, latents.shape[-1] // p)
+
+
+def skip_first(count: int) -> Callable[[str, int], tuple[int, ...]]:
+    """Default blocks: every block of a stack but the first ``count`` (at most half of it).
+
+    The authors' rule for Flux (5); the other families use it until measured.
+    """
+    return lambda stack, n: tuple(range(min(count, n // 2), n))
+
+
+def gather_rows(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """Rows ``dest`` ``(Bp, K)`` of a per-batch table ``(Bt, N, D)`` (``Bt`` 1 or B): ``(max(Bt, Bp), K, D)``."""
+    if table.shape[0] == 1:
+        return table[0][dest]
+    if dest.shape[0] == 1:
+        return table[:, dest[0]]
+    return table.gather(1, dest[..., None].expand(-1, -1, table.shape[-1]))
+
+
+def head_mask(log_mass: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """Log masses ``(Bp, K)`` as the ``(batch * heads, 1, K)`` mask diffusers' classic
+    attention processors (``AttnProcessor2_0``) take as is."""
+    bias = log_mass[:, None, :]
+    return bias.expand(batch * heads, 1, -1) if bias.shape[0] == 1 else bias.repeat_interleave(heads, dim=0)
