@@ -13,6 +13,7 @@ methods as ``toma bench``; one forward per sample:
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import time
@@ -34,6 +35,9 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
     parser.add_argument("--out", default=None, help="JSON file for the raw samples")
+    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                        help="override a placement option of toma and the ideal, e.g. --set levels=2 --set merge_mlp=True "
+                             "(VALUE is a Python literal); repeatable")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1; got {args.rounds}")
@@ -43,7 +47,9 @@ def main() -> None:
     resolution = args.resolution or arch.resolution
     model = build_model(arch, depth=args.depth)
     inputs = make_inputs(arch, resolution, frames=args.frames)
-    patcher = MethodPatcher(model, arch, default_placement(arch, model), {}, None)
+    placement = {**default_placement(arch, model), **dict(parse_setting(text) for text in args.set)}
+    patcher = MethodPatcher(model, arch, placement, {}, None)
+    print(f"placement: {placement}", flush=True)
     samples: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
     for round_ in range(args.rounds + 1):
         order = METHODS[round_ % 3 :] + METHODS[: round_ % 3]  # each method leads a round in turn
@@ -66,7 +72,18 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"arch": args.arch, "depth": args.depth, "resolution": resolution, "frames": args.frames,
-                       "ratio": args.ratio, "samples_cpu_wall_s": samples, "median_cpu_s": cpu}, f, indent=1)
+                       "ratio": args.ratio, "placement": {k: repr(v) for k, v in placement.items()}, "samples_cpu_wall_s": samples, "median_cpu_s": cpu}, f, indent=1)
+
+
+def parse_setting(text: str) -> tuple[str, object]:
+    """``"levels=2"`` -> ``("levels", 2)``: an option name and a Python literal."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--set takes OPTION=VALUE; got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise SystemExit(f"--set {name}: {value!r} is not a Python literal (e.g. 2, True, 0.25, (1, 2))") from None
 
 
 if __name__ == "__main__":
