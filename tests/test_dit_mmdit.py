@@ -153,6 +153,75 @@ def test_rotary_needs_a_gather_unless_shared():
         Rotary("image_rotary_emb", None)
 
 
+class _SpanBlock(torch.nn.Module):
+    """A single-stream block on [text; image]: its norm feeds attention and an MLP in
+    parallel, and ``proj_out`` joins them before the residual (Flux's single blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.mlp = torch.nn.Linear(16, 32)
+        self.proj_out = torch.nn.Linear(16 + 32, 16)
+
+    def forward(self, hidden_states):
+        n = self.norm(hidden_states)
+        a = self.attn(n, n, n, need_weights=False)[0]
+        return hidden_states + self.proj_out(torch.cat([a, F.gelu(self.mlp(n))], dim=-1))
+
+
+class ToySingleStream(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj_in = torch.nn.Linear(4, 16)
+        self.blocks = torch.nn.ModuleList([_SpanBlock() for _ in range(2)])
+        self.norm_out = torch.nn.LayerNorm(16)
+
+    def forward(self, hidden_states, encoder_hidden_states, height: int, width: int):
+        x = torch.cat([encoder_hidden_states, self.proj_in(hidden_states)], dim=1)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm_out(x)
+
+
+def test_a_spanning_site_merges_from_one_output_to_another():
+    # out = x + [text; U proj_out([attn; mlp]([n_text; M n_image]))]: attention and the MLP
+    # both run on the merged tokens, the residual and the text stay whole
+    spec = FamilySpec(
+        name="toy", classes=("ToySingleStream",), stacks=("blocks",),
+        sites=lambda stack, block: [Site("norm", "attn", text_first=True, until="proj_out", call="attn")],
+        grid=lambda model, call: (1, call["height"], call["width"]), enter=("block", ""), leave="norm_out",
+    )
+    model, kw = ToySingleStream(), _toy_inputs(2)
+    config = ToMAConfig(ratio=0.5, blocks={"blocks": (1,)})
+    targets, _ = find_targets(spec, model, config)
+    assert [t.name for t in targets] == ["blocks.1"]
+    cache = PlanCache(config)
+    hooked = attach(spec, model, targets, cache)
+    seen = []
+    handle = model.blocks[1].mlp.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[1]))
+    with torch.no_grad():
+        out = model(**kw)
+        handle.remove()
+        [plan] = [p for _, p in cache._plans.values()]  # 6x8 grid, 4x4 tiles: padded, so raster order
+        for module in hooked:
+            remove_hook(module, HOOK_NAME)
+        block = model.blocks[1]
+        x = block_input = model.blocks[0](torch.cat([kw["encoder_hidden_states"], model.proj_in(kw["hidden_states"])], 1))
+        n = block.norm(x)
+        n = torch.cat([n[:, :3], plan.merge(n[:, 3:])], dim=1)
+        y = block.proj_out(torch.cat([block.attn(n, n, n, need_weights=False)[0], F.gelu(block.mlp(n))], dim=-1))
+        expected = model.norm_out(block_input + torch.cat([y[:, :3], plan.unmerge(y[:, 3:])], dim=1))
+    assert seen == [3 + plan.num_merged] and plan.num_merged < 48
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_spanning_site_needs_until_and_call_together():
+    with pytest.raises(ValueError, match="give until and call together"):
+        Site("norm", "attn", until="proj_out")
+
+
 # ------------------------------------------------------------------ QwenImage and Flux.2
 TEXT_DIM = 32
 
