@@ -59,6 +59,20 @@ def test_eval_builtin_writes_sane_results(tmp_path, capsys):
     assert printed.err.count("eval images: 20/20 generated in") == 1, printed.err
 
 
+def test_eval_merges_the_mlp_at_its_own_ratio(tmp_path):
+    # the placements of the speed-quality frontier (MLP merged, at a lower ratio) reach eval
+    runs = {}
+    for name, extra in (("attn", []), ("mlp", ["--merge-mlp", "--mlp-ratio", "0.25"])):
+        out = tmp_path / name
+        assert main(["eval", *TINY, "--methods", "toma", "--out-dir", str(out), *extra]) == 0
+        runs[name] = read_results(out)
+    mlp = runs["mlp"]
+    assert mlp["toma_options"]["merge_mlp"] is True and mlp["toma_options"]["mlp_ratio"] == 0.25
+    assert "merge_mlp" not in runs["attn"]["toma_options"]
+    psnr = {name: {r["method"]: r for r in data["results"]}["toma"]["psnr"] for name, data in runs.items()}
+    assert psnr["mlp"] != psnr["attn"]  # the MLP merged: other images
+
+
 def test_eval_rejects_bad_options(tmp_path, capsys):
     assert main(["eval", "--methods", "toma,tome", "--out-dir", str(tmp_path)]) == 2
     assert "--methods" in capsys.readouterr().err
@@ -66,6 +80,8 @@ def test_eval_rejects_bad_options(tmp_path, capsys):
     assert "--ratios" in capsys.readouterr().err
     assert main(["eval", "--clip", "--out-dir", str(tmp_path)]) == 2
     assert "--model" in capsys.readouterr().err
+    assert main(["eval", "--mlp-ratio", "0.25", "--out-dir", str(tmp_path)]) == 2
+    assert "mlp_ratio is set but merge_mlp is off" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
 
 

@@ -84,6 +84,13 @@ def add_toma_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=parse_blocks, default=None, metavar="STACK=I,J-K;...",
                    help="transformers: blocks that merge, e.g. 'transformer_blocks=0-1;single_transformer_blocks=2,3' "
                         "(stacks left out merge nothing; default: the family's rule)")
+    p.add_argument("--merge-mlp", action="store_true", default=None,
+                   help="also merge the MLPs (feed-forward) of the merged blocks")
+    p.add_argument("--mlp-ratio", type=float, default=None, help="ratio for the MLPs (default: the ratio; needs --merge-mlp)")
+    p.add_argument("--merge-crossattn", action="store_true", default=None,
+                   help="also merge the queries of cross-attention to text (UNets, PixArt, Wan, LTX)")
+    p.add_argument("--crossattn-ratio", type=float, default=None,
+                   help="ratio for cross-attention queries (default: the ratio; needs --merge-crossattn)")
 
 
 def default_threads(args: argparse.Namespace) -> int | None:
@@ -106,8 +113,9 @@ def toma_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["temperature"] = args.temperature
     if getattr(args, "proportional_attention", None) is not None:
         opts["proportional_attention"] = args.proportional_attention
-    if getattr(args, "blocks", None) is not None:
-        opts["blocks"] = args.blocks
+    for name in ("blocks", "merge_mlp", "mlp_ratio", "merge_crossattn", "crossattn_ratio"):
+        if getattr(args, name, None) is not None:
+            opts[name] = getattr(args, name)
     return opts
 
 
