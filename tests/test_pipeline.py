@@ -96,10 +96,10 @@ def test_sdxl_pipeline_round_trip(tmp_path):
     assert np.array_equal(generate(), ref)
 
 
-def test_flux_pipeline_round_trip(tmp_path):
+def build_flux(tmp_path):
     torch.manual_seed(0)
     t5 = T5EncoderModel(T5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2))
-    pipe = FluxPipeline(
+    return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=tiny_vae(),
         text_encoder=CLIPTextModel(clip_config(projection_dim=32, hidden_size=32)),
@@ -108,7 +108,10 @@ def test_flux_pipeline_round_trip(tmp_path):
         tokenizer_2=tiny_clip_tokenizer(tmp_path / "tok2"),
         transformer=make_flux(),
     )
-    pipe.save_pretrained(tmp_path / "pipe")
+
+
+def test_flux_pipeline_round_trip(tmp_path):
+    build_flux(tmp_path).save_pretrained(tmp_path / "pipe")
     pipe = FluxPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
     kw = dict(height=32, width=48, num_inference_steps=3, max_sequence_length=16, output_type="np")
     ref = pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images
@@ -119,13 +122,13 @@ def test_flux_pipeline_round_trip(tmp_path):
     assert np.array_equal(pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images, ref)
 
 
-def test_sd3_pipeline_round_trip(tmp_path):
+def build_sd3(tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
     from tests.conftest import make_sd3
 
     torch.manual_seed(0)
-    pipe = StableDiffusion3Pipeline(
+    return StableDiffusion3Pipeline(
         transformer=make_sd3(),
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=tiny_vae(),
@@ -137,7 +140,12 @@ def test_sd3_pipeline_round_trip(tmp_path):
         text_encoder_3=T5EncoderModel(T5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)),
         tokenizer_3=tiny_clip_tokenizer(tmp_path / "tok3"),
     )
-    pipe.save_pretrained(tmp_path / "pipe")
+
+
+def test_sd3_pipeline_round_trip(tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    build_sd3(tmp_path).save_pretrained(tmp_path / "pipe")
     pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
     kw = dict(height=64, width=48, num_inference_steps=2, max_sequence_length=16, output_type="np")
 
@@ -282,6 +290,26 @@ def test_generate_and_eval_on_a_local_video_pipeline(tmp_path, one_thread):
     assert [r["method"] for r in rows] == ["none", "toma"]
     assert rows[0]["psnr"] is None and rows[0]["ssim"] == 1  # the reference against itself (PSNR infinite)
     assert 0 < rows[1]["psnr"] < 99
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_generate_and_eval_on_a_local_transformer_pipeline(family, tmp_path, one_thread):
+    # toma generate / eval run any local image pipeline, here the MMDiT families
+    from PIL import Image
+
+    from toma.tools.cli import main
+
+    {"flux": build_flux, "sd3": build_sd3}[family](tmp_path).save_pretrained(tmp_path / "pipe")
+    common = ["--model", str(tmp_path / "pipe"), "--height", "32", "--width", "32", "--steps", "2", "--threads", "1"]
+    png = tmp_path / "cmp.png"
+    assert main(["generate", *common, "--compare", "--out", str(png)]) == 0
+    with Image.open(png) as im:
+        assert im.width > 2 * 32  # unmerged and merged side by side
+    out = tmp_path / "ev"
+    assert main(["eval", *common, "--num-images", "1", "--methods", "toma", "--out-dir", str(out),
+                 "--blocks", "transformer_blocks=0-1" if family == "flux" else "transformer_blocks=0-3"]) == 0
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert [r["method"] for r in rows] == ["none", "toma"] and 0 < rows[1]["psnr"] < 99
 
 
 def build_sd(tmp_path):
