@@ -3,7 +3,8 @@
 # one thread, the same 60 seeds per run, PSNR/SSIM against the unmerged images of each run:
 # - ratios 0.25 / 0.5 / 0.75, with and without proportional attention;
 # - tile sides 2 and 8 at ratio 0.5 (4 is in the ratio runs);
-# - every block merged instead of the default (blocks 1 of each stack skipped at this depth).
+# - every block merged, against the default (at this depth the first half of each stack is
+#   skipped: double block 1 and single blocks 2-3 merge).
 # Results in $OUT/<name>/results.{json,md}; about 40 minutes on one quiet core.
 set -euo pipefail
 OUT=${OUT:-bench-results}
