@@ -1,7 +1,9 @@
 """``toma eval`` on the built-in digits models: generation, classifier accuracy and Frechet distances.
 
-The model (``--model builtin``, the default UNet, or ``builtin-dit``) comes through
-:func:`toma.tools.builtin.samplers.load_sampler`, so this code is the same for all of them.
+The model (``--model builtin``, the default UNet, ``builtin-dit`` or the video model
+``builtin-video``) comes through :func:`toma.tools.builtin.samplers.load_sampler`, so this
+code is the same for all of them; clips are scored frame by frame, plus a temporal
+consistency figure.
 
 Every process generates its share of the images with each variant from the same seeds
 and classes; :func:`summarise_builtin` merges the shares into one row per variant.
@@ -60,28 +62,57 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
         images = torch.cat(chunks) if chunks else torch.empty(0, 1, 32, 32)
         if reference is None:
             reference = images
-        preds, feats = classify(model.classifier, images)
+        labels = [b[1] for b in items]
+        if images.dim() == 5:  # clips (B, T, 1, H, W): scored frame by frame
+            record = _clip_scores(model, images, reference, labels)
+        else:
+            preds, feats = classify(model.classifier, images)
+            record = {"labels": labels, "psnr": psnr(images, reference).tolist(),
+                      "ssim": ssim(images, reference).tolist(), "preds": preds.tolist(),
+                      "features": feats.double().tolist(), "preview": images[:20].tolist()}
+        if not procs.is_main:
+            record["preview"] = None
         records[key(method, ratio)] = {
             "indices": [b[0] for b in items],
-            "labels": [b[1] for b in items],
-            "psnr": psnr(images, reference).tolist(),
-            "ssim": ssim(images, reference).tolist(),
-            "preds": preds.tolist(),
-            "features": feats.double().tolist(),
+            **record,
             "batch_seconds": seconds,
             "batch_sizes": [len(b) for b in batches],
             "count": len(items),
-            "preview": images[:20].tolist() if procs.is_main else None,
         }
-    records["_reference"] = {"mu": model.reference_mu.tolist(), "sigma": model.reference_sigma.tolist()}
+    if model.reference_mu is not None:
+        records["_reference"] = {"mu": model.reference_mu.tolist(), "sigma": model.reference_sigma.tolist()}
     records["_guidance_scale"] = model.guidance_scale if args.guidance_scale is None else args.guidance_scale
     return records
 
 
+def _clip_scores(model: Any, clips: torch.Tensor, reference: torch.Tensor, labels: list[int]) -> dict[str, Any]:
+    """Scores of clips ``(B, T, 1, H, W)`` against the unmerged ``reference`` clips.
+
+    PSNR is over every pixel of a clip; SSIM is the mean of its frames'; the classifier
+    labels every frame (so accuracy is per frame, and the Frechet distance is over frame
+    features); the temporal difference error says how much merging changed how each clip
+    moves (:func:`toma.tools.metrics.temporal_difference_error`).
+    """
+    from toma.tools.builtin.video import frames_for_classifier
+    from toma.tools.metrics import temporal_difference_error
+
+    b, t = clips.shape[:2]
+    preds, feats = model.classify(model.classifier, clips)
+    return {
+        "labels": [label for label in labels for _ in range(t)],
+        "psnr": psnr(clips.flatten(1, 2), reference.flatten(1, 2)).tolist(),
+        "ssim": ssim(clips.flatten(0, 1), reference.flatten(0, 1)).view(b, t).mean(dim=1).tolist(),
+        "temporal_error": temporal_difference_error(clips, reference).tolist() if b and t > 1 else [],
+        "preds": preds.flatten().tolist(),
+        "features": feats.flatten(0, 1).double().tolist(),
+        "preview": frames_for_classifier(clips[:2]).tolist(),  # the frames of two clips
+    }
+
+
 def summarise_builtin(gathered: list[dict[str, Any]], runs: list[tuple[str, float]]) -> list[dict[str, Any]]:
     """Merge every process's records into one row per variant."""
-    ref = gathered[0]["_reference"]
-    ref_mu, ref_sigma = torch.tensor(ref["mu"]), torch.tensor(ref["sigma"])
+    ref = gathered[0].get("_reference")
+    ref_mu, ref_sigma = (torch.tensor(ref["mu"]), torch.tensor(ref["sigma"])) if ref else (None, None)
     rows = []
     base_feats = None
     for method, ratio in runs:
@@ -99,10 +130,13 @@ def summarise_builtin(gathered: list[dict[str, Any]], runs: list[tuple[str, floa
             **mean_and_sem("psnr", torch.tensor(sum((p["psnr"] for p in parts), []))),
             **mean_and_sem("ssim", torch.tensor(sum((p["ssim"] for p in parts), []))),
             "accuracy": float((preds == labels).double().mean()),
-            "fd_real": frechet_to(feats, ref_mu, ref_sigma),
             "fd_vs_none": frechet_to(feats, *feature_stats(base_feats)) if len(base_feats) > 1 else float("nan"),
             **timing(parts),
         }
+        if ref_mu is not None:  # the video model has no statistics of real clips
+            row["fd_real"] = frechet_to(feats, ref_mu, ref_sigma)
+        if "temporal_error" in parts[0]:  # clips
+            row.update(mean_and_sem("temporal_error", torch.tensor(sum((p["temporal_error"] for p in parts), []))))
         rows.append(row)
     return add_speedup(rows)
 

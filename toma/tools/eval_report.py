@@ -27,6 +27,8 @@ COLUMNS = [
     ("accuracy", "classifier acc.", "{:.3f}"),
     ("fd_real", "FD to real digits", "{:.2f}"),
     ("fd_vs_none", "FD to unmerged", "{:.2f}"),
+    ("temporal_error", "temporal diff. error", "{:.4f}"),
+    ("temporal_error_sem", "± s.e.", "{:.4f}"),
     ("clip_t", "CLIP-T", "{:.4f}"),
     ("dino_delta", "DINO delta", "{:.4f}"),
     ("fd_dino_reference", "FD (DINOv2) to reference", "{:.2f}"),

@@ -50,7 +50,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", default=None,
                    help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
-                        "the default) or builtin-dit (the digits Flux transformer)")
+                        "the default), builtin-dit (the digits Flux transformer) or builtin-video (the moving-digits Wan "
+                        "transformer)")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated, from {', '.join(METHODS)} (none is always run as the reference; "
                         "default: all that apply to the model, tomesd only to UNets)")
@@ -78,7 +79,8 @@ def register(subparsers: Any) -> None:
                    help="torch CPU threads per process (default: 1 for the built-in model; "
                         "for pipelines CPU cores / processes)")
     p.add_argument("--builtin-path", type=Path, default=None,
-                   help="folder written by scripts/train_builtin.py, or by train_builtin_dit.py for builtin-dit "
+                   help="folder written by scripts/train_builtin.py, or by train_builtin_dit.py / train_builtin_video.py "
+                        "for builtin-dit / builtin-video "
                         "(default: the copy in the package)")
     p.set_defaults(func=run)
 

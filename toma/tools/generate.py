@@ -40,7 +40,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", default=None,
                    help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
-                        "the default) or builtin-dit (the digits Flux transformer)")
+                        "the default), builtin-dit (the digits Flux transformer) or builtin-video (the moving-digits Wan "
+                        "transformer)")
     p.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="prompt for --model pipelines")
     p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="built-in model: comma-separated digits to draw")
     p.add_argument("--ratio", type=float, default=0.5, help="ToMA merge ratio in [0, 1) (default 0.5)")
@@ -59,7 +60,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 for the built-in model, torch's choice for pipelines)")
     p.add_argument("--builtin-path", type=Path, default=None,
-                   help="folder written by scripts/train_builtin.py, or by train_builtin_dit.py for builtin-dit "
+                   help="folder written by scripts/train_builtin.py, or by train_builtin_dit.py / train_builtin_video.py "
+                        "for builtin-dit / builtin-video "
                         "(default: the copy in the package)")
     p.set_defaults(func=run)
 
@@ -275,8 +277,11 @@ def run_builtin(args: argparse.Namespace) -> int:
         merged, t_toma = timed(lambda: generate(f"ToMA {args.ratio:g}"))
     finally:
         remove_toma(model.denoiser)
-    report_and_save(args, baseline, merged, t_base, t_toma, len(labels), upscale=BUILTIN_UPSCALE,
-                    cell_labels=[str(v) for v in labels], setting=f"{steps} steps, seed {args.seed}")
+    if merged.dim() == 5:  # clips of the video model
+        save_video(args, baseline, merged, t_base / len(labels), t_toma / len(labels), upscale=2 * BUILTIN_UPSCALE)
+    else:
+        report_and_save(args, baseline, merged, t_base, t_toma, len(labels), upscale=BUILTIN_UPSCALE,
+                        cell_labels=[str(v) for v in labels], setting=f"{steps} steps, seed {args.seed}")
     return 0
 
 
@@ -417,21 +422,24 @@ def check_frames(pipe: Any, frames: int | None) -> None:
 
 
 def save_video(args: argparse.Namespace, baseline: torch.Tensor, merged: torch.Tensor, t_base: float,
-               t_toma: float) -> None:
-    """Write clips ``(1, T, 3, H, W)``: an animated GIF (``--out *.gif``), else one row of frames
-    per run; with ``--compare`` the unmerged clip beside (GIF) or above (strip) ToMA's."""
+               t_toma: float, upscale: int = 1) -> None:
+    """Write clips ``(B, T, C, H, W)`` (C = 1 or 3): an animated GIF (``--out *.gif``), each of
+    its frames the clips' frames side by side, else a strip with one row of frames per clip;
+    with ``--compare`` the unmerged clips beside (GIF) or above (strip) ToMA's.
+    ``t_base`` / ``t_toma``: seconds per clip."""
     print(f"time per clip: unmerged {t_base:.3f} s, ToMA (ratio {args.ratio}) {t_toma:.3f} s, "
           f"speedup {t_base / t_toma:.2f}x")
     captions = (f"unmerged: {t_base:.3f} s/clip", f"ToMA ratio {args.ratio}: {t_toma:.3f} s/clip ({t_base / t_toma:.2f}x)")
-    clips = [baseline[0], merged[0]] if args.compare else [merged[0]]
+    runs = [baseline, merged] if args.compare else [merged]
     names = captions if args.compare else captions[1:]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.out.suffix.lower() == ".gif":
-        frames = [side_by_side([(name, make_grid(clip[t : t + 1])) for name, clip in zip(names, clips)])
-                  for t in range(clips[0].shape[0])]
+        frames = [side_by_side([(name, make_grid(clips[:, t], upscale=upscale)) for name, clips in zip(names, runs)])
+                  for t in range(runs[0].shape[1])]
         frames[0].save(args.out, save_all=True, append_images=frames[1:], duration=125, loop=0)
     else:
-        rows = [side_by_side([(name, make_grid(clip, ncols=clip.shape[0]))]) for name, clip in zip(names, clips)]
+        rows = [side_by_side([(name, make_grid(clips.flatten(0, 1), ncols=clips.shape[1], upscale=upscale))])
+                for name, clips in zip(names, runs)]
         from PIL import Image
 
         strip = Image.new("RGB", (max(r.width for r in rows), sum(r.height for r in rows)), "white")

@@ -2,7 +2,9 @@
 
 ``--model builtin`` (the default, the digits UNet) and ``--model builtin-dit`` (the digits
 Flux transformer) both draw 32 x 32 digits of a given class from per-image seeds and are
-scored by the same digit classifier against the same reference statistics. Each is wrapped
+scored by the same digit classifier against the same reference statistics;
+``--model builtin-video`` (the moving-digits Wan transformer) draws clips of 8 frames,
+scored frame by frame by its own frame classifier (it has no reference statistics). Each is wrapped
 in a :class:`BuiltinSampler`: the module that merging methods patch, a sampling function,
 and (in :data:`BUILTIN_MODELS`) the methods that apply to it. The eval and generate code only sees this interface, so
 a further built-in model is one more loader in :data:`BUILTIN_MODELS`.
@@ -29,21 +31,27 @@ class BuiltinSampler:
         name: the ``--model`` value, e.g. ``"builtin-dit"``.
         denoiser: the module merging methods patch (the UNet, the transformer).
         draw: ``draw(labels, seeds, steps, guidance_scale, progress)`` returns images
-            ``(B, 1, 32, 32)`` in ``[0, 1]`` for ``B`` labels in ``0..9`` and ``B`` seeds;
-            ``guidance_scale=None`` means the model's recommended one.
-        classifier: the digit classifier (:class:`toma.tools.builtin.DigitClassifier`).
-        reference_mu: ``(64,)`` mean classifier feature on the real digits.
+            ``(B, 1, 32, 32)`` in ``[0, 1]`` for ``B`` labels in ``0..9`` and ``B`` seeds, or
+            clips ``(B, T, 1, H, W)`` for a video model; ``guidance_scale=None`` means the
+            model's recommended one.
+        classifier: the digit classifier (:class:`toma.tools.builtin.DigitClassifier`);
+            a video model's reads frames through :attr:`classify`.
+        reference_mu: ``(64,)`` mean classifier feature on the real digits (None: no
+            reference statistics, no Frechet distance to real digits).
         reference_sigma: ``(64, 64)`` covariance of those features.
         guidance_scale: the model's recommended classifier-free guidance scale.
+        classify: ``classify(classifier, samples)`` -> labels and ``(.., 64)`` features, one
+            per image, or ``(B, T)`` and ``(B, T, 64)`` per frame of clips.
     """
 
     name: str
     denoiser: Any
     draw: Callable[[Sequence[int], Sequence[int], int, float | None, bool], torch.Tensor]
     classifier: Any
-    reference_mu: torch.Tensor
-    reference_sigma: torch.Tensor
+    reference_mu: torch.Tensor | None
+    reference_sigma: torch.Tensor | None
     guidance_scale: float
+    classify: Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def load_reference_stats(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +97,20 @@ def _load_dit(path: Path | None) -> BuiltinSampler:
     )
 
 
+def _load_video(path: Path | None) -> BuiltinSampler:
+    from toma.tools.builtin.video import VIDEO_DIR, classify_frames, load_video_dit, sample_video
+
+    model = load_video_dit(VIDEO_DIR if path is None else Path(path))
+
+    def draw(labels: Sequence[int], seeds: Sequence[int], steps: int, guidance: float | None, progress: bool | str) -> torch.Tensor:
+        return sample_video(model, labels, seeds, steps=steps, guidance_scale=guidance, progress=bool(progress))
+
+    return BuiltinSampler(
+        name="builtin-video", denoiser=model.transformer, draw=draw, classifier=model.classifier,
+        reference_mu=None, reference_sigma=None, guidance_scale=model.guidance_scale, classify=classify_frames,
+    )
+
+
 @dataclass(frozen=True)
 class BuiltinEntry:
     """How to load a built-in model and what applies to it, known before loading it."""
@@ -100,15 +122,17 @@ class BuiltinEntry:
     transformer: bool = False  # whether ``--blocks`` chooses its merged blocks
 
 
-_NO_TOMESD = "tomesd merges the transformer blocks of UNets only; {name} is a Flux transformer"
+_NO_TOMESD = "tomesd merges the transformer blocks of UNets only; {name} is a {kind} transformer"
 
 # ``--model`` name -> entry; "builtin-unet" is an alias of the default. A new built-in model
-# (e.g. a video DiT) adds a loader returning a BuiltinSampler and an entry here.
+# adds a loader returning a BuiltinSampler and an entry here.
 BUILTIN_MODELS: dict[str, BuiltinEntry] = {
     "builtin": BuiltinEntry(_load_unet, "built-in digits", UNET_METHODS),
     "builtin-unet": BuiltinEntry(_load_unet, "built-in digits", UNET_METHODS),
     "builtin-dit": BuiltinEntry(_load_dit, "built-in digits DiT (Flux)", TRANSFORMER_METHODS,
-                                _NO_TOMESD.format(name="the built-in DiT"), transformer=True),
+                                _NO_TOMESD.format(name="the built-in DiT", kind="Flux"), transformer=True),
+    "builtin-video": BuiltinEntry(_load_video, "built-in moving-digits video DiT (Wan)", TRANSFORMER_METHODS,
+                                  _NO_TOMESD.format(name="the built-in video DiT", kind="Wan"), transformer=True),
 }
 
 
@@ -123,7 +147,7 @@ def check_blocks(name: str, blocks: Any) -> None:
     """Raise ``ValueError`` naming ``--blocks`` when it is given for a built-in UNet (which would ignore it)."""
     if blocks is not None and not BUILTIN_MODELS[name].transformer:
         raise ValueError(f"--blocks chooses transformer blocks; --model {name} is a UNet, whose merged "
-                         "attention levels --levels chooses (or use --model builtin-dit)")
+                         "attention levels --levels chooses (or use --model builtin-dit or builtin-video)")
 
 
 def check_methods(name: str, methods: Sequence[str]) -> None:
