@@ -237,3 +237,46 @@ def test_set_attn_processor_after_apply_keeps_merging(family):
     toma.remove_toma(model)
     with torch.no_grad():
         assert torch.equal(model(**kw).sample, ref)
+
+
+@pytest.mark.parametrize("with_new_forward", [False, True])
+def test_toma_hooks_register_inside_hooks_already_there(with_new_forward):
+    # a hook registered earlier (a cache's) must wrap toma's, as if toma had come first: it
+    # sees the module's inputs before toma changes them and its outputs after toma's unmerge
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    from toma.adapters.base import register_innermost, remove_hook
+
+    calls = []
+
+    class Recorder(ModelHook):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(f"{self.name} in")
+            return args, kwargs
+
+        def post_forward(self, module, output):
+            calls.append(f"{self.name} out")
+            return output * 2 if self.name == "toma" else output
+
+    class Skipping(Recorder):  # like FirstBlockCache: a new_forward that calls the original
+        def new_forward(self, module, *args, **kwargs):
+            calls.append(f"{self.name} new_forward")
+            return self.fn_ref.original_forward(*args, **kwargs)
+
+    layer = torch.nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    ref = layer(x)
+    HookRegistry.check_if_exists_or_initialize(layer).register_hook((Skipping if with_new_forward else Recorder)("cache"), "cache")
+    register_innermost(layer, Recorder("toma"), "toma")
+    out = layer(x)
+    inner = ["cache new_forward"] if with_new_forward else []
+    assert calls == ["cache in", *inner, "toma in", "toma out", "cache out"]
+    assert torch.equal(out, ref * 2)
+    calls.clear()
+    assert remove_hook(layer, "toma")
+    assert torch.equal(layer(x), ref)  # the cache's hook alone, still working
+    assert calls == ["cache in", *inner, "cache out"]
