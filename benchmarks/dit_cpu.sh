@@ -17,8 +17,8 @@
 #   blocks, merged.
 # - FLUX.2-dev at 1024x1024 (4096 image tokens, 512 text tokens), --depth 48: one double and
 #   one single block, both merged. Needs about 12 GB of memory in float32 (2.3 B parameters
-#   with the shared modulation layers): it did not fit on the 23 GB machine shared with
-#   other jobs, so it has not been run yet.
+#   with the shared modulation layers). On a busy machine, time it by CPU time instead:
+#   python benchmarks/cpu_time_ab.py --arch flux2 --depth 48 --resolution 1024 --rounds 2
 set -euo pipefail
 OUT=${OUT:-bench-results}
 THREADS=${THREADS:-1}
