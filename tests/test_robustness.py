@@ -180,46 +180,74 @@ def test_feed_forward_chunking_keeps_the_merged_mlp(family, size, dim):
 
 
 def _engine_family(family):
+    """(model maker, one batch-2 call's inputs, every block) of an engine family, at the
+    smallest inputs its tests use."""
     from tests.test_dit import FAMILIES
+    from tests.test_dit_mmdit import MMDITS
+    from tests.test_dit_video import FAMILIES as VIDEO
 
     if family == "flux":
         return make_flux, flux_inputs(2, 8, 8), FLUX_ALL
+    if family in MMDITS:
+        make, inputs, blocks = MMDITS[family]
+        return make, inputs(2, 8, 8), blocks
+    if family in VIDEO:
+        _, make, inputs, blocks, _ = VIDEO[family]
+        return make, inputs(2, 2, 8, 8), blocks
     make, inputs, blocks = FAMILIES[family]
     return make, inputs(), blocks
 
 
-@pytest.mark.parametrize("family", ["sd3", "pixart", "ltx", "flux"])
+NEWER = ["ltx", "qwenimage", "flux2", "hunyuanvideo", "cogvideox"]
+
+
+@pytest.mark.parametrize("family", ["sd3", "pixart", "flux", *NEWER])
 def test_gradient_checkpointing_on_engine_families(family):
     make, kw, blocks = _engine_family(family)
+    plain_loss, _ = train_step(make().train(), kw)
     model = make().train()
-    toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
+    patch = toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
+    calls = []
+    patch.patched[0].module.register_forward_hook(lambda *a: calls.append(1))
     loss, grads = train_step(model, kw)
+    assert not torch.equal(loss, plain_loss)  # merged in training mode
+    once = len(calls)
     model.enable_gradient_checkpointing()
     ckpt_loss, ckpt_grads = train_step(model, kw)
+    assert len(calls) == 3 * once  # checkpointed: the merged attention ran again in backward
     torch.testing.assert_close(ckpt_loss, loss)
     assert len(ckpt_grads) == len(grads)
     for a, b in zip(ckpt_grads, grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["sd3", "pixart", "wan", "ltx"])
+@pytest.mark.parametrize("family", ["sd3", "pixart", "wan", *NEWER])
 def test_deepcopy_is_independent_on_engine_families(family):
     make, kw, blocks = _engine_family(family)
     model = make()
-    toma.apply_toma(model, ratio=0.5, **blocks)
     with torch.no_grad():
+        ref = model(**kw).sample
+        toma.apply_toma(model, ratio=0.5, **blocks)
         before = model(**kw).sample
         clone = copy.deepcopy(model)
         for p in clone.parameters():
             p.mul_(0.9)
         moved = clone(**kw).sample
         after = model(**kw).sample
-    assert torch.equal(after, before) and not torch.equal(moved, before)
+        # the copy runs as a model built with its weights and patched afresh: every merged
+        # call (the per-sample ones too) reaches the copy's modules, none the original's
+        fresh = make()
+        for p in fresh.parameters():
+            p.mul_(0.9)
+        toma.apply_toma(fresh, ratio=0.5, **blocks)
+        expected = fresh(**kw).sample
+    assert not torch.equal(before, ref)  # merged
+    assert torch.equal(after, before) and torch.equal(moved, expected)
     patch, copied = toma.get_toma(model), toma.get_toma(clone)
     assert copied.cache is not patch.cache and all(t.module is clone.get_submodule(t.name) for t in copied.patched)
 
 
-@pytest.mark.parametrize("family", ["sd3", "pixart", "wan", "ltx", "flux"])
+@pytest.mark.parametrize("family", ["sd3", "pixart", "wan", "flux", *NEWER])
 def test_set_attn_processor_after_apply_keeps_merging(family):
     # the engine merges around the attention module, not inside its processor: a new
     # processor of the same kind computes the same merged attention

@@ -55,8 +55,9 @@ def image_grid(img_ids: torch.Tensor) -> tuple[int, int]:
     """Token grid ``(h, w)`` of raster-ordered Flux image ids ``(N, 3)`` (or ``(B, N, 3)``;
     Flux.2's have a fourth column), whose columns 1 and 2 are the row and column."""
     ids = img_ids[0] if img_ids.ndim == 3 else img_ids
-    first, last = ids[0, 1:].tolist(), ids[-1, 1:].tolist()
-    return int(last[0] - first[0]) + 1, int(last[1] - first[1]) + 1
+    # one read of both corners: one host sync, and one graph break under torch.compile
+    (r0, c0), (r1, c1) = ids[[0, -1], 1:3].tolist()
+    return int(r1 - r0) + 1, int(c1 - c0) + 1
 
 
 class IdsGrid:
