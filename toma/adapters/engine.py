@@ -118,7 +118,7 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
                 skipped.append(Skipped(name, "none of its parts is merged with these settings"))
             for site in sites:
                 if site.until is not None:  # the span's modules are found from the block at attach
-                    targets.append(Patched(name, block, f"{stack} {site.part}", site=site))
+                    targets.append(Patched(name, block, f"{stack} {site.part}, {site.path} to {site.until}", site=site))
                 else:
                     targets.append(Patched(f"{name}.{site.path}", block.get_submodule(site.path), f"{stack} {site.part}", site=site))
     return targets, skipped
