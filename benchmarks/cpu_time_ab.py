@@ -8,21 +8,56 @@ round. Same model, inputs, placement (the default blocks scaled to ``--depth``) 
 methods as ``toma bench``; one forward per sample:
 
     python benchmarks/cpu_time_ab.py --arch cogvideox --depth 42 --resolution 480 --frames 9 --rounds 3
+
+With ``--compile`` every method is also timed under ``torch.compile`` (inductor), in the
+same interleaved rounds as the eager ones. Each method then patches its own copy of the
+model (sharing the weights, so memory stays that of one model) and each copy is compiled
+once, before the rounds, rather than recompiled whenever a round applies its method:
+
+    python benchmarks/cpu_time_ab.py --arch sd15 --resolution 512 --rounds 3 --compile
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
 
 import torch
 
-from toma.tools.archs import build_model, call_denoiser, default_placement, get_arch, make_inputs
+from toma.tools.archs import Arch, build_model, call_denoiser, default_placement, get_arch, make_inputs
 from toma.tools.bench_harness import MethodPatcher, Variant
 
 METHODS = ("none", "toma", "ideal")
+
+
+def weight_sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose modules are its own (so hooks patch one copy only) but whose
+    parameters and buffers are ``model``'s."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def compile_variants(arch: Arch, models: dict[str, torch.nn.Module], inputs: dict, log=print) -> dict[str, torch.nn.Module]:
+    """Each method's model, patched for good and compiled by inductor, warmed up twice (the
+    first call compiles, the second settles the guards); ``"<method>+compile"`` -> compiled."""
+    compiled = {}
+    for method, model in models.items():
+        start = time.perf_counter()
+        compiled[f"{method}+compile"] = c = torch.compile(model)
+        with torch.inference_mode():
+            for _ in range(2):
+                call_denoiser(arch, c, inputs)
+        log(f"{method}+compile: compiled and warmed up in {time.perf_counter() - start:.0f} s (wall)")
+    return compiled
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def main() -> None:
@@ -31,42 +66,69 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--resolution", type=int, default=None)
     parser.add_argument("--frames", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1, help="batch size of the inputs (2 = a CFG batch)")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time every method under torch.compile (inductor), interleaved with the eager ones")
     parser.add_argument("--out", default=None, help="JSON file for the raw samples")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1; got {args.rounds}")
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1; got {args.batch}")
     torch.set_num_threads(1)  # CPU time equals work only with one thread
 
     arch = get_arch(args.arch)
     resolution = args.resolution or arch.resolution
     model = build_model(arch, depth=args.depth)
-    inputs = make_inputs(arch, resolution, frames=args.frames)
-    patcher = MethodPatcher(model, arch, default_placement(arch, model), {}, None)
-    samples: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
+    inputs = make_inputs(arch, resolution, args.batch, frames=args.frames)
+    placement = default_placement(arch, model)
+    if args.compile:
+        # a model each, patched once: a compiled model must keep the patch it was compiled with
+        models = {m: weight_sharing_copy(model) for m in METHODS}
+        for m, copy_ in models.items():
+            MethodPatcher(copy_, arch, placement, {}, None).apply(Variant(m, None if m == "none" else args.ratio))
+        calls: dict[str, torch.nn.Module] = {**models, **compile_variants(arch, models, inputs)}
+        variants = (*METHODS, *(f"{m}+compile" for m in METHODS))
+    else:
+        patcher = MethodPatcher(model, arch, placement, {}, None)
+        variants = METHODS
+    samples: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    graphs = _graph_count()
     for round_ in range(args.rounds + 1):
-        order = METHODS[round_ % 3 :] + METHODS[: round_ % 3]  # each method leads a round in turn
-        for method in order:
-            patcher.apply(Variant(method, None if method == "none" else args.ratio))
-            with torch.no_grad():
+        shift = round_ % len(variants)
+        order = variants[shift:] + variants[:shift]  # each variant leads a round in turn
+        for v in order:
+            if not args.compile:
+                patcher.apply(Variant(v, None if v == "none" else args.ratio))
+            with torch.inference_mode():
                 cpu, wall = time.process_time(), time.perf_counter()
-                call_denoiser(arch, model, inputs)
+                call_denoiser(arch, calls[v] if args.compile else model, inputs)
                 cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-            patcher.remove()
+            if not args.compile:
+                patcher.remove()
             if round_:  # the first round warms up
-                samples[method].append((cpu, wall))
-            print(f"round {round_} {method}: cpu {cpu:.2f} s, wall {wall:.2f} s", flush=True)
+                samples[v].append((cpu, wall))
+            print(f"round {round_} {v}: cpu {cpu:.2f} s, wall {wall:.2f} s", flush=True)
 
-    cpu = {m: statistics.median(c for c, _ in samples[m]) for m in METHODS}
-    print(f"{args.arch} depth {args.depth} {resolution}p frames {args.frames}: medians of {args.rounds} CPU-time samples")
-    for m in METHODS:
-        eff = "" if m == "none" else f", efficiency {(cpu['none'] - cpu[m]) / (cpu['none'] - cpu['ideal']):.0%}"
-        print(f"  {m:6s} {cpu[m]:8.2f} s  speedup {cpu['none'] / cpu[m]:.3f}x{eff}")
+    if _graph_count() != graphs:  # a timed sample then included compiling
+        print(f"warning: {_graph_count() - graphs} graphs were compiled during the timed rounds")
+    cpu = {v: statistics.median(c for c, _ in samples[v]) for v in variants}
+    print(f"{args.arch} depth {args.depth} {resolution}p frames {args.frames} batch {args.batch}: "
+          f"medians of {args.rounds} CPU-time samples")
+    for v in variants:
+        base, _, compiled = v.partition("+")
+        none, ideal = (f"none+{compiled}", f"ideal+{compiled}") if compiled else ("none", "ideal")
+        eff = "" if base == "none" else f", efficiency {(cpu[none] - cpu[v]) / (cpu[none] - cpu[ideal]):.0%}"
+        print(f"  {v:14s} {cpu[v]:8.2f} s  speedup {cpu[none] / cpu[v]:.3f}x{eff}")
+    if args.compile:
+        print("  compiled/eager time: " + ", ".join(f"{m} {cpu[m + '+compile'] / cpu[m]:.3f}" for m in METHODS))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"arch": args.arch, "depth": args.depth, "resolution": resolution, "frames": args.frames,
-                       "ratio": args.ratio, "samples_cpu_wall_s": samples, "median_cpu_s": cpu}, f, indent=1)
+                       "batch": args.batch, "ratio": args.ratio, "compile": args.compile,
+                       "samples_cpu_wall_s": samples, "median_cpu_s": cpu}, f, indent=1)
 
 
 if __name__ == "__main__":
