@@ -54,6 +54,40 @@ def compile_variants(arch: Arch, models: dict[str, torch.nn.Module], inputs: dic
     return compiled
 
 
+# profiler op names (eager ATen ops; inductor's fused kernels are named after the ATen ops
+# they fuse) -> region, first match wins
+REGIONS = (
+    ("attention (SDPA)", ("scaled_dot_product", "flash_attention")),
+    ("bmm (merge, unmerge, similarity)", ("aten::bmm",)),
+    ("linear (mm)", ("aten::mm", "aten::addmm")),
+    ("convolution", ("convolution",)),
+    ("greedy selection (compiled)", ("argmax",)),
+)
+
+
+def region_of(name: str) -> str:
+    """The region an op or kernel of the profile belongs to (see :data:`REGIONS`)."""
+    for region, keys in REGIONS:
+        if any(k in name for k in keys):
+            return region
+    if "cpp_fused" in name:
+        return "other inductor kernels"
+    return "other eager ops" if name.startswith("aten::") else "other (Python, runtime)"
+
+
+def profile_regions(call) -> dict[str, float]:
+    """CPU milliseconds of one ``call()`` by region: the self time of every op in it."""
+    from torch.profiler import profile
+
+    with torch.inference_mode(), profile() as prof:
+        call()
+    shares: dict[str, float] = {}
+    for event in prof.key_averages():
+        region = region_of(event.key)
+        shares[region] = shares.get(region, 0.0) + event.self_cpu_time_total / 1e3
+    return shares
+
+
 def _graph_count() -> int:
     from torch._dynamo.utils import counters
 
@@ -71,6 +105,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
     parser.add_argument("--compile", action="store_true",
                         help="also time every method under torch.compile (inductor), interleaved with the eager ones")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the rounds, profile one forward of each variant and print its CPU time by region")
     parser.add_argument("--out", default=None, help="JSON file for the raw samples")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -78,6 +114,10 @@ def main() -> None:
     if args.batch < 1:
         parser.error(f"--batch must be >= 1; got {args.batch}")
     torch.set_num_threads(1)  # CPU time equals work only with one thread
+    if args.profile:  # inductor's kernels then show in the profile under their own names
+        from torch._inductor import config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
 
     arch = get_arch(args.arch)
     resolution = args.resolution or arch.resolution
@@ -124,11 +164,24 @@ def main() -> None:
         print(f"  {v:14s} {cpu[v]:8.2f} s  speedup {cpu[none] / cpu[v]:.3f}x{eff}")
     if args.compile:
         print("  compiled/eager time: " + ", ".join(f"{m} {cpu[m + '+compile'] / cpu[m]:.3f}" for m in METHODS))
+    regions: dict[str, dict[str, float]] = {}
+    if args.profile:
+        for v in variants:
+            if not args.compile:
+                patcher.apply(Variant(v, None if v == "none" else args.ratio))
+            regions[v] = profile_regions(lambda: call_denoiser(arch, calls[v] if args.compile else model, inputs))
+            if not args.compile:
+                patcher.remove()
+        names = sorted({r for shares in regions.values() for r in shares}, key=lambda r: -regions[variants[0]].get(r, 0))
+        print("CPU ms of one profiled forward by region (self time of the ops in it):")
+        print(f"  {'region':34s}" + "".join(f"{v:>15s}" for v in variants))
+        for r in names:
+            print(f"  {r:34s}" + "".join(f"{regions[v].get(r, 0.0):15.1f}" for v in variants))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"arch": args.arch, "depth": args.depth, "resolution": resolution, "frames": args.frames,
                        "batch": args.batch, "ratio": args.ratio, "compile": args.compile,
-                       "samples_cpu_wall_s": samples, "median_cpu_s": cpu}, f, indent=1)
+                       "samples_cpu_wall_s": samples, "median_cpu_s": cpu, "profile_regions_ms": regions}, f, indent=1)
 
 
 if __name__ == "__main__":
