@@ -76,7 +76,11 @@ def region_of(name: str) -> str:
 
 
 def profile_regions(call) -> dict[str, float]:
-    """CPU milliseconds of one ``call()`` by region: the self time of every op in it."""
+    """Milliseconds of one ``call()`` by region: the profiler's self time of every op in it.
+
+    The profiler times ops by the clock while they run on the thread, so on a loaded machine
+    these are inflated alike for every region: compare shares, not totals.
+    """
     from torch.profiler import profile
 
     with torch.inference_mode(), profile() as prof:
@@ -106,7 +110,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also time every method under torch.compile (inductor), interleaved with the eager ones")
     parser.add_argument("--profile", action="store_true",
-                        help="after the rounds, profile one forward of each variant and print its CPU time by region")
+                        help="after the rounds, profile one forward of each variant and print its time by region")
     parser.add_argument("--out", default=None, help="JSON file for the raw samples")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -173,7 +177,7 @@ def main() -> None:
             if not args.compile:
                 patcher.remove()
         names = sorted({r for shares in regions.values() for r in shares}, key=lambda r: -regions[variants[0]].get(r, 0))
-        print("CPU ms of one profiled forward by region (self time of the ops in it):")
+        print("profiler ms of one forward by region (self time of its ops; inflated by the machine's load):")
         print(f"  {'region':34s}" + "".join(f"{v:>15s}" for v in variants))
         for r in names:
             print(f"  {r:34s}" + "".join(f"{regions[v].get(r, 0.0):15.1f}" for v in variants))
