@@ -8,22 +8,95 @@ round. Same model, inputs, placement (the default blocks scaled to ``--depth``) 
 methods as ``toma bench``; one forward per sample:
 
     python benchmarks/cpu_time_ab.py --arch cogvideox --depth 42 --resolution 480 --frames 9 --rounds 3
+
+With ``--compile`` every method is also timed under ``torch.compile`` (inductor), in the
+same interleaved rounds as the eager ones. Each method then patches its own copy of the
+model (sharing the weights, so memory stays that of one model) and each copy is compiled
+once, before the rounds, rather than recompiled whenever a round applies its method:
+
+    python benchmarks/cpu_time_ab.py --arch sd15 --resolution 512 --rounds 3 --compile
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import json
 import statistics
 import time
 
 import torch
 
-from toma.tools.archs import build_model, call_denoiser, default_placement, get_arch, make_inputs
+from toma.tools.archs import Arch, build_model, call_denoiser, default_placement, get_arch, make_inputs
 from toma.tools.bench_harness import MethodPatcher, Variant
 
 METHODS = ("none", "toma", "ideal")
+
+
+def weight_sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose modules are its own (so hooks patch one copy only) but whose
+    parameters and buffers are ``model``'s."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def compile_variants(arch: Arch, models: dict[str, torch.nn.Module], inputs: dict, log=print) -> dict[str, torch.nn.Module]:
+    """Each method's model, patched for good and compiled by inductor, warmed up twice (the
+    first call compiles, the second settles the guards); ``"<method>+compile"`` -> compiled."""
+    compiled = {}
+    for method, model in models.items():
+        start = time.perf_counter()
+        compiled[f"{method}+compile"] = c = torch.compile(model)
+        with torch.inference_mode():
+            for _ in range(2):
+                call_denoiser(arch, c, inputs)
+        log(f"{method}+compile: compiled and warmed up in {time.perf_counter() - start:.0f} s (wall)")
+    return compiled
+
+
+# profiler op names (eager ATen ops; inductor's fused kernels are named after the ATen ops
+# they fuse) -> region, first match wins
+REGIONS = (
+    ("attention (SDPA)", ("scaled_dot_product", "flash_attention")),
+    ("bmm (merge, unmerge, similarity)", ("aten::bmm",)),
+    ("linear (mm)", ("aten::mm", "aten::addmm")),
+    ("convolution", ("convolution",)),
+    ("greedy selection (compiled)", ("argmax",)),
+)
+
+
+def region_of(name: str) -> str:
+    """The region an op or kernel of the profile belongs to (see :data:`REGIONS`)."""
+    for region, keys in REGIONS:
+        if any(k in name for k in keys):
+            return region
+    if "cpp_fused" in name:
+        return "other inductor kernels"
+    return "other eager ops" if name.startswith("aten::") else "other (Python, runtime)"
+
+
+def profile_regions(call) -> dict[str, float]:
+    """Milliseconds of one ``call()`` by region: the profiler's self time of every op in it.
+
+    The profiler times ops by the clock while they run on the thread, so on a loaded machine
+    these are inflated alike for every region: compare shares, not totals.
+    """
+    from torch.profiler import profile
+
+    with torch.inference_mode(), profile() as prof:
+        call()
+    shares: dict[str, float] = {}
+    for event in prof.key_averages():
+        region = region_of(event.key)
+        shares[region] = shares.get(region, 0.0) + event.self_cpu_time_total / 1e3
+    return shares
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def main() -> None:
@@ -32,8 +105,13 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--resolution", type=int, default=None)
     parser.add_argument("--frames", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1, help="batch size of the inputs (2 = a CFG batch)")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time every method under torch.compile (inductor), interleaved with the eager ones")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the rounds, profile one forward of each variant and print its time by region")
     parser.add_argument("--out", default=None, help="JSON file for the raw samples")
     parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
                         help="override a placement option of toma and the ideal, e.g. --set levels=2 --set merge_mlp=True "
@@ -41,38 +119,79 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1; got {args.rounds}")
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1; got {args.batch}")
     torch.set_num_threads(1)  # CPU time equals work only with one thread
+    if args.profile:  # inductor's kernels then show in the profile under their own names
+        from torch._inductor import config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
 
     arch = get_arch(args.arch)
     resolution = args.resolution or arch.resolution
     model = build_model(arch, depth=args.depth)
-    inputs = make_inputs(arch, resolution, frames=args.frames)
+    inputs = make_inputs(arch, resolution, args.batch, frames=args.frames)
     placement = {**default_placement(arch, model), **dict(parse_setting(text) for text in args.set)}
-    patcher = MethodPatcher(model, arch, placement, {}, None)
     print(f"placement: {placement}", flush=True)
-    samples: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
+    if args.compile:
+        # a model each, patched once: a compiled model must keep the patch it was compiled with
+        models = {m: weight_sharing_copy(model) for m in METHODS}
+        for m, copy_ in models.items():
+            MethodPatcher(copy_, arch, placement, {}, None).apply(Variant(m, None if m == "none" else args.ratio))
+        calls: dict[str, torch.nn.Module] = {**models, **compile_variants(arch, models, inputs)}
+        variants = (*METHODS, *(f"{m}+compile" for m in METHODS))
+    else:
+        patcher = MethodPatcher(model, arch, placement, {}, None)
+        variants = METHODS
+    samples: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    graphs = _graph_count()
     for round_ in range(args.rounds + 1):
-        order = METHODS[round_ % 3 :] + METHODS[: round_ % 3]  # each method leads a round in turn
-        for method in order:
-            patcher.apply(Variant(method, None if method == "none" else args.ratio))
-            with torch.no_grad():
+        shift = round_ % len(variants)
+        order = variants[shift:] + variants[:shift]  # each variant leads a round in turn
+        for v in order:
+            if not args.compile:
+                patcher.apply(Variant(v, None if v == "none" else args.ratio))
+            with torch.inference_mode():
                 cpu, wall = time.process_time(), time.perf_counter()
-                call_denoiser(arch, model, inputs)
+                call_denoiser(arch, calls[v] if args.compile else model, inputs)
                 cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-            patcher.remove()
+            if not args.compile:
+                patcher.remove()
             if round_:  # the first round warms up
-                samples[method].append((cpu, wall))
-            print(f"round {round_} {method}: cpu {cpu:.2f} s, wall {wall:.2f} s", flush=True)
+                samples[v].append((cpu, wall))
+            print(f"round {round_} {v}: cpu {cpu:.2f} s, wall {wall:.2f} s", flush=True)
 
-    cpu = {m: statistics.median(c for c, _ in samples[m]) for m in METHODS}
-    print(f"{args.arch} depth {args.depth} {resolution}p frames {args.frames}: medians of {args.rounds} CPU-time samples")
-    for m in METHODS:
-        eff = "" if m == "none" else f", efficiency {(cpu['none'] - cpu[m]) / (cpu['none'] - cpu['ideal']):.0%}"
-        print(f"  {m:6s} {cpu[m]:8.2f} s  speedup {cpu['none'] / cpu[m]:.3f}x{eff}")
+    if _graph_count() != graphs:  # a timed sample then included compiling
+        print(f"warning: {_graph_count() - graphs} graphs were compiled during the timed rounds")
+    cpu = {v: statistics.median(c for c, _ in samples[v]) for v in variants}
+    print(f"{args.arch} depth {args.depth} {resolution}p frames {args.frames} batch {args.batch}: "
+          f"medians of {args.rounds} CPU-time samples")
+    for v in variants:
+        base, _, compiled = v.partition("+")
+        none, ideal = (f"none+{compiled}", f"ideal+{compiled}") if compiled else ("none", "ideal")
+        eff = "" if base == "none" else f", efficiency {(cpu[none] - cpu[v]) / (cpu[none] - cpu[ideal]):.0%}"
+        print(f"  {v:14s} {cpu[v]:8.2f} s  speedup {cpu[none] / cpu[v]:.3f}x{eff}")
+    if args.compile:
+        print("  compiled/eager time: " + ", ".join(f"{m} {cpu[m + '+compile'] / cpu[m]:.3f}" for m in METHODS))
+    regions: dict[str, dict[str, float]] = {}
+    if args.profile:
+        for v in variants:
+            if not args.compile:
+                patcher.apply(Variant(v, None if v == "none" else args.ratio))
+            regions[v] = profile_regions(lambda: call_denoiser(arch, calls[v] if args.compile else model, inputs))
+            if not args.compile:
+                patcher.remove()
+        names = sorted({r for shares in regions.values() for r in shares}, key=lambda r: -regions[variants[0]].get(r, 0))
+        print("profiler ms of one forward by region (self time of its ops; inflated by the machine's load):")
+        print(f"  {'region':34s}" + "".join(f"{v:>15s}" for v in variants))
+        for r in names:
+            print(f"  {r:34s}" + "".join(f"{regions[v].get(r, 0.0):15.1f}" for v in variants))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"arch": args.arch, "depth": args.depth, "resolution": resolution, "frames": args.frames,
-                       "ratio": args.ratio, "placement": {k: repr(v) for k, v in placement.items()}, "samples_cpu_wall_s": samples, "median_cpu_s": cpu}, f, indent=1)
+                       "batch": args.batch, "ratio": args.ratio, "compile": args.compile,
+                       "placement": {k: repr(v) for k, v in placement.items()},
+                       "samples_cpu_wall_s": samples, "median_cpu_s": cpu, "profile_regions_ms": regions}, f, indent=1)
 
 
 def parse_setting(text: str) -> tuple[str, object]:

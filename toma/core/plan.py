@@ -187,8 +187,23 @@ def build_plan(
     with torch.no_grad():
         if kernels is not None and config.selection == "facility":
             return _fused_plan(tiles.detach().flatten(1, 2), kernels.src_tiled, layout, config, dtype, index, kernels)
-        clean = torch.nan_to_num(tiles.detach(), nan=0.0, posinf=0.0, neginf=0.0)
+        clean = finite_or_zero(tiles.detach())
         return _build_plan(clean, layout, config, dtype, generator, index, kernels)
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (any shape, floating) with NaN and +-inf replaced by 0: the values of
+    ``torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)``, bit for bit.
+
+    Eager, that is ``nan_to_num``: one kernel, ten times faster here than ``isfinite`` and
+    ``where``. Under torch.compile it is ``where(isfinite(x), x, 0)``: inductor's CPU code
+    for ``nan_to_num`` tests NaN one element at a time (a scalar ``std::isnan`` loop over a
+    stored vector), which made a compiled plan on SD 1.5's 4096 x 320 tokens take twice as
+    long (3.7 against 1.8 ms at one thread) as with ``isfinite``, which vectorises.
+    """
+    if torch.compiler.is_compiling():
+        return torch.where(x.isfinite(), x, 0.0)
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def build_fused_plan(
