@@ -310,6 +310,18 @@ def test_ideal_flux_matches_toma_blocks_and_counts(tiny_flux):
         assert seen[attns[name]] == (kept if name.startswith("transformer_blocks") else text + kept)
 
 
+def test_ideal_with_merged_mlp_removes_exactly(tiny_unet):
+    # the merged MLP's chunking hook stayed behind after remove_baseline, and the next
+    # apply_toma(merge_mlp=True) on the model failed ("toma_chunk already exists")
+    ref = forward("tiny-unet", tiny_unet)
+    apply_ideal(tiny_unet, 0.5, merge_mlp=True)
+    assert remove_baseline(tiny_unet)
+    assert not any(getattr(m, "_diffusers_hook", None) for m in tiny_unet.modules())
+    assert torch.equal(forward("tiny-unet", tiny_unet), ref)
+    toma.apply_toma(tiny_unet, ratio=0.5, merge_mlp=True)
+    assert toma.remove_toma(tiny_unet)
+
+
 def test_baselines_remove_exactly_and_refuse_to_stack(tiny_unet):
     ref = forward("tiny-unet", tiny_unet)
     appliers = [apply_ideal, apply_todo] + ([apply_tomesd] if tomesd_available() else [])
