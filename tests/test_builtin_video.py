@@ -110,6 +110,63 @@ def test_pack_with_three_frames_adds_the_neighbouring_frames():
         pack(clips, stem_frames=2)
 
 
+# ---- sampler -------------------------------------------------------------------------
+
+
+class ExactVelocity(torch.nn.Module):
+    """A stand-in Wan transformer that returns the exact rectified-flow velocity towards a
+    known clip: ``(x_t - x0) / t`` with ``x0`` the ``target`` of each row's class.
+
+    Rows whose class tokens are all zero (the null class below) head for ``null_target``.
+    It reads ``x_t`` back from the packed input (the centre pixel of the token's own frame)
+    and ``t`` from Wan's ``1000 t`` timestep, so a wrong sign, time scale, packing or
+    guidance combination in :func:`sample_video` stops it from landing on the clip.
+    """
+
+    def __init__(self, target: torch.Tensor, null_target: torch.Tensor, stem_frames: int = 3):
+        super().__init__()
+        self.config = type("Config", (), {"in_channels": stem_frames * STEM_KERNEL**2})()
+        self.target, self.null_target, self.stem_frames = target, null_target, stem_frames
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states):
+        centre = (self.stem_frames // 2) * STEM_KERNEL**2 + STEM_KERNEL**2 // 2
+        x = hidden_states[:, centre : centre + 1].transpose(1, 2)  # (B, T, 1, H, W)
+        null = encoder_hidden_states.flatten(1).abs().sum(dim=1) == 0
+        x0 = torch.where(null.view(-1, 1, 1, 1, 1), self.null_target, self.target)
+        v = (x - x0) / (timestep / 1000.0).view(-1, 1, 1, 1, 1)
+        return type("Output", (), {"sample": v.transpose(1, 2)})()
+
+
+def exact_model(target: torch.Tensor, null_target: torch.Tensor):
+    from toma.tools.builtin import NULL_CLASS, DigitClassifier
+    from toma.tools.builtin.video import BuiltinVideoDiT
+
+    tokens = torch.ones(11, COND_TOKENS, COND_DIM)
+    tokens[NULL_CLASS] = 0.0
+    return BuiltinVideoDiT(transformer=ExactVelocity(target, null_target), class_tokens=tokens,
+                           classifier=DigitClassifier())
+
+
+@pytest.mark.parametrize("steps", [1, 3, 10])
+def test_sampler_with_the_exact_velocity_lands_on_the_clip(steps):
+    g = torch.Generator().manual_seed(0)
+    target = torch.rand(2, FRAMES, 1, FRAME_SIZE, FRAME_SIZE, generator=g) * 1.6 - 0.8  # in [-1, 1] units
+    model = exact_model(target, torch.zeros_like(target))
+    clips = sample_video(model, [3, 7], [0, 1], steps=steps, guidance_scale=1.0, progress=False)
+    # x_{i+1} - x0 = (x_i - x0) t_{i+1} / t_i, exactly 0 at t = 0: only float rounding is left
+    torch.testing.assert_close(clips, (target + 1.0) / 2.0, rtol=0, atol=1e-5)
+
+
+def test_sampler_guidance_extrapolates_from_the_null_class():
+    g = torch.Generator().manual_seed(1)
+    target = torch.rand(1, FRAMES, 1, FRAME_SIZE, FRAME_SIZE, generator=g) * 0.6 - 0.3
+    null_target = torch.rand(1, FRAMES, 1, FRAME_SIZE, FRAME_SIZE, generator=g) * 0.6 - 0.3
+    model = exact_model(target, null_target)
+    clips = sample_video(model, [5], [2], steps=4, guidance_scale=2.0, progress=False)
+    # v_u + 2 (v_c - v_u) is the exact velocity towards 2 x0_c - x0_u (inside [-1, 1] here)
+    torch.testing.assert_close(clips, (2.0 * target - null_target + 1.0) / 2.0, rtol=0, atol=1e-5)
+
+
 # ---- shipped model -------------------------------------------------------------------
 
 
