@@ -123,6 +123,11 @@ class BuiltinVideoDiT:
         """Classifier-free guidance scale recommended by the training run."""
         return float(self.metadata.get("guidance_scale", 2.0))
 
+    @property
+    def time_shift(self) -> float:
+        """Time shift the model was trained with (:func:`shift_times`); 1.0 for none."""
+        return float(self.metadata.get("time_shift", 1.0))
+
 
 def video_available(path: Path | str = VIDEO_DIR) -> bool:
     """Whether the trained video DiT files are present under ``path``."""
@@ -261,6 +266,23 @@ def velocity(transformer: Any, x: torch.Tensor, t: torch.Tensor, tokens: torch.T
     return unpack(out.to(x.dtype))
 
 
+def shift_times(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """Times ``t`` in ``[0, 1]`` (any shape) moved towards noise: ``s t / (1 + (s - 1) t)``.
+
+    SD3's and Wan's flow shift: ``shift > 1`` spends more training (and more sampling
+    steps) at high noise, where a clip's digit and its frame-to-frame identity are decided;
+    it keeps 0 at 0 and 1 at 1. ``shift`` must be positive; 1 leaves ``t`` unchanged.
+    """
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0; got {shift!r}")
+    return shift * t / (1.0 + (shift - 1.0) * t)
+
+
+def time_grid(steps: int, shift: float = 1.0) -> torch.Tensor:
+    """Euler times ``(steps + 1,)`` from 1 (noise) down to 0 (clip): uniform, then :func:`shift_times`."""
+    return shift_times(torch.linspace(1.0, 0.0, steps + 1), shift)
+
+
 def clip_noise(seeds: Sequence[int], frames: int = FRAMES, size: int = FRAME_SIZE) -> torch.Tensor:
     """Starting noise ``(B, frames, 1, size, size)``, one independent generator per seed."""
     return torch.stack(
@@ -290,6 +312,8 @@ def sample_video(
         progress: show a tqdm progress bar over the steps.
         transformer: the transformer to call instead of ``model.transformer``.
 
+    The Euler times are :func:`time_grid` with the model's :attr:`~BuiltinVideoDiT.time_shift`.
+
     Returns:
         Clips ``(B, FRAMES, 1, FRAME_SIZE, FRAME_SIZE)`` in ``[0, 1]``, float32.
     """
@@ -301,7 +325,7 @@ def sample_video(
     guided = scale != 1.0
     rows = torch.cat([torch.full_like(labels, NULL_CLASS), labels]) if guided else labels
     tokens = model.class_tokens[rows]
-    times = torch.linspace(1.0, 0.0, steps + 1)
+    times = time_grid(steps, model.time_shift)
     x = clip_noise(seeds)
     for i in tqdm(range(steps), desc="denoising", disable=not progress, leave=False):
         inp = torch.cat([x, x]) if guided else x
