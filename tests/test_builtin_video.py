@@ -32,6 +32,8 @@ from toma.tools.builtin.video import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SPAN = FRAME_SIZE - DIGIT_SIZE
+# the wrong-label loss must exceed the right-label loss by this factor (see the test)
+CLASS_GAP_FLOOR = 1.02
 
 
 # ---- data ----------------------------------------------------------------------------
@@ -268,12 +270,13 @@ def test_the_class_steers_the_velocity(model):
 
     At t = 0.8 the digit's shape is still open, so its class matters. The first trained
     model (width 64, cross-attention output initialised at zero, 900 steps) ignored its
-    class: its two losses were within 0.5% of each other.
+    class: on these 30 clips its two losses are 0.6% apart. The shipped step-806
+    checkpoint: 3.7% (still partial; a model that draws the right digit needs far more).
     """
     from toma.tools.builtin import NUM_CLASSES
     from toma.tools.builtin.video import velocity
 
-    clips, labels = real_clips(10)
+    clips, labels = real_clips(30)
     clean = clips * 2.0 - 1.0
     noise = torch.randn(clean.shape, generator=torch.Generator().manual_seed(0))
     t = torch.full((len(labels),), 0.8)
