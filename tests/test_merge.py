@@ -155,3 +155,37 @@ def test_tiny_temperatures_give_the_hard_assignment(temperature):
     dest = facility_location(sim, 8)
     a = assignment(sim, dest, temperature)
     assert torch.equal(a, assignment(sim, dest, 0.0))
+
+
+@pytest.mark.parametrize("grid, tile", [((3, 6, 10), (2, 4, 4)), ((1, 7, 9), (1, 4, 4))])
+def test_padded_grids_move_by_one_gather_each_way(grid, tile):
+    # a padded layout's tokens go to tiles by one gather (padded slots then copy their
+    # nearest real token, which plans mask out) and back by another; the plan's merge and
+    # unmerge equal those through the pad-and-permute copies, bit for bit
+    from dataclasses import replace
+
+    from toma.config import ToMAConfig
+    from toma.core.plan import PlanCache
+    from toma.core.tiling import from_tiles, layout_index, to_tiles
+
+    t, h, w = grid
+    cache = PlanCache(ToMAConfig(ratio=0.5, tile_size=tile[1:], tile_frames=tile[0]), tile[0])
+    layout = cache.layout(t, h, w)
+    assert layout.padded
+    index = layout_index(layout)
+    x = torch.randn(2, t * h * w, 8, generator=torch.Generator().manual_seed(0))
+    real = index.token_mask
+    assert torch.equal(to_tiles(x, layout, index.gather_index)[:, real], to_tiles(x, layout)[:, real])
+    tiles = torch.randn(2, layout.num_tiles, layout.tile_area, 8, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(from_tiles(tiles, layout, index.scatter_index), from_tiles(tiles, layout))
+    plan = cache.get(x, grid, group="g")
+    assert plan.index is not None and plan.index.gather_index is not None
+    for selection in ("facility", "grid"):  # the padded slots' contents change no plan
+        config = ToMAConfig(ratio=0.5, tile_size=tile[1:], tile_frames=tile[0], selection=selection)
+        zero_padded = build_plan(to_tiles(x, layout), layout, config, x.dtype)
+        gathered = build_plan(to_tiles(x, layout, index.gather_index), layout, config, x.dtype)
+        assert torch.equal(zero_padded.dest, gathered.dest) and torch.equal(zero_padded.merge_w, gathered.merge_w)
+    slow = replace(plan, index=None)
+    merged = plan.merge(x)
+    assert torch.equal(merged, slow.merge(x))
+    assert torch.equal(plan.unmerge(merged), slow.unmerge(merged))

@@ -70,6 +70,8 @@ class Plan(Memo):
         dtype: the activations' dtype (of ``merge_w``, ``unmerge_w`` and :attr:`log_mass`).
         kernels: where the fused Triton kernels read and write (:mod:`toma.kernels`), or
             None for the torch path.
+        index: the layout's :class:`~toma.core.tiling.LayoutIndex` (its gathers move
+            tokens of a padded grid between raster order and tiles), or None.
 
     ``Bp`` is the batch size, or 1 when the plan is shared by the whole batch.
     """
@@ -83,6 +85,7 @@ class Plan(Memo):
     mass: torch.Tensor
     dtype: torch.dtype
     kernels: KernelIndex | None = None
+    index: LayoutIndex | None = None
 
     @property
     def num_merged(self) -> int:
@@ -104,7 +107,7 @@ class Plan(Memo):
             if tiled:
                 tiles = x.unflatten(1, (self.layout.num_tiles, self.layout.tile_area))
             else:
-                tiles = to_tiles(x, self.layout)
+                tiles = to_tiles(x, self.layout, None if self.index is None else self.index.gather_index)
             merged = merge(tiles, _as(self.merge_w, tiles.dtype)).flatten(1, 2)
             return merged if self.keep_index is None else merged.index_select(1, self.keep_index)
 
@@ -123,7 +126,9 @@ class Plan(Memo):
                 y = y.index_select(1, self.spread_index)
             y = y.unflatten(1, (self.layout.num_tiles, self.layout.slots))
             out = unmerge(y, _as(self.unmerge_w, y.dtype))
-            return out.flatten(1, 2) if tiled else from_tiles(out, self.layout)
+            if tiled:
+                return out.flatten(1, 2)
+            return from_tiles(out, self.layout, None if self.index is None else self.index.scatter_index)
 
     @property
     def log_mass(self) -> torch.Tensor:
@@ -245,7 +250,8 @@ def _fused_plan(
         flat_mass = flat_mass.index_select(1, index.keep_index)
         flat_log = flat_log.index_select(1, index.keep_index)
     # unmerge_w: a transposed view of the assignment, as on the torch path
-    plan = Plan(layout, dest, merge_w, a.transpose(-1, -2), index.keep_index, index.spread_index, flat_mass, dtype, kernels)
+    plan = Plan(layout, dest, merge_w, a.transpose(-1, -2), index.keep_index, index.spread_index, flat_mass, dtype, kernels,
+                index)
     plan.memo("log_mass", lambda: flat_log)  # computed by the kernel
     return plan
 
@@ -289,6 +295,7 @@ def _build_plan(
             mass=flat_mass,
             dtype=dtype,
             kernels=kernels,
+            index=index,
         )
 
 
@@ -422,7 +429,7 @@ class PlanCache:
         if cached is not None:
             return cached[1]
         layout = self.layout(*grid, ratio=ratio)
-        src = x[:1] if share else x
+        src = (x[:1] if share else x).detach()  # plans are constants for autograd: nothing saved here
         index = self._indices.get((grid, ratio, x.device))
         if index is None:
             # kept for every later call: made as ordinary tensors even under inference_mode,
@@ -438,7 +445,7 @@ class PlanCache:
         if kernels is not None and self.config.selection == "facility":
             plan = build_fused_plan(src, tiled, layout, self.config, x.dtype, index, kernels)
         else:
-            tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout)
+            tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout, index.gather_index)
             plan = build_plan(tiles, layout, self.config, x.dtype, self._random(x.device), index, kernels)
         self._plans[key] = (0, plan)  # (age in steps, plan)
         return plan

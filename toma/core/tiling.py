@@ -145,12 +145,17 @@ class LayoutIndex:
         keep_index: ``(K,)`` the used slots among the ``T*k``, or None when all are used.
         spread_index: ``(T*k,)`` position among the ``K`` of each slot (unused slots point
             at 0), or None.
+        gather_index: for a padded layout, ``(T*n,)`` the raster token each slot reads
+            (:func:`slot_raster_index`: padded slots read the nearest real token), else None.
+        scatter_index: for a padded layout, ``(N,)`` the slot of each raster token, else None.
     """
 
     token_mask: torch.Tensor | None
     slot_mask: torch.Tensor | None
     keep_index: torch.Tensor | None
     spread_index: torch.Tensor | None
+    gather_index: torch.Tensor | None = None
+    scatter_index: torch.Tensor | None = None
 
 
 def layout_index(layout: TileLayout, device: torch.device | str | None = None) -> LayoutIndex:
@@ -159,8 +164,16 @@ def layout_index(layout: TileLayout, device: torch.device | str | None = None) -
     Index tensors come from the layout's Python description (no ``nonzero`` on the device,
     which would wait for the GPU).
     """
+    mask = token_mask(layout, device)
+    gather = scatter = None
+    if mask is not None:
+        # built on the host, where the boolean selection reads no device data, then copied
+        real = token_mask(layout, "cpu").flatten()
+        slots = slot_raster_index(layout, "cpu")
+        scatter = torch.empty(layout.num_tokens, dtype=torch.long).scatter_(0, slots[real], torch.arange(slots.numel())[real])
+        gather, scatter = slots.to(device), scatter.to(device)
     if layout.uniform:
-        return LayoutIndex(token_mask(layout, device), None, None, None)
+        return LayoutIndex(mask, None, None, None, gather, scatter)
     k = layout.slots
     keep, spread, seen = [], [], 0
     for t, kept in enumerate(layout.keep):
@@ -168,14 +181,21 @@ def layout_index(layout: TileLayout, device: torch.device | str | None = None) -
         spread += [seen + j for j in range(kept)] + [0] * (k - kept)
         seen += kept
     as_index = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-    return LayoutIndex(token_mask(layout, device), slot_mask(layout, device), as_index(keep), as_index(spread))
+    return LayoutIndex(mask, slot_mask(layout, device), as_index(keep), as_index(spread), gather, scatter)
 
 
-def to_tiles(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
-    """Raster tokens ``(B, N, C)`` to tiles ``(B, T, n, C)``; padded slots hold zeros."""
+def to_tiles(x: torch.Tensor, layout: TileLayout, gather: torch.Tensor | None = None) -> torch.Tensor:
+    """Raster tokens ``(B, N, C)`` to tiles ``(B, T, n, C)``; padded slots hold zeros.
+
+    With a padded layout's ``gather`` index (:class:`LayoutIndex`), one gather instead of a
+    pad and a permutation (two copies), and padded slots hold copies of their nearest real
+    token instead: for plans and merges, which mask padded slots out, the same.
+    """
     b, n, c = x.shape
     if n != layout.num_tokens:
         raise ValueError(f"expected {layout.num_tokens} tokens for a {layout.t}x{layout.h}x{layout.w} grid, got {n}")
+    if gather is not None and layout.padded:
+        return x.index_select(1, gather).view(b, layout.num_tiles, layout.tile_area, c)
     grid = x.view(b, layout.t, layout.h, layout.w, c)
     if layout.padded:
         pt, ph, pw = _padded_shape(layout)
@@ -213,9 +233,12 @@ def slot_raster_index(layout: TileLayout, device: torch.device | str | None = No
     return _grid_to_tiles(grid[None, ..., None], layout).flatten()
 
 
-def from_tiles(t: torch.Tensor, layout: TileLayout) -> torch.Tensor:
-    """Tiles ``(B, T, n, C)`` back to raster tokens ``(B, N, C)``, dropping padded slots."""
+def from_tiles(t: torch.Tensor, layout: TileLayout, scatter: torch.Tensor | None = None) -> torch.Tensor:
+    """Tiles ``(B, T, n, C)`` back to raster tokens ``(B, N, C)``, dropping padded slots
+    (with a padded layout's ``scatter`` index, in one gather instead of two copies)."""
     b, c = t.shape[0], t.shape[-1]
+    if scatter is not None and layout.padded:
+        return t.flatten(1, 2).index_select(1, scatter)
     lay = layout
     grid = t.view(b, lay.gt, lay.gh, lay.gw, lay.tt, lay.th, lay.tw, c).permute(0, 1, 4, 2, 5, 3, 6, 7)
     grid = grid.reshape(b, *_padded_shape(lay), c)
