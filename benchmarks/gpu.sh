@@ -3,8 +3,9 @@
 # random, built from the published configs; nothing is downloaded). Full-size SDXL UNet,
 # full-depth Flux.1-dev and SD3.5-Medium transformers, bf16, 1024x1024, and Wan 2.1 1.3B
 # at 832x480 x 81 frames (32,760 video tokens), ratio 0.5: unpatched, ToMA, tomesd (SDXL
-# only; a UNet method) and the ideal, interleaved. Sized to finish in about 7 minutes on
-# one H200 (Flux needs ~75 GB of GPU memory while it is built). ONLY=sd35,wan runs just those.
+# only; a UNet method) and the ideal, interleaved. Sized to finish in about 9 minutes on
+# one H200 (Flux needs ~75 GB of GPU memory while it is built; Flux runs twice, the second
+# time with proportional attention). ONLY=sd35,wan runs just those.
 #
 #   benchmarks/gpu.sh                          # results in bench-results/gpu/*.json|png
 #   RESULTS=/tmp/gpu REPEATS=20 benchmarks/gpu.sh
@@ -38,6 +39,9 @@ if want sdxl; then
 fi
 # Flux.1-dev at full depth (19 double + 38 single blocks; the first 5 of each unmerged)
 want flux && bench --arch flux --methods none,toma,ideal --name flux_gpu "${common[@]}" "$@"
+# the same with proportional attention, whose float mask rules out flash kernels: it adds
+# 4-5 dB of fidelity on the built-in Flux DiT, and this row decides whether Flux turns it on
+want flux && bench --arch flux --methods none,toma --proportional-attention --name flux_prop_gpu "${common[@]}" "$@"
 # SD3.5-Medium at full depth (24 blocks; the first 5 unmerged), 4096 image tokens
 want sd35 && bench --arch sd35 --methods none,toma,ideal --name sd35_gpu "${common[@]}" "$@"
 # Wan 2.1 T2V 1.3B at 480p x 81 frames: 21 x 30 x 52 = 32,760 tokens in self-attention; one
