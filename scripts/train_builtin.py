@@ -116,6 +116,29 @@ def write_metadata(folder: Path, metadata: dict, show: bool = False) -> None:
         print(json.dumps({k: v for k, v in metadata.items() if k != "loss_log"}, indent=2))
 
 
+def sample_accuracy(
+    draw, score, count: int, scales, chunk: int, name: str, steps: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Accuracy of freshly drawn samples at each guidance scale, and seconds per sample.
+
+    ``count`` samples with balanced classes (label ``i % 10``) and seeds ``10000 + i``, drawn
+    ``chunk`` at a time by ``draw(labels, seeds, scale)``; ``score(samples, labels)`` gives
+    the accuracy. Returns ``({scale: accuracy}, {scale: seconds per sample})`` keyed by
+    ``str(scale)``, as the metadata stores them; ``name`` labels the printed lines.
+    """
+    labels = torch.arange(count) % NUM_CLASSES
+    seeds = list(range(10_000, 10_000 + count))
+    accuracy, seconds = {}, {}
+    for scale in sorted(set(scales)):
+        start = time.time()
+        samples = torch.cat([draw(labels[i : i + chunk], seeds[i : i + chunk], scale) for i in range(0, count, chunk)])
+        seconds[str(scale)] = round((time.time() - start) / count, 3)
+        accuracy[str(scale)] = round(score(samples, labels), 4)
+        print(f"{name} (guidance {scale}, {steps} Euler steps): {accuracy[str(scale)]:.4f} [{time.time() - start:.0f}s]",
+              flush=True)
+    return accuracy, seconds
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warm-up, then cosine decay to 5% of the peak."""
     if step < args.warmup:

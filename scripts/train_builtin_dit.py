@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from train_builtin import LossLog, ema_update, load_digits_32, optimise, write_metadata  # noqa: E402
+from train_builtin import LossLog, ema_update, load_digits_32, optimise, sample_accuracy, write_metadata  # noqa: E402
 
 from toma.tools.builtin import NULL_CLASS, NUM_CLASSES, classify  # noqa: E402
 from toma.tools.builtin.dit import (  # noqa: E402
@@ -158,23 +158,12 @@ def main() -> int:
     # recognisability check on the saved (float16-rounded) weights: unmerged, balanced
     # classes, the UNet's evaluation seeds
     model = load_dit(args.out)
-    labels = torch.arange(args.eval_samples) % NUM_CLASSES
-    seeds = list(range(10_000, 10_000 + args.eval_samples))
-    sample_acc, seconds_per_image = {}, {}
-    for scale in sorted({1.0, args.guidance_scale}):
-        t_s = time.time()
-        images = torch.cat(
-            [
-                sample(model, labels[i : i + 25], seeds[i : i + 25], steps=args.eval_steps,
-                       guidance_scale=scale, progress=False)
-                for i in range(0, args.eval_samples, 25)
-            ]
-        )
-        seconds_per_image[str(scale)] = round((time.time() - t_s) / args.eval_samples, 3)
-        preds, _ = classify(model.classifier, images)
-        sample_acc[str(scale)] = round((preds == labels).float().mean().item(), 4)
-        print(f"sample accuracy (guidance {scale}, {args.eval_steps} Euler steps): "
-              f"{sample_acc[str(scale)]:.4f} [{time.time() - t_s:.0f}s]", flush=True)
+    sample_acc, seconds_per_image = sample_accuracy(
+        lambda labels, seeds, scale: sample(model, labels, seeds, steps=args.eval_steps, guidance_scale=scale,
+                                            progress=False),
+        lambda images, labels: (classify(model.classifier, images)[0] == labels).float().mean().item(),
+        args.eval_samples, (1.0, args.guidance_scale), 25, "sample accuracy", args.eval_steps,
+    )
 
     metadata.update({
         "total_seconds": round(time.time() - started, 1),

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from train_builtin import LossLog, ema_update, load_digits_32, optimise, write_metadata  # noqa: E402
+from train_builtin import LossLog, ema_update, load_digits_32, optimise, sample_accuracy, write_metadata  # noqa: E402
 
 from toma.tools.builtin import NULL_CLASS, NUM_CLASSES, DigitClassifier  # noqa: E402
 from toma.tools.builtin.video import (  # noqa: E402
@@ -288,21 +288,12 @@ def main() -> int:
 
     # per-frame accuracy of the saved (float16-rounded) weights: unmerged, balanced classes
     model = load_video_dit(args.out)
-    eval_labels = torch.arange(args.eval_samples) % NUM_CLASSES
-    seeds = list(range(10_000, 10_000 + args.eval_samples))
-    sample_acc, seconds_per_clip = {}, {}
-    for scale in sorted({1.0, args.guidance_scale}):
-        t_s = time.time()
-        clips = torch.cat([
-            sample_video(model, eval_labels[i : i + 10], seeds[i : i + 10], steps=args.eval_steps,
-                         guidance_scale=scale, progress=False)
-            for i in range(0, args.eval_samples, 10)
-        ])
-        seconds_per_clip[str(scale)] = round((time.time() - t_s) / args.eval_samples, 3)
-        preds, _ = classify_frames(model.classifier, clips)
-        sample_acc[str(scale)] = round((preds == eval_labels[:, None]).float().mean().item(), 4)
-        print(f"per-frame sample accuracy (guidance {scale}, {args.eval_steps} Euler steps): "
-              f"{sample_acc[str(scale)]:.4f} [{time.time() - t_s:.0f}s]", flush=True)
+    sample_acc, seconds_per_clip = sample_accuracy(
+        lambda labels, seeds, scale: sample_video(model, labels, seeds, steps=args.eval_steps, guidance_scale=scale,
+                                                  progress=False),
+        lambda clips, labels: (classify_frames(model.classifier, clips)[0] == labels[:, None]).float().mean().item(),
+        args.eval_samples, (1.0, args.guidance_scale), 10, "per-frame sample accuracy", args.eval_steps,
+    )
 
     metadata.update({
         "total_seconds": round(time.time() - started, 1),
