@@ -93,7 +93,8 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
     if aliases:
         raise ValueError(f"{aliases[0]} applies to Flux.1 only; for {spec.name} use blocks={{stack: indices}} with stacks {list(spec.stacks)}")
     wanted = {"attn": config.merge_attn, "cross": config.merge_crossattn, "mlp": config.merge_mlp}
-    has = {s.part for stack in spec.stacks for i, b in enumerate(getattr(model, stack)) for s in spec.sites(stack, b)}
+    sites_of = {(stack, i): spec.sites(stack, b) for stack in spec.stacks for i, b in enumerate(getattr(model, stack))}
+    has = {s.part for sites in sites_of.values() for s in sites}
     for part, option in (("cross", "merge_crossattn"), ("mlp", "merge_mlp")):
         if wanted[part] and part not in has:  # accepted but merging nothing: say so
             what = "cross-attention (its text joins the image tokens in attention)" if part == "cross" else "separate MLP to merge"
@@ -106,7 +107,7 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
             if i not in indices:
                 skipped.append(Skipped(name, "not among the merged blocks"))
                 continue
-            sites = [s for s in spec.sites(stack, block) if wanted[s.part]]
+            sites = [s for s in sites_of[(stack, i)] if wanted[s.part]]
             if config.proportional_attention:
                 lacking = [s.path for s in sites if s.part == "attn" and s.mask is None]
                 if lacking:

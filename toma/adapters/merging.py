@@ -93,9 +93,7 @@ class MergeHook(Hook):
             name, index = site.mask or ("attention_mask", None)
             args, kwargs = replace_arg(args, kwargs, name, index, own)
         self._plan, self._tiled, self._text = plan, tiled, text
-        merged = plan.merge(image, tiled)
-        if text:
-            merged = torch.cat([x[:, :text], merged], dim=1)
+        merged = merge_after_text(x, text, plan, tiled)
         args, kwargs = with_hidden_states(args, kwargs, merged)
         if site is None:
             if self.bias:  # UNet attention processors: (batch * heads, 1, K)
@@ -147,10 +145,7 @@ class MergeHook(Hook):
             return output
         if isinstance(output, tuple):  # joint attention: (image, text)
             return (plan.unmerge(output[0], self._tiled), *output[1:])
-        if self._text:  # [text; image] in one sequence
-            t = self._text
-            return torch.cat([output[:, :t], plan.unmerge(output[:, t:], self._tiled)], dim=1)
-        return plan.unmerge(output, self._tiled)
+        return unmerge_after_text(output, self._text, plan, self._tiled)  # [text; image] when text_first
 
 
 class PerSampleMergeHook(MergeHook):
@@ -177,6 +172,19 @@ class PerSampleMergeHook(MergeHook):
 def plan_group(site: Site | None, grid: tuple[int, int, int]) -> Any:
     """The plan cache group of a site on ``grid``: sites of one group share a plan per step."""
     return grid if site is None or site.group is None else (site.group, grid)
+
+
+def merge_after_text(x: torch.Tensor, text: int, plan: Plan, tiled: bool) -> torch.Tensor:
+    """``[text; image]`` tokens ``(B, text + N, C)`` with the image part merged: ``(B, text + K, C)``."""
+    merged = plan.merge(x[:, text:] if text else x, tiled)
+    return torch.cat([x[:, :text], merged], dim=1) if text else merged
+
+
+def unmerge_after_text(y: torch.Tensor, text: int, plan: Plan, tiled: bool) -> torch.Tensor:
+    """Inverse of :func:`merge_after_text` on an output ``(B, text + K, C)``: ``(B, text + N, C)``."""
+    if not text:
+        return plan.unmerge(y, tiled)
+    return torch.cat([y[:, :text], plan.unmerge(y[:, text:], tiled)], dim=1)
 
 
 def _lead_zeros(log_mass: torch.Tensor, lead: int) -> torch.Tensor:
@@ -222,9 +230,7 @@ class SpanOpen(Hook):
         if plan is None:
             return output
         state.plan, state.tiled, state.text, state.tokens = plan, tiled, text, tokens
-        merged = plan.merge(x[:, text:], tiled)
-        if text:
-            merged = torch.cat([x[:, :text], merged], dim=1)
+        merged = merge_after_text(x, text, plan, tiled)
         return (merged, *output[1:]) if isinstance(output, tuple) else merged
 
 
@@ -257,8 +263,7 @@ class SpanClose(Hook):
         plan, self.state.plan = self.state.plan, None
         if plan is None:
             return output
-        t = self.state.text
-        return torch.cat([output[:, :t], plan.unmerge(output[:, t:], self.state.tiled)], dim=1)
+        return unmerge_after_text(output, self.state.text, plan, self.state.tiled)
 
 
 def _batch_slice(value: Any, b: int, batch: int) -> Any:

@@ -164,14 +164,13 @@ def layout_index(layout: TileLayout, device: torch.device | str | None = None) -
     Index tensors come from the layout's Python description (no ``nonzero`` on the device,
     which would wait for the GPU).
     """
-    mask = token_mask(layout, device)
-    gather = scatter = None
-    if mask is not None:
-        # built on the host, where the boolean selection reads no device data, then copied
-        real = token_mask(layout, "cpu").flatten()
-        slots = slot_raster_index(layout, "cpu")
-        scatter = torch.empty(layout.num_tokens, dtype=torch.long).scatter_(0, slots[real], torch.arange(slots.numel())[real])
-        gather, scatter = slots.to(device), scatter.to(device)
+    # built on the host, where the boolean selection reads no device data, then copied
+    real = token_mask(layout, "cpu")
+    mask = gather = scatter = None
+    if real is not None:
+        slots, flat = slot_raster_index(layout, "cpu"), real.flatten()
+        scatter = torch.empty(layout.num_tokens, dtype=torch.long).scatter_(0, slots[flat], torch.arange(slots.numel())[flat])
+        mask, gather, scatter = real.to(device), slots.to(device), scatter.to(device)
     if layout.uniform:
         return LayoutIndex(mask, None, None, None, gather, scatter)
     k = layout.slots
