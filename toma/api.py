@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from toma.adapters import FAMILIES, adapter_for, unsupported_reason
-from toma.adapters.base import CHUNK_HOOK_NAME, HOOK_NAME, Patched, Skipped, remove_hook
+from toma.adapters.base import HOOK_NAMES, Patched, Skipped, remove_hook
 from toma.config import ToMAConfig, make_config
 from toma.core.plan import PlanCache
 from toma.tuned import warn_if_measured_slower
@@ -168,8 +168,8 @@ def denoiser_of(pipe_or_model: Any) -> torch.nn.Module:
 def _detach(model: torch.nn.Module, patch: ToMAPatch, everything: bool) -> None:
     modules = [m for _, m in model.named_modules()] if everything else [model, *patch._hooked]
     for module in modules:
-        remove_hook(module, HOOK_NAME)
-        remove_hook(module, CHUNK_HOOK_NAME)
+        for name in HOOK_NAMES:
+            remove_hook(module, name)
     patch._adapter.detach(patch.patched)
     patch.cache.reset()
     _unwatch_run_start(patch)

@@ -32,7 +32,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from toma.adapters import adapter_for
 from toma.adapters.unet import UNetStepHook
-from toma.adapters.base import CHUNK_HOOK_NAME, HOOK_NAME, Patched, remove_hook
+from toma.adapters.base import HOOK_NAMES, Patched, remove_hook
 from toma.api import get_toma
 from toma.config import ToMAConfig, make_config
 from toma.core.plan import Memo, PlanCache, profiled
@@ -174,8 +174,8 @@ def apply_ideal(model: torch.nn.Module, ratio: float = 0.5, **options: Any) -> B
         raise ValueError(f"no blocks of {type(model).__name__} would be merged with these settings")
     hooked = adapter.attach(model, targets, IdealPlanCache(config, adapter.tile_frames(config)))
     patch = BaselinePatch("ideal", ratio, targets, {"placement": _placement(config, name)})
-    # a merged MLP also takes its block's feed-forward chunking over, under a second hook name
-    patch._hooked = [(m, name) for m in hooked for name in (HOOK_NAME, CHUNK_HOOK_NAME)]
+    # the adapter's hooks, under every name it uses (a merged MLP's chunking has its own)
+    patch._hooked = [(m, name) for m in hooked for name in HOOK_NAMES]
     patch._adapter = adapter
     setattr(model, _ATTR, patch)
     return patch
