@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import json
 import statistics
 import time
@@ -29,16 +28,9 @@ import time
 import torch
 
 from toma.tools.archs import Arch, build_model, call_denoiser, default_placement, get_arch, make_inputs
-from toma.tools.bench_harness import MethodPatcher, Variant
+from toma.tools.bench_harness import MethodPatcher, Variant, weight_sharing_copy
 
 METHODS = ("none", "toma", "ideal")
-
-
-def weight_sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose modules are its own (so hooks patch one copy only) but whose
-    parameters and buffers are ``model``'s."""
-    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return copy.deepcopy(model, memo)
 
 
 def compile_variants(arch: Arch, models: dict[str, torch.nn.Module], inputs: dict, log=print) -> dict[str, torch.nn.Module]:

@@ -407,3 +407,57 @@ def test_caches_are_skipped_for_unets(capsys):
     report = bench_harness.benchmark(ARCHS["tiny-unet"], 64, ["none", "toma+fbcache"], [0.5], repeats=1, warmup=0,
                                      profile=False)
     assert "fbcache is a diffusers cache for transformers" in report["skipped"]["toma+fbcache"]
+
+
+def test_compiled_rows_are_timed_interleaved_with_the_eager_ones(monkeypatch):
+    """Each compiled variant runs on its own patched copy, in the same rounds as the eager rows.
+
+    Before, the compiled rows were timed one after another once the eager rounds were over,
+    so load that changed during the run decided their speedup.
+    """
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real_compile(model, backend="eager"))
+    order = []
+    real = bench_harness._time_sample
+
+    def logged(call, inputs, device):
+        order.append(getattr(call, "toma_variant", None))
+        return real(call, inputs, device)
+
+    monkeypatch.setattr(bench_harness, "_time_sample", logged)
+    report = bench_harness.benchmark(ARCHS["tiny-unet"], 64, ["none", "toma"], [0.5], repeats=2, warmup=0,
+                                     compile=True, profile=False)
+    rows = {(r["method"], r["compiled"]): r for r in report["results"]}
+    assert set(rows) == {("none", False), ("toma", False), ("none", True), ("toma", True)}
+    assert all(len(r["times_s"]) == 2 for r in rows.values())
+    timed = order[-8:]  # 2 rounds x 4 variants, after 2 warm-ups x 2 compiled copies
+    assert [v is not None for v in timed[:4]].count(True) == 2  # compiled in the first round already
+    assert [v is not None for v in timed[4:]].count(True) == 2
+
+
+def test_compiled_copy_keeps_its_patch_and_shares_weights(tiny_unet):
+    """The compiled toma copy gives the eager ToMA output; the original model stays unpatched."""
+    arch = ARCHS["tiny-unet"]
+    harness = bench_harness.MethodPatcher(tiny_unet, arch, {"levels": 1, "tile_size": 4}, {}, None)
+    variant = bench_harness.Variant("toma", 0.5)
+    inputs = make_inputs(arch, 64)
+    with torch.no_grad():
+        plain = call_denoiser(arch, tiny_unet, inputs)[0]
+        harness.apply(variant)
+        merged = call_denoiser(arch, tiny_unet, inputs)[0]
+        harness.remove()
+        real_compile = torch.compile
+        try:
+            torch.compile = lambda model, **kw: real_compile(model, backend="eager")
+            calls = bench_harness.compile_variants(harness, [variant], [1], {1: [inputs]}, 0, torch.device("cpu"),
+                                                   lambda s: None)
+        finally:
+            torch.compile = real_compile
+        (call,) = calls.values()
+        copied = call(inputs)[0]
+        after = call_denoiser(arch, tiny_unet, inputs)[0]
+    assert not torch.equal(plain, merged)
+    assert torch.equal(copied, merged)
+    assert torch.equal(after, plain)  # the copy's hooks are its own
+    copy_params = {p.data_ptr() for p in call.__defaults__[0]._orig_mod.parameters()}
+    assert copy_params == {p.data_ptr() for p in tiny_unet.parameters()}

@@ -44,9 +44,10 @@ def fake_clock(monkeypatch, seconds, interrupt_at=None):
         state["calls"] += 1
         if state["calls"] == interrupt_at:
             raise KeyboardInterrupt
-        v = state["variant"]
+        compiled = getattr(call, "toma_variant", None)  # a compiled copy's call names its variant
+        v = compiled if compiled is not None else state["variant"]
         options = None if v is None or v.method == "none" else {**dict(v.options), "ratio": v.ratio}
-        return seconds(options, call.__name__ == "ccall")
+        return seconds(options, compiled is not None)
 
     monkeypatch.setattr(bench_harness.MethodPatcher, "apply", applying)
     monkeypatch.setattr(bench_harness.MethodPatcher, "remove", removing)

@@ -74,7 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tomesd-max-downsample", type=int, default=None,
                    help="tomesd max_downsample (default: the UNet levels ToMA merges)")
     p.add_argument("--compile", action="store_true",
-                   help="also time none and toma under torch.compile (after the eager rounds, not interleaved)")
+                   help="also time none and toma under torch.compile, each compiled once, in the same interleaved rounds as "
+                        "the eager rows")
     p.add_argument("--cuda-graph", action="store_true",
                    help="CUDA only: capture each variant's forward once as a CUDA graph and time its replays "
                         "(no Python or kernel-launch overhead, as in a graph-captured or compiled deployment); "

@@ -298,14 +298,23 @@ def benchmark(
         with torch.inference_mode():
             variants = _capture_graphs(harness, call, variants, batches, step_inputs, device, graphs, settings,
                                        skipped, log)
+    picked = [v for v in variants if v.method == "none"][:1] + [v for v in variants if v.method == "toma"][:1]
+    picked = picked if compile else []
+    if picked:
+        notes.append("compiled rows: each compiled once on its own weight-sharing copy of the model, then timed in "
+                     "the same interleaved rounds as the eager ones")
     results = {(v, b): Measurement(v, b) for v in variants for b in batches}
     interrupted = False
-    total = len(variants) * len(batches) * (warmup + repeats)
+    total = (len(variants) + len(picked)) * len(batches) * (warmup + repeats)
     bar = progress_bar(total, progress)
     try:
         with torch.inference_mode():
-            time_rounds(harness, call, variants, batches, step_inputs, warmup, repeats, device, results, settings, bar,
-                        graphs if cuda_graph else None)
+            bar.set_postfix_str("compiling" if picked else "")
+            compiled = compile_variants(harness, picked, batches, step_inputs, warmup, device, log)
+            timed = variants + list(compiled)
+            results.update({(v, b): Measurement(v, b) for v in compiled for b in batches})
+            time_rounds(harness, call, timed, batches, step_inputs, warmup, repeats, device, results, settings, bar,
+                        graphs if cuda_graph else None, fixed=compiled)
             if profile:
                 for v in variants:
                     bar.set_postfix_str(f"profiling {v.label}")
@@ -317,9 +326,6 @@ def benchmark(
                             results[(v, batches[0])].overhead = _profile_forward(call, first, device, v.method)
                     finally:
                         harness.remove()
-            if compile:
-                picked = [v for v in variants if v.method == "none"][:1] + [v for v in variants if v.method == "toma"][:1]
-                time_compiled(harness, call, picked, batches, step_inputs, warmup, repeats, device, log, results)
     except KeyboardInterrupt:
         interrupted = True
         harness.remove()
@@ -337,13 +343,15 @@ def time_rounds(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], v
                 batches: list[int], step_inputs: dict[int, list[dict[str, Any]]], warmup: int, repeats: int,
                 device: torch.device, results: dict[tuple[Variant, int], Measurement], settings: dict[str, Any],
                 bar: Any, graphs: dict[tuple[Variant, int], Callable[[], None]] | None = None,
-                stop: Callable[[], bool] | None = None) -> bool:
+                stop: Callable[[], bool] | None = None,
+                fixed: dict[Variant, Callable[[dict[str, Any]], Any]] | None = None) -> bool:
     """Time every variant and batch size round by round, interleaved, into ``results``.
 
     ``warmup`` untimed rounds, then ``repeats`` timed ones; each round applies every variant
     in turn (the order rotated by one each round, so that no variant always follows the
     same one), times one sample per batch size and removes it. With ``graphs`` a sample
-    replays the variant's captured CUDA graph instead. ``settings`` receives each variant's
+    replays the variant's captured CUDA graph instead. A variant in ``fixed`` (the calls of
+    :func:`compile_variants`) is not applied: its own call is timed. ``settings`` receives each variant's
     settings in force. ``stop`` is asked before every timed round after the first; True ends
     the rounds there (a time budget). Returns whether ``stop`` ended them. A
     KeyboardInterrupt propagates with the samples taken so far kept in ``results``.
@@ -353,12 +361,15 @@ def time_rounds(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], v
             return True
         order = variants[rnd % len(variants):] + variants[: rnd % len(variants)] if variants else []
         for v in order:
-            if graphs is None:
+            own = (fixed or {}).get(v)
+            if graphs is None and own is None:
                 settings[v.label] = harness.apply(v)
             try:
                 for b in batches:
                     bar.set_postfix_str(f"{v.label} b{b} {'warm-up' if rnd < warmup else f'round {rnd - warmup + 1}'}")
-                    if graphs is not None:
+                    if own is not None:
+                        t = _time_sample(own, step_inputs[b], device)
+                    elif graphs is not None:
                         replay = graphs[(v, b)]
                         t = _time_sample(lambda _: replay(), step_inputs[b], device)
                     else:
@@ -367,7 +378,8 @@ def time_rounds(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], v
                         results[(v, b)].times.append(t)
                     bar.update(1)
             finally:
-                harness.remove()
+                if own is None:
+                    harness.remove()
     return False
 
 
@@ -410,39 +422,46 @@ def _capture(call: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], devi
     return graph.replay
 
 
-def time_compiled(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], picked: list[Variant],
-                  batches: list[int], step_inputs: dict[int, list[dict[str, Any]]], warmup: int, repeats: int,
-                  device: torch.device, log: Callable[[str], None],
-                  out: dict[tuple[Variant, int], Measurement] | None = None) -> dict[tuple[Variant, int], Measurement]:
-    """Time each of ``picked`` under torch.compile, one after the other (compiling each once).
+def weight_sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose modules are its own (so hooks patch one copy only) but whose
+    parameters and buffers are ``model``'s, so memory stays that of one model."""
+    import copy
 
-    Results go to ``out`` (a new dict if None), keyed by the compiled variant, as each is
-    measured, so that a KeyboardInterrupt keeps the variants already timed.
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def compile_variants(harness: MethodPatcher, picked: list[Variant], batches: list[int],
+                     step_inputs: dict[int, list[dict[str, Any]]], warmup: int, device: torch.device,
+                     log: Callable[[str], None]) -> dict[Variant, Callable[[dict[str, Any]], Any]]:
+    """Each of ``picked`` patched for good on its own copy of the model and compiled once.
+
+    A compiled model keeps the patch it was compiled with, so the compiled variants cannot
+    share one model that rounds patch and unpatch; with a :func:`weight_sharing_copy` each,
+    :func:`time_rounds` can time them interleaved with each other and with the eager ones.
+    Every call is warmed up ``max(warmup, 2)`` times per batch (the first compiles, the
+    second settles the guards). Returns the compiled variant -> its call; each call carries
+    the eager variant it was built from as ``call.toma_variant``.
     """
-    out = {} if out is None else out
+    calls: dict[Variant, Callable[[dict[str, Any]], Any]] = {}
     for v in picked:
         cv = Variant(v.method, v.ratio, compiled=True, options=v.options, name=v.name)
-        harness.apply(v)
-        try:
-            torch._dynamo.reset()
-            compiled = torch.compile(harness.model)
+        model = weight_sharing_copy(harness.model)
+        MethodPatcher(model, harness.arch, harness.placement, harness.toma_options,
+                      harness.tomesd_max_downsample).apply(v)
+        compiled = torch.compile(model)
 
-            def ccall(inputs: dict[str, Any]) -> Any:
-                return call_denoiser(harness.arch, compiled, inputs)
+        def ccall(inputs: dict[str, Any], compiled: Any = compiled) -> Any:
+            return call_denoiser(harness.arch, compiled, inputs)
 
-            for b in batches:
-                start = time.perf_counter()
-                # two warm-ups at least: the first step compiles, the second settles the guards
-                for _ in range(max(warmup, 2)):
-                    _time_sample(ccall, step_inputs[b], device)
-                log(f"{cv.label} b{b}: compiled and warmed up in {time.perf_counter() - start:.1f}s")
-                m = out[(cv, b)] = Measurement(cv, b)
-                for _ in range(repeats):
-                    m.times.append(_time_sample(ccall, step_inputs[b], device))
-        finally:
-            harness.remove()
-            torch._dynamo.reset()
-    return out
+        ccall.toma_variant = v  # type: ignore[attr-defined]
+        start = time.perf_counter()
+        for b in batches:
+            for _ in range(max(warmup, 2)):
+                _time_sample(ccall, step_inputs[b], device)
+        log(f"{cv.label}: compiled and warmed up in {time.perf_counter() - start:.1f}s")
+        calls[cv] = ccall
+    return calls
 
 
 class _NoBar:

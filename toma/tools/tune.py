@@ -18,7 +18,7 @@ import torch
 from toma.tools.archs import ARCHS, DEPTH_KEYS, STACKS, Arch, build_model, call_denoiser, get_arch, latent_frames, \
     make_inputs, set_timestep, token_grid
 from toma.tools.bench import DTYPES
-from toma.tools.bench_harness import Measurement, MethodPatcher, Variant, progress_bar, time_compiled, time_rounds
+from toma.tools.bench_harness import Measurement, MethodPatcher, Variant, compile_variants, progress_bar, time_rounds
 from toma.tools.bench_report import derive
 from toma.tools.report import cell, check_output, processor_name
 from toma.tools.tune_cli import DEFAULT_MIN_PSNR
@@ -525,6 +525,8 @@ def _tune(args: argparse.Namespace, setup: Setup) -> int:
     results = {(v, b): Measurement(v, b) for v in variants}
     interrupted = stopped = False
     total = len(cands) + 1 + len(variants) * (args.warmup + args.repeats)
+    if args.compile:  # unpatched and up to --compile-top candidates, compiled
+        total += (1 + min(args.compile_top, len(cands))) * (args.warmup + args.repeats)
     bar = progress_bar(total, not args.no_progress, desc="toma tune")
     notes: list[str] = []
     try:
@@ -542,8 +544,12 @@ def _tune(args: argparse.Namespace, setup: Setup) -> int:
                 else:
                     picked = _compile_picks(setup, cands, results, b, args.compile_top)
                     bar.set_postfix_str("compiling")
-                    time_compiled(harness, call, [NONE] + [c.variant for c in picked], [b], step_inputs, args.warmup,
-                                  args.repeats, setup.device, log, results)
+                    # compiled rows interleave with each other (the eager ones are done)
+                    compiled = compile_variants(harness, [NONE] + [c.variant for c in picked], [b], step_inputs,
+                                                args.warmup, setup.device, log)
+                    results.update({(v, b): Measurement(v, b) for v in compiled})
+                    time_rounds(harness, call, list(compiled), [b], step_inputs, args.warmup, args.repeats,
+                                setup.device, results, {}, bar, fixed=compiled)
     except KeyboardInterrupt:
         interrupted = True
         harness.remove()
