@@ -148,9 +148,12 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 
 def optimise(opt: torch.optim.Optimizer, params: list, loss: torch.Tensor, step: int, args: argparse.Namespace) -> None:
-    """One optimiser step at the scheduled learning rate, gradients clipped to norm 1."""
+    """One optimiser step at the scheduled learning rate, gradients clipped to norm 1.
+
+    A parameter group's optional ``lr_mult`` scales the schedule for that group.
+    """
     for group in opt.param_groups:
-        group["lr"] = lr_at(step, args)
+        group["lr"] = lr_at(step, args) * group.get("lr_mult", 1.0)
     opt.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)

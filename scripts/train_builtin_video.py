@@ -115,6 +115,22 @@ def adaln_zero_(transformer: torch.nn.Module) -> None:
             tensor.zero_()
 
 
+def is_class_path(name: str) -> bool:
+    """Whether a Wan parameter carries the class: the text embedder and each block's cross-attention."""
+    return name.startswith("condition_embedder.text_embedder.") or ".attn2." in name or ".norm2." in name
+
+
+def param_groups(transformer: torch.nn.Module, tokens: torch.Tensor, cond_lr_mult: float) -> list[dict]:
+    """AdamW groups: the class path (tokens and :func:`is_class_path`) at ``cond_lr_mult`` times the rate.
+
+    The class's only way in is the cross-attention, and at one learning rate the model took
+    1,800 steps to make half its frames the right class.
+    """
+    cond = [p for n, p in transformer.named_parameters() if is_class_path(n)]
+    rest = [p for n, p in transformer.named_parameters() if not is_class_path(n)]
+    return [{"params": rest, "lr_mult": 1.0}, {"params": cond + [tokens], "lr_mult": cond_lr_mult}]
+
+
 def make_probe(digits: torch.Tensor, labels: torch.Tensor, seed: int, count: int = 16) -> dict[str, torch.Tensor]:
     """Fixed noisy clips of ``count`` held-out digits at ``t = 0.8``, for :func:`class_gap`."""
     gen = torch.Generator().manual_seed(seed)
@@ -176,7 +192,8 @@ def train(digits: torch.Tensor, labels: torch.Tensor, classifier: DigitClassifie
     ema = copy.deepcopy(transformer).requires_grad_(False)
     ema_tokens = tokens.detach().clone()
     params = list(transformer.parameters()) + [tokens]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    opt = torch.optim.AdamW(param_groups(transformer, tokens, args.cond_lr_mult), lr=args.lr, betas=(0.9, 0.99),
+                            weight_decay=0.0)
     n_params = sum(p.numel() for p in transformer.parameters())
     print(f"transformer parameters: {n_params / 1e6:.3f} M", flush=True)
 
@@ -221,9 +238,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=VIDEO_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=900, help="optimisation steps")
+    parser.add_argument("--steps", type=int, default=2100, help="optimisation steps")
     parser.add_argument("--batch-size", type=int, default=8, help="clips per step")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--cond-lr-mult", type=float, default=3.0,
+                        help="learning-rate multiplier of the class path (class tokens, text embedder, cross-attention)")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--ema", type=float, default=0.995)
     parser.add_argument("--cond-dropout", type=float, default=0.1)
@@ -231,11 +250,13 @@ def main() -> int:
                         help="frames in each token's input neighbourhood (own frame only, or also its neighbours)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                         help="bfloat16 autocast for forward and backward")
-    parser.add_argument("--guidance-scale", type=float, default=2.0, help="recommended sampling guidance")
+    parser.add_argument("--guidance-scales", type=float, nargs="+", default=[1.0, 2.0, 4.0, 7.0],
+                        help="guidance scales of the closing accuracy check; the most accurate is recorded as the "
+                             "model's recommended scale")
     parser.add_argument("--time-shift", type=float, default=3.0,
                         help="flow shift of the training times and of the sampler's grid (1: none)")
-    parser.add_argument("--classifier-epochs", type=int, default=12)
-    parser.add_argument("--classifier-frames", type=int, default=2, help="frames per digit per classifier epoch")
+    parser.add_argument("--classifier-epochs", type=int, default=24)
+    parser.add_argument("--classifier-frames", type=int, default=4, help="frames per digit per classifier epoch")
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--max-minutes", type=float, default=105.0, help="stop training after this long (0: never)")
     parser.add_argument("--eval-samples", type=int, default=20, help="generated clips for the accuracy check")
@@ -268,7 +289,6 @@ def main() -> int:
         "description": "class-conditional pixel-space rectified-flow Wan transformer on moving digits: "
         "8 frames of 16x16, a 10x10 digit bouncing at 1 px/frame (2048 video tokens, patch (1,1,1), "
         f"3x3 neighbourhood in {args.stem_frames} frame(s) per token)",
-        "guidance_scale": args.guidance_scale,
         "time_shift": args.time_shift,
         "sampler": f"Euler on the rectified flow, uniform times 1 -> 0 shifted by {args.time_shift} "
         "(s t / (1 + (s - 1) t))",
@@ -292,10 +312,11 @@ def main() -> int:
         lambda labels, seeds, scale: sample_video(model, labels, seeds, steps=args.eval_steps, guidance_scale=scale,
                                                   progress=False),
         lambda clips, labels: (classify_frames(model.classifier, clips)[0] == labels[:, None]).float().mean().item(),
-        args.eval_samples, (1.0, args.guidance_scale), 10, "per-frame sample accuracy", args.eval_steps,
+        args.eval_samples, args.guidance_scales, 10, "per-frame sample accuracy", args.eval_steps,
     )
 
     metadata.update({
+        "guidance_scale": float(max(sample_acc, key=lambda scale: (sample_acc[scale], -float(scale)))),
         "total_seconds": round(time.time() - started, 1),
         "sample_accuracy_per_frame": sample_acc,
         "sample_seconds_per_clip": seconds_per_clip,
