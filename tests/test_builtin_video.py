@@ -340,3 +340,40 @@ def test_ratio_half_merges_the_later_blocks(model, tile_frames):
     n = len(model.transformer.blocks)
     # the default skips the first half of the blocks; the others attend over half the tokens
     assert seen == {i: ({2048} if i < n // 2 else {1024}) for i in range(n)}
+
+
+def test_training_gives_the_class_path_its_own_learning_rate():
+    """The training script's AdamW groups: every parameter once; the class tokens, text
+    embedder and cross-attention (the class's only way in) at ``--cond-lr-mult`` times the rate,
+    which ``optimise`` applies on top of the schedule."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from diffusers import WanTransformer3DModel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        from train_builtin import lr_at, optimise
+        from train_builtin_video import param_groups
+    finally:
+        sys.path.pop(0)
+    from toma.tools.builtin.video import transformer_config
+
+    transformer = WanTransformer3DModel(**transformer_config(3))
+    tokens = torch.nn.Parameter(torch.randn(11, COND_TOKENS, COND_DIM))
+    rest, cond = param_groups(transformer, tokens, 3.0)
+    names = {id(p): n for n, p in transformer.named_parameters()}
+    assert len(rest["params"]) + len(cond["params"]) == len(names) + 1
+    cond_names = {names.get(id(p), "tokens") for p in cond["params"]}
+    assert "tokens" in cond_names and "condition_embedder.text_embedder.linear_1.weight" in cond_names
+    assert all(n == "tokens" or "attn2" in n or "norm2" in n or "text_embedder" in n for n in cond_names)
+    assert {f"blocks.{i}.attn2.to_k.weight" for i in range(4)} <= cond_names
+    assert not any("attn1" in n or "ffn" in n for n in cond_names)
+
+    opt = torch.optim.AdamW([rest, cond], lr=1.0)
+    args = argparse.Namespace(lr=1e-3, warmup=10, steps=100)
+    loss = sum(p.float().sum() for p in transformer.parameters()) + tokens.sum()
+    optimise(opt, [*transformer.parameters(), tokens], loss, 50, args)
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(50, args))
+    assert opt.param_groups[1]["lr"] == pytest.approx(3.0 * lr_at(50, args))
