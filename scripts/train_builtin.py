@@ -179,17 +179,19 @@ class LossLog:
         self.entries: list[dict] = []
         self.t0 = time.time()
         self.running = 0.0
+        self.first: int | None = None  # the first step counted (a resumed run starts late)
 
     def add(self, step: int, loss: float) -> None:
         """Count the loss of ``step``; log the mean at the end of each period."""
         args = self.args
+        self.first = step if self.first is None else self.first
         self.running += loss
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             elapsed = time.time() - self.t0
             mean = self.running / ((step % args.log_every) + 1)
             self.running = 0.0
             self.entries.append({"step": step + 1, "loss": round(mean, 5), "elapsed_s": round(elapsed, 1)})
-            eta = elapsed / (step + 1) * (args.steps - step - 1)
+            eta = elapsed / (step + 1 - self.first) * (args.steps - step - 1)
             print(f"step {step + 1}/{args.steps} loss {mean:.4f} {elapsed:.0f}s elapsed, eta {eta:.0f}s", flush=True)
 
     @property
