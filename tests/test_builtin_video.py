@@ -260,8 +260,8 @@ def test_frame_classifier_reads_real_clips(model):
     clips, labels = real_clips(40)
     preds, feats = classify_frames(model.classifier, clips)
     assert preds.shape == (40, FRAMES) and feats.shape == (40, FRAMES, 64)
-    # measured 0.91 on the test split's frames; chance is 0.1
-    assert (preds == labels[:, None]).float().mean() > 0.75
+    # measured 0.98 on the test split's frames (the classifier before it: 0.91); chance is 0.1
+    assert (preds == labels[:, None]).float().mean() > 0.9
 
 
 def test_the_class_steers_the_velocity(model):
@@ -270,8 +270,7 @@ def test_the_class_steers_the_velocity(model):
 
     At t = 0.8 the digit's shape is still open, so its class matters. The first trained
     model (width 64, cross-attention output initialised at zero, 900 steps) ignored its
-    class: on these 30 clips its two losses are 0.6% apart. The shipped step-806
-    checkpoint: 3.7% (still partial; a model that draws the right digit needs far more).
+    class: on these 30 clips its two losses are 0.6% apart; the step-806 checkpoint 3.7%.
     """
     from toma.tools.builtin import NUM_CLASSES
     from toma.tools.builtin.video import velocity
