@@ -351,8 +351,8 @@ def time_rounds(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], v
     in turn (the order rotated by one each round, so that no variant always follows the
     same one), times one sample per batch size and removes it. With ``graphs`` a sample
     replays the variant's captured CUDA graph instead. A variant in ``fixed`` (the calls of
-    :func:`compile_variants`) is not applied: its own call is timed. ``settings`` receives each variant's
-    settings in force. ``stop`` is asked before every timed round after the first; True ends
+    :func:`compile_variants`) is not applied: its own call is timed. ``settings`` receives
+    each variant's settings in force. ``stop`` is asked before every timed round after the first; True ends
     the rounds there (a time budget). Returns whether ``stop`` ended them. A
     KeyboardInterrupt propagates with the samples taken so far kept in ``results``.
     """
