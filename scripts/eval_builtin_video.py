@@ -96,6 +96,8 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
     parser.add_argument("--seed", type=int, default=20_000, help="seed of clip 0; clip i uses seed + i")
     parser.add_argument("--guidance-scale", type=float, default=None, help="default: the model's recommendation")
+    parser.add_argument("--proportional-attention", action=argparse.BooleanOptionalAction, default=None,
+                        help="log-mass bias in merged self-attention for every ToMA variant (default: Wan's, off)")
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--strip", type=Path, default=None, help="write frames of the first 3 clips of each variant here")
@@ -117,6 +119,8 @@ def main() -> int:
 
     def run(name: str, lab: torch.Tensor, sds: list[int], steps: int):
         options = VARIANTS[name]
+        if options is not None and args.proportional_attention is not None:
+            options = {**options, "proportional_attention": args.proportional_attention}
         patch = None if options is None else toma.apply_toma(model.transformer, ratio=args.ratio, **options)
         try:
             start = time.perf_counter()
@@ -149,7 +153,8 @@ def main() -> int:
     base_pred, _ = classify_frames(model.classifier, base)
     results: dict = {
         "protocol": f"{args.num_clips} clips, classes i % 10, seeds {args.seed}.., {args.steps} Euler steps, "
-        f"guidance {scale}, ratio {args.ratio}, {args.threads} thread(s), batch {args.batch_size}; "
+        f"guidance {scale}, ratio {args.ratio}, proportional attention {args.proportional_attention}, "
+        f"{args.threads} thread(s), batch {args.batch_size}; "
         "mean +- standard error over clips",
         "model_steps_trained": model.metadata.get("steps_done"),
         "merged_blocks": merged_blocks,
