@@ -4,8 +4,8 @@
 # - SD3.5-Medium at 1024x1024 (4096 image tokens), --depth 4: 6 of 24 blocks, blocks 1-5
 #   merged (the default skip of 5 scaled to the depth).
 # - Wan 2.1 1.3B at 832x480, 25 frames (7 latent frames, 7 x 30 x 52 = 10,920 video tokens),
-#   --depth 30: one block, merged; with spatio-temporal tiles (2 x 4 x 4, the default) and
-#   with 2-D tiles (1 x 4 x 4).
+#   --depth 30: one block, merged; with spatio-temporal tiles (2 x 4 x 4) and with 2-D tiles
+#   (1 x 4 x 4, the default).
 # - PixArt-Sigma XL at 1024x1024 (4096 tokens), --depth 4: 7 of 28 blocks, blocks 1-6 merged.
 # - LTX-Video 0.9 at 768x512, 121 frames (16 x 16 x 24 = 6144 tokens), --depth 7: 4 of 28
 #   blocks, blocks 1-3 merged.

@@ -3,9 +3,10 @@
 Samples the same classes (balanced, ``i % 10``) from the same per-clip seeds with the
 unmerged Wan transformer and with ToMA at ``--ratio`` in four variants:
 
-- ``toma``: facility-location destinations, spatio-temporal tiles (``tile_frames=2``,
-  the Wan default: 2 frames x 4 x 4 tokens);
-- ``toma-2d``: the same with 2-D tiles (``tile_frames=1``: 1 frame x 4 x 4 tokens);
+- ``toma``: facility-location destinations, spatio-temporal tiles (``tile_frames=2``:
+  2 frames x 4 x 4 tokens);
+- ``toma-2d``: the same with 2-D tiles (``tile_frames=1``: 1 frame x 4 x 4 tokens, the
+  video default since 2-frame tiles measured no more faithful here);
 - ``toma-random`` / ``toma-grid``: random / grid destinations, spatio-temporal tiles.
 
 Scores (means over clips, with standard errors over clips, since a clip's frames are not

@@ -89,17 +89,18 @@ def test_wan_merges_video_self_attention_and_keeps_text_whole():
     for h in handles:
         h.remove()
     layout = patch.cache.layout(4, 6, 8)
-    assert (layout.tt, layout.th, layout.tw) == (2, 4, 4)  # spatio-temporal tiles by default
+    assert (layout.tt, layout.th, layout.tw) == (1, 4, 4)  # 2-D tiles by default
     assert queries == [layout.num_merged] * 6 == [96] * 6
     assert keys == [5] * 3  # cross-attention keys are the text, whole
 
 
 @pytest.mark.parametrize("frames,h,w", [(1, 12, 16), (3, 10, 14), (5, 8, 20)])
-def test_wan_frames_and_grids_the_tiles_do_not_divide(frames, h, w):
+@pytest.mark.parametrize("tile_frames", [None, 2])  # the default 2-D tiles, and 2-frame tiles that pad odd counts
+def test_wan_frames_and_grids_the_tiles_do_not_divide(frames, h, w, tile_frames):
     model = make_wan()
     kw = wan_inputs(2, frames, h, w)
     ref = run(model, **kw)
-    patch = toma.apply_toma(model, ratio=0.5, **ALL_WAN)
+    patch = toma.apply_toma(model, ratio=0.5, tile_frames=tile_frames, **ALL_WAN)
     queries, handles = count_queries(model, (".attn1",))
     out = run(model, **kw)
     for handle in handles:

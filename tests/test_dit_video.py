@@ -141,7 +141,7 @@ def test_hunyuan_merges_video_tokens_only():
     run(model, **kw)
     remove_all(handles)
     layout = patch.cache.layout(4, 6, 8)
-    assert (layout.tt, layout.th, layout.tw) == (2, 4, 4) and layout.num_merged == 96
+    assert (layout.tt, layout.th, layout.tw) == (1, 4, 4) and layout.num_merged == 96  # 2-D tiles by default
     # dual-stream blocks project video alone, single-stream blocks [video; text] together
     assert queries == [96, 96, 96 + 6, 96 + 6]
     assert text == [6, 6] and mlp == [96, 96]  # text whole; the video MLP merged
@@ -179,12 +179,13 @@ def test_default_blocks_skip_the_first_five():
 
 @pytest.mark.parametrize("case", FAMILIES)
 @pytest.mark.parametrize("frames,h,w", [(1, 12, 16), (3, 10, 14), (5, 8, 20)])
-def test_frames_and_grids_the_tiles_do_not_divide(case, frames, h, w):
+@pytest.mark.parametrize("tile_frames", [None, 2])  # the default 2-D tiles, and 2-frame tiles that pad odd counts
+def test_frames_and_grids_the_tiles_do_not_divide(case, frames, h, w, tile_frames):
     family, make, inputs, blocks, patch_t = FAMILIES[case]
     frames *= patch_t  # CogVideoX 1.5 patches 2 latent frames into one token
     model, kw = make(), inputs(2, frames, h, w)
     ref = run(model, **kw)
-    patch = toma.apply_toma(model, ratio=0.5, **blocks)
+    patch = toma.apply_toma(model, ratio=0.5, tile_frames=tile_frames, **blocks)
     queries, handles = count_queries(model)
     out = run(model, **kw)
     remove_all(handles)
@@ -197,11 +198,12 @@ def test_frames_and_grids_the_tiles_do_not_divide(case, frames, h, w):
 
 
 @pytest.mark.parametrize("case", FAMILIES)
-def test_tile_order_matches_raster_order(case, monkeypatch):
+@pytest.mark.parametrize("tile_frames", [None, 2])
+def test_tile_order_matches_raster_order(case, monkeypatch, tile_frames):
     # tokens reordered once per forward compute what per-site raster merging computes
     _, make, inputs, blocks, patch_t = FAMILIES[case]
     model, kw = make(), inputs(2, 4 * patch_t, 16, 16)
-    toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
+    toma.apply_toma(model, ratio=0.5, merge_mlp=True, tile_frames=tile_frames, **blocks)
     check_tile_order_matches_raster(model, kw, monkeypatch, run)
 
 

@@ -8,7 +8,7 @@ the processor applies one table to the whole batch, samples with plans of their 
 (``share_batch_plan=False``) run one merged attention call each. The 2B model adds sin-cos
 positions at the patch embedding. ``merge_mlp`` merges the video part of the
 MLP's joint [text; video] sequence. Tiles span ``tile_frames`` latent
-frames (2 by default); CogVideoX 1.5 patches ``patch_size_t`` frames into one token.
+frames (1 by default); CogVideoX 1.5 patches ``patch_size_t`` frames into one token.
 """
 
 from __future__ import annotations

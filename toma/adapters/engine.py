@@ -203,10 +203,15 @@ class EngineAdapter:
         """Nothing beyond the hooks to undo."""
 
     def tile_frames(self, config: ToMAConfig) -> int:
-        """Frames a tile spans: ``config.tile_frames``, else 2 for video families and 1 for images."""
+        """Frames a tile spans: ``config.tile_frames``, else 1 (2-D tiles; images: always 1).
+
+        2-D tiles are the default for video: on the built-in video DiT (100 clips, ratio 0.5)
+        they were at least as faithful as 2-frame tiles, at the same speed, and a frame
+        count that 2-frame tiles do not divide (Wan's 21 latent frames) needs no padding.
+        """
         if not self.spec.video:
             return 1
-        return config.tile_frames if config.tile_frames is not None else 2
+        return config.tile_frames if config.tile_frames is not None else 1
 
 
 class StepHook(Hook):

@@ -11,7 +11,7 @@ padding; its video columns are all True by construction, so the merged call take
 mask's last ``K + text`` columns (a view), which keeps the text padding masked.
 ``merge_mlp`` merges the dual-stream blocks' video MLP (``ff``); a single-stream block's MLP
 runs on the joint sequence and stays unmerged. Text tokens are never merged. Tiles span
-``tile_frames`` latent frames (2 by default). Image-to-video models with
+``tile_frames`` latent frames (1 by default). Image-to-video models with
 ``image_condition_type="token_replace"`` modulate first-frame tokens by their raster place,
 so they merge in raster order.
 """

@@ -5,7 +5,7 @@ Tokens arrive flattened, one per latent pixel; the grid comes from the call's
 rotary tables (one per sample, over the full width) are gathered to the merged tokens'
 destinations; ``merge_crossattn`` merges the queries of the cross-attention to text
 (its text mask still applies), ``merge_mlp`` the MLP. Tiles span ``tile_frames`` latent
-frames (2 by default). Calls with a timestep per token (conditioning frames) modulate
+frames (1 by default). Calls with a timestep per token (conditioning frames) modulate
 tokens in raster order, so they merge in raster order.
 """
 

@@ -3,7 +3,7 @@
 Each block merges the video tokens of its self-attention (rotary tables gathered to the
 merged tokens' destinations, so a merged token keeps its destination's position);
 ``merge_crossattn`` merges the queries of the cross-attention to text, ``merge_mlp`` the
-MLP. Tiles span ``tile_frames`` latent frames (2 by default) as well as space.
+MLP. Tiles span ``tile_frames`` latent frames (1 by default) as well as space.
 Wan 2.2 TI2V modulates every token with its own timestep, laid out in raster order: those
 forwards merge in raster order.
 """

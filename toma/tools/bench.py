@@ -64,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--merge-mlp", action="store_true", help="merge the MLPs too")
     p.add_argument("--tile-size", type=int, default=4, help="ToMA tile side in tokens (also sets the ideal's K)")
     p.add_argument("--tile-frames", type=int, default=None,
-                   help="video: frames a tile spans (1 = 2-D tiles; default 2, spatio-temporal)")
+                   help="video: frames a tile spans (default 1: 2-D tiles; 2: spatio-temporal)")
     p.add_argument("--share-batch-plan", action="store_true", help="ToMA: one plan for the whole batch")
     p.add_argument("--recompute-every", type=int, default=1, help="ToMA: fresh plans every this many steps")
     p.add_argument("--proportional-attention", dest="proportional_attention", action="store_true", default=None,
