@@ -43,7 +43,7 @@ Usage::
     model = load_video_dit()
     clips = sample_video(model, labels=[0, 1], seeds=[0, 1], steps=20)  # (2, 8, 1, 16, 16)
     preds, _ = classify_frames(model.classifier, clips)                  # (2, 8)
-    toma.apply_toma(model.transformer, ratio=0.5, tile_frames=2)
+    toma.apply_toma(model.transformer, ratio=0.5)                         # 2-D tiles; tile_frames=2 spans 2 frames
 """
 
 from __future__ import annotations
