@@ -24,27 +24,14 @@ import ast
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from toma.tools.archs import Arch, build_model, call_denoiser, default_placement, get_arch, make_inputs
-from toma.tools.bench_harness import MethodPatcher, Variant, weight_sharing_copy
+from toma.tools.archs import build_model, call_denoiser, default_placement, get_arch, make_inputs
+from toma.tools.bench_harness import MethodPatcher, Variant, compile_variants, weight_sharing_copy
 
 METHODS = ("none", "toma", "ideal")
-
-
-def compile_variants(arch: Arch, models: dict[str, torch.nn.Module], inputs: dict, log=print) -> dict[str, torch.nn.Module]:
-    """Each method's model, patched for good and compiled by inductor, warmed up twice (the
-    first call compiles, the second settles the guards); ``"<method>+compile"`` -> compiled."""
-    compiled = {}
-    for method, model in models.items():
-        start = time.perf_counter()
-        compiled[f"{method}+compile"] = c = torch.compile(model)
-        with torch.inference_mode():
-            for _ in range(2):
-                call_denoiser(arch, c, inputs)
-        log(f"{method}+compile: compiled and warmed up in {time.perf_counter() - start:.0f} s (wall)")
-    return compiled
 
 
 # profiler op names (eager ATen ops; inductor's fused kernels are named after the ATen ops
@@ -127,10 +114,16 @@ def main() -> None:
     print(f"placement: {placement}", flush=True)
     if args.compile:
         # a model each, patched once: a compiled model must keep the patch it was compiled with
-        models = {m: weight_sharing_copy(model) for m in METHODS}
-        for m, copy_ in models.items():
-            MethodPatcher(copy_, arch, placement, {}, None).apply(Variant(m, None if m == "none" else args.ratio))
-        calls: dict[str, torch.nn.Module] = {**models, **compile_variants(arch, models, inputs)}
+        picked = [Variant(m, None if m == "none" else args.ratio) for m in METHODS]
+        calls: dict[str, Callable[[dict], object]] = {}
+        for v in picked:
+            copy_ = weight_sharing_copy(model)
+            MethodPatcher(copy_, arch, placement, {}, None).apply(v)
+            calls[v.method] = lambda inputs, copy_=copy_: call_denoiser(arch, copy_, inputs)
+        with torch.inference_mode():
+            compiled = compile_variants(MethodPatcher(model, arch, placement, {}, None), picked, [args.batch],
+                                        {args.batch: [inputs]}, 0, torch.device("cpu"), print)
+        calls.update({f"{cv.method}+compile": call for cv, call in compiled.items()})
         variants = (*METHODS, *(f"{m}+compile" for m in METHODS))
     else:
         patcher = MethodPatcher(model, arch, placement, {}, None)
@@ -145,7 +138,7 @@ def main() -> None:
                 patcher.apply(Variant(v, None if v == "none" else args.ratio))
             with torch.inference_mode():
                 cpu, wall = time.process_time(), time.perf_counter()
-                call_denoiser(arch, calls[v] if args.compile else model, inputs)
+                calls[v](inputs) if args.compile else call_denoiser(arch, model, inputs)
                 cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
             if not args.compile:
                 patcher.remove()
@@ -170,7 +163,7 @@ def main() -> None:
         for v in variants:
             if not args.compile:
                 patcher.apply(Variant(v, None if v == "none" else args.ratio))
-            regions[v] = profile_regions(lambda: call_denoiser(arch, calls[v] if args.compile else model, inputs))
+            regions[v] = profile_regions(lambda: calls[v](inputs) if args.compile else call_denoiser(arch, model, inputs))
             if not args.compile:
                 patcher.remove()
         names = sorted({r for shares in regions.values() for r in shares}, key=lambda r: -regions[variants[0]].get(r, 0))
