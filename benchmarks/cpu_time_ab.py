@@ -20,7 +20,6 @@ once, before the rounds, rather than recompiled whenever a round applies its met
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import statistics
 import time
@@ -28,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from toma.config import parse_option
 from toma.tools.archs import build_model, call_denoiser, default_placement, get_arch, make_inputs
 from toma.tools.bench_harness import MethodPatcher, Variant, compile_variants, weight_sharing_copy
 
@@ -180,14 +180,11 @@ def main() -> None:
 
 
 def parse_setting(text: str) -> tuple[str, object]:
-    """``"levels=2"`` -> ``("levels", 2)``: an option name and a Python literal."""
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise SystemExit(f"--set takes OPTION=VALUE; got {text!r}")
+    """``"levels=2"`` -> ``("levels", 2)`` (:func:`toma.config.parse_option`), exiting on a bad one."""
     try:
-        return name, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        raise SystemExit(f"--set {name}: {value!r} is not a Python literal (e.g. 2, True, 0.25, (1, 2))") from None
+        return parse_option(text)
+    except ValueError as err:
+        raise SystemExit(f"--set: {err}") from None
 
 
 if __name__ == "__main__":

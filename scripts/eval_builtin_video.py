@@ -22,6 +22,7 @@ load that changes over the run hits all variants alike. The seeds (``--seed``, d
 
     python scripts/eval_builtin_video.py                        # 100 clips, 10 steps, ratio 0.5
     python scripts/eval_builtin_video.py --num-clips 20 --strip video.png --json video.json
+    python scripts/eval_builtin_video.py --variants none,toma-2d --set tile_size=2   # any ToMA option
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import toma  # noqa: E402
+from toma.config import parse_option  # noqa: E402
 from toma.tools.builtin import NUM_CLASSES  # noqa: E402
 from toma.tools.builtin.video import (  # noqa: E402
     VIDEO_DIR,
@@ -99,6 +101,8 @@ def main() -> int:
     parser.add_argument("--guidance-scale", type=float, default=None, help="default: the model's recommendation")
     parser.add_argument("--proportional-attention", action=argparse.BooleanOptionalAction, default=None,
                         help="log-mass bias in merged self-attention for every ToMA variant (default: Wan's, off)")
+    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                        help="a ToMA option for every ToMA variant, e.g. --set tile_size=2 --set 'blocks={\"blocks\": (3,)}'")
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--strip", type=Path, default=None, help="write frames of the first 3 clips of each variant here")
@@ -109,6 +113,10 @@ def main() -> int:
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown or "none" not in names:
         parser.error(f"--variants must include 'none' and name only {list(VARIANTS)}; got {names}")
+    try:
+        extra = dict(parse_option(text) for text in args.set)
+    except ValueError as err:
+        parser.error(f"--set: {err}")
     if args.num_clips < 2 or args.steps < 1 or args.batch_size < 1:
         parser.error("--num-clips must be >= 2, --steps and --batch-size >= 1")
 
@@ -122,6 +130,8 @@ def main() -> int:
         options = VARIANTS[name]
         if options is not None and args.proportional_attention is not None:
             options = {**options, "proportional_attention": args.proportional_attention}
+        if options is not None:
+            options = {**options, **extra}
         patch = None if options is None else toma.apply_toma(model.transformer, ratio=args.ratio, **options)
         try:
             start = time.perf_counter()
@@ -155,6 +165,7 @@ def main() -> int:
     results: dict = {
         "protocol": f"{args.num_clips} clips, classes i % 10, seeds {args.seed}.., {args.steps} Euler steps, "
         f"guidance {scale}, ratio {args.ratio}, proportional attention {args.proportional_attention}, "
+        f"options {extra or 'none'}, "
         f"{args.threads} thread(s), batch {args.batch_size}; "
         "mean +- standard error over clips",
         "model_steps_trained": model.metadata.get("steps_done"),
