@@ -84,6 +84,31 @@ def test_compiled_matches_eager_without_recompiling_every_step(arch_name):
     assert counters["stats"]["unique_graphs"] == graphs[-1]
 
 
+def test_step_window_compiles_once_per_side():
+    # the window is a bool the merge path reads, not the step: entering and leaving it may
+    # add graphs, later steps and a second run may not
+    arch = ARCHS["tiny-unet"]
+    model = build_model(arch)
+    toma.apply_toma(model, ratio=0.5, start_step=2, stop_step=4)
+    inputs = make_inputs(arch, 64)
+    steps = [set_timestep(arch, inputs, s, 6) for s in range(6)]
+    with torch.no_grad():
+        eager = [call_denoiser(arch, model, kw)[0] for kw in steps]
+        torch._dynamo.reset()
+        counters.clear()
+        compiled_model = torch.compile(model, backend="eager")
+        graphs, outs = [], []
+        for kw in steps:
+            outs.append(call_denoiser(arch, compiled_model, kw)[0])
+            graphs.append(counters["stats"]["unique_graphs"])
+        for kw in steps:
+            call_denoiser(arch, compiled_model, kw)
+    torch._dynamo.reset()
+    for a, b in zip(outs, eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert graphs[4] == graphs[-1] == counters["stats"]["unique_graphs"], graphs
+
+
 SPECIAL = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1.5, -2.25, 1e-40, -1e-40, 3e38, -3e38]
 
 

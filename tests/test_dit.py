@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import ltx_inputs, make_ltx, make_pixart, make_sd3, make_wan, pixart_inputs, sd3_inputs, wan_inputs
+from tests.conftest import flux_inputs, ltx_inputs, make_flux, make_ltx, make_pixart, make_sd3, make_wan, pixart_inputs, sd3_inputs, wan_inputs
 
 ALL_SD3 = {"blocks": {"transformer_blocks": range(4)}}
 ALL_WAN = {"blocks": {"blocks": range(3)}}
@@ -53,6 +53,27 @@ def test_ratio_zero_and_remove_are_bitwise_identical(family):
     assert out.shape == ref.shape and torch.isfinite(out).all() and not torch.equal(out, ref)
     assert toma.remove_toma(model) and not hasattr(model, "_diffusers_hook")
     assert torch.equal(run(model, **kw), ref)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "flux"])
+def test_step_window_runs_other_steps_bitwise_unmerged(family):
+    if family == "flux":  # Flux takes timesteps in [0, 1]
+        make, inputs, blocks, scale = make_flux, lambda: flux_inputs(2, 16, 20), {"flux_double_blocks": (0, 1)}, 1e-3
+    else:
+        (make, inputs, blocks), scale = FAMILIES[family], 1
+    model, kw = make(), inputs()
+    calls = [{**kw, "timestep": torch.full_like(kw["timestep"], t * scale)} for t in (900, 900, 700, 700, 500)]
+    base = [run(model, **c) for c in calls]
+    toma.apply_toma(model, ratio=0.5, **blocks)
+    merged = [run(model, **c) for c in calls]
+    toma.remove_toma(model)
+    toma.apply_toma(model, ratio=0.5, stop_step=1, **blocks)  # step 0 only: both calls at 900
+    windowed = [run(model, **c) for c in calls]
+    for i in range(len(calls)):
+        if i < 2:
+            assert torch.equal(windowed[i], merged[i]) and not torch.equal(windowed[i], base[i])
+        else:
+            assert torch.equal(windowed[i], base[i])
 
 
 def test_sd3_merges_image_tokens_only():

@@ -28,6 +28,10 @@ BAD = [
     ({"temperature": -1.0}, ValueError, "temperature"),
     ({"recompute_every": 0}, ValueError, "recompute_every"),
     ({"levels": 0}, ValueError, "levels"),
+    ({"start_step": -1}, ValueError, "start_step"),
+    ({"start_step": 1.5}, TypeError, "start_step"),
+    ({"stop_step": 0}, ValueError, "stop_step"),
+    ({"start_step": 3, "stop_step": 3}, ValueError, "stop_step must be greater than start_step"),
     ({"merge_mlp": "yes"}, TypeError, "merge_mlp"),
     ({"max_downsample": 2}, TypeError, "unknown ToMA option"),
 ]

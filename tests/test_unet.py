@@ -148,14 +148,70 @@ def test_plan_reused_within_step_and_recomputed_across_steps(sd15_unet):
     assert built == [0, 2, 0, 0]
 
 
+def test_two_calls_per_step_count_as_one_step(sd15_unet):
+    # Wan's pipeline (and others) run the conditional and unconditional passes as two calls
+    # with the same timestep. Each repeat used to start a new run: recompute_every > 1 then
+    # rebuilt plans at every call, and step counts restarted at 0.
+    kw = unet_inputs(1, 16, 16, False)
+    patch = toma.apply_toma(sd15_unet, ratio=0.5, recompute_every=2)
+    built, steps = [], []
+    original = patch.cache.get
+
+    def counting_get(x, grid, group, **kw):
+        before = dict(patch.cache._plans)
+        plan = original(x, grid, group, **kw)
+        if all(plan is not p for _, p in before.values()):
+            built.append(patch.cache.step)
+        return plan
+
+    patch.cache.get = counting_get
+    for t in (900, 900, 800, 800, 700, 700):
+        run(sd15_unet, **{**kw, "timestep": torch.tensor(t)})
+        steps.append(patch.cache.step)
+    assert steps == [0, 0, 1, 1, 2, 2]
+    assert built == [0, 2]
+
+
 @pytest.mark.parametrize("every", [1, 2])
-def test_timestep_read_only_when_plans_outlive_a_step(sd15_unet, monkeypatch, every):
-    # reading a GPU timestep synchronises with the host: fresh plans every step don't need it
+def test_step_window_merges_only_its_steps(sd15_unet, every):
+    kw = unet_inputs(2, 16, 16, False)
+    timesteps = (900, 900, 800, 800, 700, 700, 600, 600)  # two calls per step, as Wan's pipeline
+    base = [run(sd15_unet, **{**kw, "timestep": torch.tensor(t)}) for t in timesteps]
+    toma.apply_toma(sd15_unet, ratio=0.5)  # fresh plans at every call
+    merged = [run(sd15_unet, **{**kw, "timestep": torch.tensor(t)}) for t in timesteps]
+    toma.remove_toma(sd15_unet)
+    patch = toma.apply_toma(sd15_unet, ratio=0.5, recompute_every=every, start_step=1, stop_step=3)
+    assert "merging on denoising steps 1 to 2" in patch.summary()
+    seen, handles = record_tokens(sd15_unet)
+    windowed = []
+    for t in timesteps:
+        seen.clear()
+        windowed.append(run(sd15_unet, **{**kw, "timestep": torch.tensor(t)}))
+        # the first level's 16x16 tokens are halved inside the window only (the 8x8 level never)
+        expected = [128, 64, 128, 128] if t in (800, 700) else [256, 64, 256, 256]
+        assert seen == expected, (t, seen)
+    for h in handles:
+        h.remove()
+    for i, t in enumerate(timesteps):
+        if t in (800, 700):
+            # inside the window the merge is ToMA's own; the window's first call builds
+            # fresh plans whatever recompute_every, later ones reuse them when every > 1
+            if every == 1 or i == 2:
+                assert torch.equal(windowed[i], merged[i])
+            assert not torch.allclose(windowed[i], base[i], atol=1e-4)
+        else:
+            assert torch.equal(windowed[i], base[i])  # outside: bitwise unmerged
+
+
+@pytest.mark.parametrize("every,window", [(1, {}), (2, {}), (1, {"start_step": 1}), (1, {"stop_step": 5})])
+def test_timestep_read_only_when_plans_outlive_a_step(sd15_unet, monkeypatch, every, window):
+    # reading a GPU timestep synchronises with the host: fresh plans every step, with no
+    # step window, don't need it
     reads = []
     monkeypatch.setattr("toma.adapters.base.timestep_value", lambda t: reads.append(t) or 1.0)
-    toma.apply_toma(sd15_unet, ratio=0.5, recompute_every=every)
+    toma.apply_toma(sd15_unet, ratio=0.5, recompute_every=every, **window)
     run(sd15_unet, **unet_inputs(1, 16, 16, False))
-    assert len(reads) == (every > 1)
+    assert len(reads) == (every > 1 or bool(window))
 
 
 def test_patch_survives_dtype_and_device_moves():

@@ -44,7 +44,8 @@ class ToMAPatch:
         """Start a new denoising run at the next forward (see :meth:`PlanCache.new_run`).
 
         Pipelines patched through :func:`apply_toma` do this by themselves; call it when
-        driving a bare denoiser with ``recompute_every > 1`` through a run that may start at
+        driving a bare denoiser with ``recompute_every > 1`` or a step window
+        (``start_step``/``stop_step``) through a run that may start at
         a lower timestep than where the previous one stopped (img2img after a stopped run).
         """
         self.cache.new_run()
@@ -53,6 +54,9 @@ class ToMAPatch:
         """A readable list of merged and skipped blocks and the settings."""
         settings = ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())
         lines = [f"ToMA ({self.adapter} adapter): {len(self.patched)} merged, {len(self.skipped)} skipped", f"  settings: {settings}"]
+        if self.config.windowed:
+            stop = "the last" if self.config.stop_step is None else f"{self.config.stop_step - 1}"
+            lines.append(f"  steps: merging on denoising steps {self.config.start_step} to {stop} (0 = first); the others run unmerged")
         lines += [f"  merged  {p.name}  [{p.where}]" for p in self.patched]
         lines += [f"  skipped {s.name}  ({s.reason})" for s in self.skipped]
         return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -64,6 +65,14 @@ class ToMAConfig:
         tile_frames: video transformers. Frames a tile spans, so that tiles are
             ``tile_frames x tile_size`` tokens; None means 1 (2-D tiles, measured at least
             as faithful as 2-frame spatio-temporal tiles on the built-in video DiT).
+        start_step: merge only from this denoising step on (0 = the first step); earlier
+            steps run unmerged, bitwise as without ToMA. Early steps lay out the image and
+            late ones refine it, so a later start trades speed for fidelity.
+        stop_step: merge only before this step (None: to the end). Steps are counted per
+            denoising run from the denoiser's timestep (a run starts when it rises), so the
+            conditional and unconditional calls of one step count once. A window reads
+            the timestep on the host (one GPU synchronisation per call) and does not apply
+            inside a captured CUDA graph, which replays whatever it captured.
     """
 
     ratio: float = 0.5
@@ -85,6 +94,8 @@ class ToMAConfig:
     attn_ratio: float | None = None
     crossattn_ratio: float | None = None
     mlp_ratio: float | None = None
+    start_step: int = 0
+    stop_step: int | None = None
 
     def __post_init__(self) -> None:
         _check_ratio(self.ratio)
@@ -120,6 +131,23 @@ class ToMAConfig:
             object.__setattr__(self, "blocks", _check_blocks(self.blocks))
         if self.tile_frames is not None:
             _check_int("tile_frames", self.tile_frames, minimum=1)
+        _check_int("start_step", self.start_step, minimum=0)
+        if self.stop_step is not None:
+            _check_int("stop_step", self.stop_step, minimum=1)
+            if self.stop_step <= self.start_step:
+                raise ValueError(
+                    f"stop_step must be greater than start_step (merging runs on steps start_step <= step < stop_step); "
+                    f"got start_step={self.start_step}, stop_step={self.stop_step}"
+                )
+
+    @property
+    def windowed(self) -> bool:
+        """Whether merging is limited to a window of denoising steps (``start_step``/``stop_step``)."""
+        return self.start_step > 0 or self.stop_step is not None
+
+    def merges_at(self, step: int) -> bool:
+        """Whether denoising step ``step`` (0 = the run's first) is inside the step window."""
+        return self.start_step <= step and (self.stop_step is None or step < self.stop_step)
 
     def ratio_for(self, part: str) -> float:
         """The ratio of a merged part: ``"attn"``, ``"cross"`` or ``"mlp"``."""
@@ -257,6 +285,29 @@ def make_config(config: ToMAConfig | None = None, **options: Any) -> ToMAConfig:
     if unknown:
         raise TypeError(f"unknown ToMA option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
     return replace(config, **options) if config is not None else ToMAConfig(**options)
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``"levels=2"`` -> ``("levels", 2)``: a ToMAConfig option and a Python literal value.
+
+    For command lines that pass options through (``--set levels=2 --set blocks={"blocks": (3,)}``).
+    The value is checked later, by :func:`make_config`.
+
+    Raises:
+        ValueError: not ``NAME=VALUE``, a name ToMAConfig does not have, or a value that
+            is not a Python literal.
+    """
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise ValueError(f"an option must be NAME=VALUE; got {text!r}")
+    known = {f.name for f in fields(ToMAConfig)}
+    if name not in known:
+        raise ValueError(f"unknown ToMA option {name!r}; allowed: {', '.join(sorted(known))}")
+    try:
+        return name, ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"option {name}: {value!r} is not a Python literal (e.g. 2, True, 0.25, (1, 2))") from None
 
 
 # per-part ratio fields and the switch each needs

@@ -108,11 +108,13 @@ class Skipped:
 def step_timestep(cache: Any, timestep: Any) -> float | None:
     """The timestep a step hook hands to ``cache.begin_forward``.
 
-    Only plans kept across steps (``recompute_every > 1``) need it, to notice a new
-    denoising run; otherwise every forward builds fresh plans and the timestep is not read,
-    which on a GPU saves a device-to-host synchronisation per denoiser call.
+    Only plans kept across steps (``recompute_every > 1``) and step windows
+    (``start_step``/``stop_step``) need it, to count steps and notice a new denoising run;
+    otherwise every forward builds fresh plans and the timestep is not read, which on a
+    GPU saves a device-to-host synchronisation per denoiser call.
     """
-    return timestep_value(timestep) if cache.config.recompute_every > 1 else None
+    config = cache.config
+    return timestep_value(timestep) if config.recompute_every > 1 or config.windowed else None
 
 
 def timestep_value(timestep: Any) -> float | None:

@@ -339,6 +339,7 @@ class PlanCache:
         self._kernel_indices: dict[tuple[tuple[int, ...], float, torch.device], KernelIndex] = {}
         self._generator: torch.Generator | None = None
         self._inference = False
+        self.active = True  # whether this step is inside the config's step window
         # kept out of torch.compile graphs (it reads and writes Python state); wrapped here
         # rather than with a decorator, which would import torch._dynamo (~2 s) with toma
         self.begin_forward = torch.compiler.disable(self.begin_forward)  # type: ignore[method-assign]
@@ -346,10 +347,15 @@ class PlanCache:
     def begin_forward(self, base_grid: tuple[int, ...], timestep: float | None) -> None:
         """Start a denoiser forward on a token grid of ``base_grid`` (``(h, w)`` or ``(t, h, w)``) at downsample 1.
 
-        A timestep that does not decrease starts a new denoising run: plans from the
-        previous run are dropped so that they never carry over to another image.
+        A timestep that rises starts a new denoising run: plans from the previous run are
+        dropped so that they never carry over to another image. The same timestep again is
+        another call of the same step (pipelines such as Wan's run the conditional and
+        unconditional passes as two calls): the step count stays, and plans are rebuilt
+        unless they are kept across steps anyway. No timestep (``None``) makes every call
+        a run of its own.
         """
-        new_run = timestep is None or self._last_timestep is None or timestep >= self._last_timestep
+        last = self._last_timestep
+        new_run = timestep is None or last is None or timestep > last
         # plans made under inference_mode are inference tensors, which autograd cannot save
         inference = torch.is_inference_mode_enabled()
         if new_run or base_grid != self.base_grid or inference != self._inference:
@@ -358,6 +364,9 @@ class PlanCache:
             if new_run:
                 # random selection draws the same destinations in every run, whatever ran before
                 self._generator = None
+        elif timestep == last:
+            if self.config.recompute_every == 1:
+                self._plans.clear()
         else:
             self.step += 1
             # Plans age here rather than being compared with the step count in get(): under
@@ -365,6 +374,9 @@ class PlanCache:
             # specialised on it and does not recompile every step.
             every = self.config.recompute_every
             self._plans = {k: (age + 1, p) for k, (age, p) in self._plans.items() if age + 1 < every}
+        # a bool, not the step, is what get() reads: under torch.compile a window costs
+        # one more graph, not one per step
+        self.active = self.config.merges_at(self.step)
         self.base_grid = base_grid
         self._last_timestep = timestep
         self._inference = inference
@@ -382,6 +394,7 @@ class PlanCache:
         """Forget every plan and the step count."""
         self._plans.clear()
         self.step = -1
+        self.active = True
         self.base_grid = None
         self._last_timestep = None
 
@@ -406,7 +419,7 @@ class PlanCache:
         or None where they stay in raster order (nothing merged, a padded grid whose
         tiles are not a permutation of the tokens, or tokens on a ``device`` where the
         Triton kernels merge straight from raster order, which saves the two copies)."""
-        if self.config.max_ratio == 0 or (device is not None and use_triton(device)):
+        if self.config.max_ratio == 0 or not self.active or (device is not None and use_triton(device)):
             return None
         # the tile order is the same at every ratio; the largest ratio's layout carries it
         layout = self.layout(*grid, ratio=self.config.max_ratio)
@@ -418,10 +431,10 @@ class PlanCache:
         config's ``ratio``), computed or reused.
 
         ``x`` is in raster order, or in tile order when ``tiled``. Returns None when nothing
-        should be merged (ratio 0, or ``x`` not on ``grid``).
+        should be merged (ratio 0, a step outside the step window, or ``x`` not on ``grid``).
         """
         ratio = self.config.ratio if ratio is None else ratio
-        if ratio == 0 or x.shape[1] != math.prod(grid) or not grid[-1]:
+        if ratio == 0 or not self.active or x.shape[1] != math.prod(grid) or not grid[-1]:
             return None
         share = self.config.share_batch_plan
         key = (group, grid, ratio, 1 if share else x.shape[0], x.dtype, x.device)

@@ -93,6 +93,10 @@ def add_toma_options(p: argparse.ArgumentParser) -> None:
                    help="also merge the queries of cross-attention to text (UNets, PixArt, Wan, LTX)")
     p.add_argument("--crossattn-ratio", type=float, default=None,
                    help="ratio for cross-attention queries (default: the ratio; needs --merge-crossattn)")
+    p.add_argument("--start-step", type=int, default=None,
+                   help="merge only from this denoising step on (0 = the first; earlier steps run unmerged)")
+    p.add_argument("--stop-step", type=int, default=None,
+                   help="merge only before this denoising step (default: to the end)")
 
 
 def default_threads(args: argparse.Namespace) -> int | None:
@@ -115,7 +119,7 @@ def toma_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["temperature"] = args.temperature
     if getattr(args, "proportional_attention", None) is not None:
         opts["proportional_attention"] = args.proportional_attention
-    for name in ("blocks", "merge_mlp", "mlp_ratio", "merge_crossattn", "crossattn_ratio"):
+    for name in ("blocks", "merge_mlp", "mlp_ratio", "merge_crossattn", "crossattn_ratio", "start_step", "stop_step"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
     return opts
