@@ -1,7 +1,7 @@
 """Speed-quality frontier from ``toma eval`` runs: one markdown table, Pareto rows marked.
 
     python benchmarks/frontier_table.py bench-results/unet_frontier [--default l1:toma:0.5] \
-        [--speed frontier_speed.json]
+        [--speed frontier_speed.json [--speed windows_speed.json]]
 
 Reads ``<dir>/<placement>[@suffix]/results.json`` for every placement folder (as written by
 ``benchmarks/unet_frontier.sh``) and prints one row per (placement, method, ratio): the
@@ -53,15 +53,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path)
     parser.add_argument("--default", default="l1:toma:0.5", help="placement:method:ratio of the default setting")
-    parser.add_argument("--speed", type=Path, default=None, help="frontier_speed.py's JSON: use its speedups")
+    parser.add_argument("--speed", type=Path, action="append", default=[],
+                        help="frontier_speed.py's JSON: use its speedups (repeatable: a later file's rows win)")
     args = parser.parse_args()
     rows = load_rows(args.root)
-    if args.speed is not None:
+    if args.speed:
         timed = {(s["placement"], s["method"], s["ratio"]): s["speedup"]
-                 for s in json.loads(args.speed.read_text())["settings"]}
+                 for path in args.speed for s in json.loads(path.read_text())["settings"]}
         missing = [r for r in rows if (r["placement"], r["method"], r["ratio"]) not in timed]
         if missing:
-            raise SystemExit(f"{args.speed} has no speed for {[(r['placement'], r['method'], r['ratio']) for r in missing]}")
+            names = ", ".join(map(str, args.speed))
+            raise SystemExit(f"{names} have no speed for {[(r['placement'], r['method'], r['ratio']) for r in missing]}")
         rows = [{**r, "speedup": timed[(r["placement"], r["method"], r["ratio"])]} for r in rows]
     on_front = frontier(rows)
     place, method, ratio = args.default.split(":")

@@ -231,6 +231,14 @@ def test_unknown_stack_and_index_are_clear_errors():
         toma.apply_toma(model, blocks={"blocks": [3]})
     with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
         toma.apply_toma(make_sd3(), proportional_attention=True)
+    # options of other kinds of model would do nothing here: refused, not ignored
+    with pytest.raises(ValueError, match="mlp_levels applies to UNets only"):
+        toma.apply_toma(model, merge_mlp=True, levels=2, mlp_levels=(2,))
+    with pytest.raises(ValueError, match="levels applies to UNets only"):
+        toma.apply_toma(model, levels=2)
+    with pytest.raises(ValueError, match="tile_frames applies to video families only"):
+        toma.apply_toma(make_sd3(), tile_frames=2)
+    toma.apply_toma(make_sd3(), tile_frames=1)  # 1 is what image families do anyway
     assert toma.get_toma(model) is None and not hasattr(model, "_diffusers_hook")
 
 

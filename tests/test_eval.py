@@ -74,14 +74,15 @@ def test_eval_merges_the_mlp_at_its_own_ratio(tmp_path):
 
 
 def test_eval_merges_in_a_step_window(tmp_path):
-    # late-step merging (one of the frontier's questions) reaches eval; a window that
+    # late-step merging and MLP levels (one of the frontier's questions) reaches eval; a window that
     # covers no step of the run gives the unmerged images exactly
     runs = {}
-    for name, extra in (("late", ["--start-step", "1"]), ("never", ["--start-step", "100"])):
+    for name, extra in (("late", ["--start-step", "1", "--levels", "2", "--merge-mlp", "--mlp-levels", "2"]),
+                        ("never", ["--start-step", "100"])):
         out = tmp_path / name
         assert main(["eval", *TINY, "--methods", "toma", "--out-dir", str(out), *extra]) == 0
         runs[name] = read_results(out)
-    assert runs["late"]["toma_options"]["start_step"] == 1
+    assert runs["late"]["toma_options"]["start_step"] == 1 and runs["late"]["toma_options"]["mlp_levels"] == [2]
     late, never = ({r["method"]: r for r in runs[n]["results"]}["toma"] for n in ("late", "never"))
     assert math.isfinite(late["psnr"]) and late["psnr"] > 10
     assert never["psnr"] is None and never["ssim"] == 1.0, never  # identical images: no finite PSNR

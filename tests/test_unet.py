@@ -90,6 +90,29 @@ def test_options_merge_crossattn_queries_and_mlp(sd15_unet):
         h.remove()
 
 
+def test_mlp_levels_merge_the_mlp_of_the_named_levels_only(sd15_unet):
+    # levels 1-2 merge attention; mlp_levels=(2,) merges the MLP at the deeper level only
+    kw = unet_inputs(1, 16, 16, False)
+    patch = toma.apply_toma(sd15_unet, ratio=0.5, levels=2, merge_mlp=True, mlp_levels=(2,))
+    mlps = sorted(p.where for p in patch.patched if p.name.endswith(".ff"))
+    attns = {p.where for p in patch.patched if p.name.endswith(".attn1")}
+    assert attns == {"downsample 1", "downsample 2"} and set(mlps) == {"downsample 2"}
+    ff_seen: dict[str, int] = {}
+    handles = [
+        m.net[0].register_forward_hook(lambda mod, a, o, name=name: ff_seen.__setitem__(name, a[0].shape[1]))
+        for name, m in sd15_unet.named_modules()
+        if name.endswith(".ff")
+    ]
+    run(sd15_unet, **kw)
+    for h in handles:
+        h.remove()
+    # 16x16 tokens at level 1 stay whole in the MLP; level 2's 8x8 are halved
+    assert ff_seen["down_blocks.0.attentions.0.transformer_blocks.0.ff"] == 256
+    assert ff_seen["mid_block.attentions.0.transformer_blocks.0.ff"] == 32
+    with pytest.raises(ValueError, match="attention level"):
+        toma.apply_toma(sd15_unet, ratio=0.5, levels=5, merge_mlp=True, mlp_levels=(4,))
+
+
 @pytest.mark.parametrize("h,w", [(16, 12), (10, 14), (9, 13)])
 @pytest.mark.parametrize("batch", [1, 2, 3])
 def test_non_square_non_divisible_grids_and_batches(sd15_unet, h, w, batch):

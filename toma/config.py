@@ -65,6 +65,10 @@ class ToMAConfig:
         tile_frames: video transformers. Frames a tile spans, so that tiles are
             ``tile_frames x tile_size`` tokens; None means 1 (2-D tiles, measured at least
             as faithful as 2-frame spatio-temporal tiles on the built-in video DiT).
+        mlp_levels: UNet only, with ``merge_mlp``. The attention levels (1 = the highest
+            resolution, as ``levels`` counts) whose MLPs merge, e.g. ``(2,)`` with
+            ``levels=2`` merges attention at both levels and the MLP at the deeper one only;
+            None: the MLPs of every merged level.
         start_step: merge only from this denoising step on (0 = the first step); earlier
             steps run unmerged, bitwise as without ToMA. Early steps lay out the image and
             late ones refine it, so a later start trades speed for fidelity.
@@ -96,6 +100,7 @@ class ToMAConfig:
     mlp_ratio: float | None = None
     start_step: int = 0
     stop_step: int | None = None
+    mlp_levels: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_ratio(self.ratio)
@@ -131,6 +136,14 @@ class ToMAConfig:
             object.__setattr__(self, "blocks", _check_blocks(self.blocks))
         if self.tile_frames is not None:
             _check_int("tile_frames", self.tile_frames, minimum=1)
+        if self.mlp_levels is not None:
+            levels = _check_indices("mlp_levels", self.mlp_levels, minimum=1, what="attention levels (1 = the highest resolution)")
+            if not self.merge_mlp:
+                raise ValueError("mlp_levels is set but merge_mlp is off: pass merge_mlp=True, or leave mlp_levels unset")
+            beyond = [v for v in levels if v > self.levels]
+            if beyond or not levels:
+                raise ValueError(f"mlp_levels must name merged levels, in 1..levels={self.levels}; got {list(levels)}")
+            object.__setattr__(self, "mlp_levels", tuple(sorted(set(levels))))
         _check_int("start_step", self.start_step, minimum=0)
         if self.stop_step is not None:
             _check_int("stop_step", self.stop_step, minimum=1)
@@ -342,13 +355,13 @@ def _check_int(name: str, value: Any, minimum: int | None) -> None:
         raise ValueError(f"{name} must be >= {minimum}; got {value}")
 
 
-def _check_indices(name: str, value: Any) -> tuple[int, ...]:
+def _check_indices(name: str, value: Any, minimum: int = 0, what: str = "block indices") -> tuple[int, ...]:
     try:
         items = tuple(value)
     except TypeError:
-        raise TypeError(f"{name} must be a sequence of block indices or None; got {value!r}") from None
+        raise TypeError(f"{name} must be a sequence of {what} or None; got {value!r}") from None
     for v in items:
-        _check_int(f"{name} entries", v, minimum=0)
+        _check_int(f"{name} entries", v, minimum=minimum)
     return items
 
 

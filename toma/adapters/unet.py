@@ -58,12 +58,18 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
         blocks.append((name, module, downsample))
     attention_levels = sorted({ds for _, _, ds in blocks})
     merged_levels = set(attention_levels[: config.levels])
+    if config.mlp_levels is not None and config.mlp_levels[-1] > len(attention_levels):
+        raise ValueError(
+            f"mlp_levels names level {config.mlp_levels[-1]}, but {type(model).__name__} has "
+            f"{len(attention_levels)} attention level(s)"
+        )
+    mlp_levels = merged_levels if config.mlp_levels is None else {attention_levels[i - 1] for i in config.mlp_levels}
     targets: list[Patched] = []
     for name, block, ds in blocks:
         if ds not in merged_levels:
             skipped.append(Skipped(name, f"downsample {ds} is not among the merged levels {sorted(merged_levels)}"))
             continue
-        parts = [("attn1", config.merge_attn), ("attn2", config.merge_crossattn), ("ff", config.merge_mlp)]
+        parts = [("attn1", config.merge_attn), ("attn2", config.merge_crossattn), ("ff", config.merge_mlp and ds in mlp_levels)]
         for part, wanted in parts:
             sub = getattr(block, part, None)
             if wanted and sub is not None:

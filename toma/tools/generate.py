@@ -89,6 +89,8 @@ def add_toma_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge-mlp", action="store_true", default=None,
                    help="also merge the MLPs (feed-forward) of the merged blocks")
     p.add_argument("--mlp-ratio", type=float, default=None, help="ratio for the MLPs (default: the ratio; needs --merge-mlp)")
+    p.add_argument("--mlp-levels", type=parse_levels, default=None, metavar="I,J",
+                   help="UNets: attention levels whose MLPs merge, e.g. 2 (default: every merged level; needs --merge-mlp)")
     p.add_argument("--merge-crossattn", action="store_true", default=None,
                    help="also merge the queries of cross-attention to text (UNets, PixArt, Wan, LTX)")
     p.add_argument("--crossattn-ratio", type=float, default=None,
@@ -119,10 +121,18 @@ def toma_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["temperature"] = args.temperature
     if getattr(args, "proportional_attention", None) is not None:
         opts["proportional_attention"] = args.proportional_attention
-    for name in ("blocks", "merge_mlp", "mlp_ratio", "merge_crossattn", "crossattn_ratio", "start_step", "stop_step"):
+    for name in ("blocks", "merge_mlp", "mlp_ratio", "mlp_levels", "merge_crossattn", "crossattn_ratio", "start_step", "stop_step"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
     return opts
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    """``"1,2"`` -> ``(1, 2)``; raises ``argparse.ArgumentTypeError`` on anything but comma-separated ints."""
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated level numbers such as 2 or 1,2; got {text!r}") from None
 
 
 def parse_blocks(text: str) -> dict[str, tuple[int, ...]]:
