@@ -13,8 +13,8 @@ need not be the eval's 20, except for the step-window placements (``start_step``
 ``stop_step``, counted in the eval's 20 steps), which are timed only when named in ``--only``.
 
     python benchmarks/frontier_speed.py --rounds 5 --json frontier_speed.json
-    python benchmarks/frontier_speed.py --steps 20 --ratios 0.5 --extra-ratios '' \
-        --only l1,l2,l2_mlp,l2_mlp2,l2_mlp_late,l2_mlp_last5,l2_mlp_early,l1_late --json windows_speed.json
+    python benchmarks/frontier_speed.py --steps 20 --ratios 0.5,0.75 --extra-ratios '' --rounds 3 \
+        --only l1,l2_mlp,l2_mlp2,l2_mlp_late,l2_mlp_last5,l2_mlp_early,l2_mlp_from5,l1_late --json windows_speed.json
     python benchmarks/frontier_table.py bench-results/unet_frontier --speed frontier_speed.json
 """
 
@@ -43,6 +43,7 @@ PLACEMENTS: dict[str, dict] = {
     "l2_mlp_late": {"levels": 2, "merge_mlp": True, "start_step": 10},
     "l2_mlp_last5": {"levels": 2, "merge_mlp": True, "start_step": 15},
     "l2_mlp_early": {"levels": 2, "merge_mlp": True, "stop_step": 10},
+    "l2_mlp_from5": {"levels": 2, "merge_mlp": True, "start_step": 5},
     "l1_late": {"levels": 1, "start_step": 10},
 }
 

@@ -54,12 +54,14 @@ def main() -> int:
     parser.add_argument("root", type=Path)
     parser.add_argument("--default", default="l1:toma:0.5", help="placement:method:ratio of the default setting")
     parser.add_argument("--speed", type=Path, action="append", default=[],
-                        help="frontier_speed.py's JSON: use its speedups (repeatable: a later file's rows win)")
+                        help="frontier_speed.py's JSON: use its speedups (repeatable: the first file that times a setting wins)")
     args = parser.parse_args()
     rows = load_rows(args.root)
     if args.speed:
-        timed = {(s["placement"], s["method"], s["ratio"]): s["speedup"]
-                 for path in args.speed for s in json.loads(path.read_text())["settings"]}
+        timed: dict = {}
+        for path in args.speed:  # the first file that times a setting gives its speed
+            for s in json.loads(path.read_text())["settings"]:
+                timed.setdefault((s["placement"], s["method"], s["ratio"]), s["speedup"])
         missing = [r for r in rows if (r["placement"], r["method"], r["ratio"]) not in timed]
         if missing:
             names = ", ".join(map(str, args.speed))

@@ -16,6 +16,7 @@
 #   l2_mlp_late          l2_mlp on steps 10-19 of 20 only (start_step 10)
 #   l2_mlp_last5         l2_mlp on steps 15-19 only (start_step 15)
 #   l2_mlp_early         l2_mlp on steps 0-9 only (stop_step 10)
+#   l2_mlp_from5         l2_mlp on steps 5-19 only (start_step 5)
 #   l1_late              l1 on steps 10-19 only
 #
 # tomesd runs over its ratios in the l1 run; ratios 0.6 and 0.7 of l1, l1_tile8 and tomesd
@@ -38,10 +39,12 @@ toma eval "${common[@]}" --methods toma --tile-size 8 --out-dir "$OUT/l1_tile8"
 toma eval "${common[@]}" --methods toma --levels 2 --merge-mlp --merge-crossattn --out-dir "$OUT/l2_mlp_xattn"
 toma eval "${base[@]}" --ratios 0.6,0.7 --methods toma,tomesd --out-dir "$OUT/l1@mid"
 toma eval "${base[@]}" --ratios 0.6,0.7 --methods toma --tile-size 8 --out-dir "$OUT/l1_tile8@mid"
-toma eval "${common[@]}" --methods toma --levels 2 --merge-mlp --mlp-levels 2 --out-dir "$OUT/l2_mlp2"
+toma eval "${base[@]}" --ratios 0.5,0.75 --methods toma --levels 2 --merge-mlp --mlp-levels 2 --out-dir "$OUT/l2_mlp2"
 # step windows (ratio 0.5): time them with frontier_speed.py --steps 20 --only ... (its docstring)
 win=("${base[@]}" --ratios 0.5 --methods toma)
 toma eval "${win[@]}" --levels 2 --merge-mlp --start-step 10 --out-dir "$OUT/l2_mlp_late"
+toma eval "${base[@]}" --ratios 0.75 --methods toma --levels 2 --merge-mlp --start-step 10 --out-dir "$OUT/l2_mlp_late@75"
+toma eval "${base[@]}" --ratios 0.5,0.75 --methods toma --levels 2 --merge-mlp --start-step 5 --out-dir "$OUT/l2_mlp_from5"
 toma eval "${win[@]}" --levels 2 --merge-mlp --start-step 15 --out-dir "$OUT/l2_mlp_last5"
 toma eval "${win[@]}" --levels 2 --merge-mlp --stop-step 10 --out-dir "$OUT/l2_mlp_early"
 toma eval "${win[@]}" --start-step 10 --out-dir "$OUT/l1_late"
