@@ -292,7 +292,8 @@ def train(digits: torch.Tensor, labels: torch.Tensor, classifier: DigitClassifie
     return ema.eval(), ema_tokens, log.entries, gaps, log.elapsed, n_params, done
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its defaults are the shipped recipe."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=VIDEO_DIR)
     parser.add_argument("--seed", type=int, default=0)
@@ -325,6 +326,11 @@ def main() -> int:
     parser.add_argument("--resume", type=Path, default=None,
                         help="continue from a checkpoint folder this script wrote (its EMA weights, class tokens "
                              "and frame classifier, at its steps_done)")
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     try:
         args.stages = [parse_stage(text) for text in args.stages]
