@@ -28,7 +28,9 @@ at 1 thread: 1.37 s per 2x32 step against 2.6 s per 8x8 step), then finishes on 
 clips at batch 8 (2,048 tokens, the shipped model's use) for temporal consistency. The
 learning-rate schedule (warm-up, cosine) and the EMA run over the total step count; the
 class-gap probe and the closing check always use 8-frame clips. Defaults:
-``--stages 2x32:2800 8x8:800`` (about 65 + 35 minutes at 1 thread).
+``--stages 2x32:2400 8x8:700`` (about 55 + 31 minutes at 1 thread on an idle machine,
+about 78 + 43 when three jobs share the two cores: 2.0 s per 2x32 step measured, 3.7 s per
+8x8 step estimated). ``--max-minutes`` cuts the last stage if the machine is slower.
 
 Checkpoints of the EMA weights (float16, in the shipped layout, with metadata marking them
 partial) are written every ``--checkpoint-every`` steps, so a usable model exists if the run
@@ -298,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=VIDEO_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--stages", nargs="+", default=["2x32:2800", "8x8:800"], metavar="FRAMESxBATCH:STEPS",
+    parser.add_argument("--stages", nargs="+", default=["2x32:2400", "8x8:700"], metavar="FRAMESxBATCH:STEPS",
                         help="clip-length curriculum, run in order: STEPS steps of BATCH clips of FRAMES frames "
                              "each; the total is the schedule's step count (see the module docstring)")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -319,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--classifier-epochs", type=int, default=24)
     parser.add_argument("--classifier-frames", type=int, default=4, help="frames per digit per classifier epoch")
     parser.add_argument("--checkpoint-every", type=int, default=100)
-    parser.add_argument("--max-minutes", type=float, default=112.0, help="stop training after this long (0: never)")
+    parser.add_argument("--max-minutes", type=float, default=110.0, help="stop training after this long (0: never)")
     parser.add_argument("--eval-samples", type=int, default=20, help="generated clips for the accuracy check")
     parser.add_argument("--eval-steps", type=int, default=10, help="Euler steps for the accuracy check")
     parser.add_argument("--log-every", type=int, default=25)

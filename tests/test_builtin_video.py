@@ -422,7 +422,7 @@ def test_default_curriculum_ends_on_clips_of_the_shipped_length():
     on shorter, cheaper clips with a batch that keeps the tokens per step at FRAMES x 8 clips."""
     script = _train_script()
     defaults = script.build_parser().parse_args([]).stages
-    assert defaults == ["2x32:2800", "8x8:800"]
+    assert defaults == ["2x32:2400", "8x8:700"]
     stages = [script.parse_stage(s) for s in defaults]
     assert script.clip_schedule(sum(s.steps for s in stages) - 1, stages) == (FRAMES, 8)
     assert all(s.frames * s.batch == FRAMES * 8 for s in stages)
