@@ -376,3 +376,54 @@ def test_training_gives_the_class_path_its_own_learning_rate():
     optimise(opt, [*transformer.parameters(), tokens], loss, 50, args)
     assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(50, args))
     assert opt.param_groups[1]["lr"] == pytest.approx(3.0 * lr_at(50, args))
+
+
+def _train_script():
+    """The training script module (``scripts/train_builtin_video.py``), imported without running it."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        return importlib.import_module("train_builtin_video")
+    finally:
+        sys.path.pop(0)
+
+
+def test_clip_schedule_runs_the_stages_in_order():
+    """The clip-length curriculum: each step's (frames, batch) against a brute-force expansion
+    of the stages, the stage boundaries, and the errors for steps outside the schedule."""
+    script = _train_script()
+    stages = [script.parse_stage(s) for s in ("2x32:5", "4x16:1", " 8 x 8 : 3 ")]
+    assert stages == [(2, 32, 5), (4, 16, 1), (8, 8, 3)]
+    expanded = [(s.frames, s.batch) for s in stages for _ in range(s.steps)]
+    assert [script.clip_schedule(step, stages) for step in range(9)] == expanded
+    assert script.clip_schedule(4, stages) == (2, 32) and script.clip_schedule(5, stages) == (4, 16)
+    assert script.clip_schedule(6, stages) == (8, 8) and script.clip_schedule(8, stages) == (8, 8)
+    with pytest.raises(ValueError, match="step must be < 9"):
+        script.clip_schedule(9, stages)
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        script.clip_schedule(-1, stages)
+    with pytest.raises(ValueError, match="at least one stage"):
+        script.clip_schedule(0, [])
+
+
+@pytest.mark.parametrize("text, match", [("2x32", "FRAMESxBATCH:STEPS"), ("2x32:-1", "FRAMESxBATCH:STEPS"),
+                                         ("0x8:10", "frames must be in"), ("65x1:1", "frames must be in"),
+                                         ("2x0:10", "batch and steps"), ("2x8:0", "batch and steps")])
+def test_parse_stage_rejects_bad_stages(text, match):
+    with pytest.raises(ValueError, match=match):
+        _train_script().parse_stage(text)
+
+
+def test_default_curriculum_ends_on_clips_of_the_shipped_length():
+    """The default stages finish on FRAMES-frame clips (the model's use) and spend most steps
+    on shorter, cheaper clips with a batch that keeps the tokens per step at FRAMES x 8 clips."""
+    script = _train_script()
+    defaults = script.build_parser().parse_args([]).stages
+    assert defaults == ["2x32:2400", "8x8:700"]
+    stages = [script.parse_stage(s) for s in defaults]
+    assert script.clip_schedule(sum(s.steps for s in stages) - 1, stages) == (FRAMES, 8)
+    assert all(s.frames * s.batch == FRAMES * 8 for s in stages)
+    assert " ".join(defaults) in script.__doc__  # the docstring documents the default
