@@ -58,40 +58,11 @@ def test_no_graph_breaks_in_merge_path(arch_name):
     assert explained.graph_break_count <= 3
 
 
-@pytest.mark.parametrize("arch_name", COMPILED)
-def test_compiled_matches_eager_without_recompiling_every_step(arch_name):
-    arch, model, inputs = patched(arch_name)
-    steps = [set_timestep(arch, inputs, s, 6) for s in range(6)]
-    with torch.no_grad():
-        eager = [call_denoiser(arch, model, kw)[0] for kw in steps]
-        torch._dynamo.reset()
-        counters.clear()
-        compiled_model = torch.compile(model, backend="eager")
-        graphs = []
-        outs = []
-        for kw in steps:
-            outs.append(call_denoiser(arch, compiled_model, kw)[0])
-            graphs.append(counters["stats"]["unique_graphs"])
-        # a second run of the same steps must reuse every graph
-        for kw in steps:
-            call_denoiser(arch, compiled_model, kw)
-    torch._dynamo.reset()
-    for a, b in zip(outs, eager):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    # graphs may be added while the first steps settle the guards (first call, first
-    # reuse of a plan, first falling timestep), never once per step after that
-    assert graphs[2] == graphs[-1], graphs
-    assert counters["stats"]["unique_graphs"] == graphs[-1]
-
-
-def test_step_window_compiles_once_per_side():
-    # the window is a bool the merge path reads, not the step: entering and leaving it may
-    # add graphs, later steps and a second run may not
-    arch = ARCHS["tiny-unet"]
-    model = build_model(arch)
-    toma.apply_toma(model, ratio=0.5, start_step=2, stop_step=4)
-    inputs = make_inputs(arch, 64)
-    steps = [set_timestep(arch, inputs, s, 6) for s in range(6)]
+def compiled_steps(arch, model, inputs, count: int = 6) -> list[int]:
+    """Run ``count`` steps eager, then compiled twice (the second run must reuse every
+    graph); checks the compiled outputs against eager and returns the graph count after
+    each step of the first compiled run."""
+    steps = [set_timestep(arch, inputs, s, count) for s in range(count)]
     with torch.no_grad():
         eager = [call_denoiser(arch, model, kw)[0] for kw in steps]
         torch._dynamo.reset()
@@ -106,6 +77,25 @@ def test_step_window_compiles_once_per_side():
     torch._dynamo.reset()
     for a, b in zip(outs, eager):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    return graphs
+
+
+@pytest.mark.parametrize("arch_name", COMPILED)
+def test_compiled_matches_eager_without_recompiling_every_step(arch_name):
+    graphs = compiled_steps(*patched(arch_name))
+    # graphs may be added while the first steps settle the guards (first call, first
+    # reuse of a plan, first falling timestep), never once per step after that
+    assert graphs[2] == graphs[-1], graphs
+    assert counters["stats"]["unique_graphs"] == graphs[-1]
+
+
+def test_step_window_compiles_once_per_side():
+    # the window is a bool the merge path reads, not the step: entering and leaving it may
+    # add graphs, later steps and a second run may not
+    arch = ARCHS["tiny-unet"]
+    model = build_model(arch)
+    toma.apply_toma(model, ratio=0.5, start_step=2, stop_step=4)
+    graphs = compiled_steps(arch, model, make_inputs(arch, 64))
     assert graphs[4] == graphs[-1] == counters["stats"]["unique_graphs"], graphs
 
 

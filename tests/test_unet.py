@@ -148,10 +148,9 @@ def test_batch_elements_get_their_own_plan(sd15_unet):
     assert not torch.allclose(shared[1], run(sd15_unet, **swap0)[1], atol=1e-3)
 
 
-def test_plan_reused_within_step_and_recomputed_across_steps(sd15_unet):
-    kw = unet_inputs(1, 16, 16, False)
-    patch = toma.apply_toma(sd15_unet, ratio=0.5, recompute_every=2)
-    built = []
+def record_builds(patch) -> list[int]:
+    """The step count at every fresh plan the patch's cache builds (filled as the model runs)."""
+    built: list[int] = []
     original = patch.cache.get
 
     def counting_get(x, grid, group, **kw):
@@ -162,6 +161,13 @@ def test_plan_reused_within_step_and_recomputed_across_steps(sd15_unet):
         return plan
 
     patch.cache.get = counting_get
+    return built
+
+
+def test_plan_reused_within_step_and_recomputed_across_steps(sd15_unet):
+    kw = unet_inputs(1, 16, 16, False)
+    patch = toma.apply_toma(sd15_unet, ratio=0.5, recompute_every=2)
+    built = record_builds(patch)
     for t in (900, 800, 700, 600):
         run(sd15_unet, **{**kw, "timestep": torch.tensor(t)})
     assert built == [0, 2]  # one plan per group, refreshed every 2 steps
@@ -177,17 +183,7 @@ def test_two_calls_per_step_count_as_one_step(sd15_unet):
     # rebuilt plans at every call, and step counts restarted at 0.
     kw = unet_inputs(1, 16, 16, False)
     patch = toma.apply_toma(sd15_unet, ratio=0.5, recompute_every=2)
-    built, steps = [], []
-    original = patch.cache.get
-
-    def counting_get(x, grid, group, **kw):
-        before = dict(patch.cache._plans)
-        plan = original(x, grid, group, **kw)
-        if all(plan is not p for _, p in before.values()):
-            built.append(patch.cache.step)
-        return plan
-
-    patch.cache.get = counting_get
+    built, steps = record_builds(patch), []
     for t in (900, 900, 800, 800, 700, 700):
         run(sd15_unet, **{**kw, "timestep": torch.tensor(t)})
         steps.append(patch.cache.step)
