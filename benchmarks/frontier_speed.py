@@ -65,7 +65,7 @@ def settings(ratios: list[float], extra: list[float], only: list[str] | None = N
     ``only``: placement names (and ``"tomesd"``) to time; None means every placement
     without a step window, and tomesd.
     """
-    wanted = [p for p in PLACEMENTS if not windowed(PLACEMENTS[p])] + ["tomesd"] if only is None else only
+    wanted = ([p for p in PLACEMENTS if not windowed(PLACEMENTS[p])] + ["tomesd"]) if only is None else only
     out = [("l1", "none", 0.0, {})]
     for place, options in PLACEMENTS.items():
         if place in wanted:

@@ -128,10 +128,9 @@ def main() -> int:
 
     def run(name: str, lab: torch.Tensor, sds: list[int], steps: int):
         options = VARIANTS[name]
-        if options is not None and args.proportional_attention is not None:
-            options = {**options, "proportional_attention": args.proportional_attention}
         if options is not None:
-            options = {**options, **extra}
+            bias = {} if args.proportional_attention is None else {"proportional_attention": args.proportional_attention}
+            options = {**options, **bias, **extra}
         patch = None if options is None else toma.apply_toma(model.transformer, ratio=args.ratio, **options)
         try:
             start = time.perf_counter()

@@ -48,13 +48,13 @@ The run is seeded and deterministic on a given CPU (unless ``--max-minutes`` cut
 from __future__ import annotations
 
 import argparse
-import re
-from typing import NamedTuple
 import copy
+import re
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
