@@ -132,3 +132,16 @@ def test_grid_selection_evenly_spaced_real_tokens():
     for t, keep in enumerate(layout.keep):
         chosen = picks[t, :keep].tolist()
         assert len(set(chosen)) == keep and all(bool(mask[t, i]) for i in chosen)
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_greedy_launches_four_kernels_a_step(k):
+    # On a GPU at batch 1 a plan is launch-bound: its cost is its kernel count. Five make
+    # the scores and one joins the picks; each step then takes four (a sum, an argmax, the
+    # gather of the new coverage and the next maximum), with no mask of picked candidates.
+    from toma.tools.opcount import count_kernels
+
+    sim = random_sim(3, 16, 16, 8, seed=k)
+    ops = count_kernels(lambda: facility_location(sim, k))
+    assert sum(ops.values()) == 4 * k + 4, dict(ops)
+    assert "scatter_.value" not in ops

@@ -36,13 +36,18 @@ def exact_scores(sim: torch.Tensor) -> tuple[torch.Tensor, float]:
         ``(..., n, n)`` float32 (float64 if ``sim`` is) integer-valued scores in
         ``[-scale, scale]``, and ``scale`` (a power of two; ``2**19`` for 16 tokens).
     """
+    return _scores(sim, 1.0)
+
+
+def _scores(sim: torch.Tensor, diagonal: float) -> tuple[torch.Tensor, float]:
+    """:func:`exact_scores` with ``diagonal * scale`` on the diagonal."""
     n = sim.shape[-1]
     scale = float(2 ** (23 - max(1, math.ceil(math.log2(n)))))
     dtype = torch.float64 if sim.dtype == torch.float64 else torch.float32
     sim = sim.to(dtype)
     # a + b == b + a bitwise, so the sum is symmetric even where the matmul was not
     q = torch.round((sim + sim.transpose(-1, -2)) * (scale / 2)).clamp_(-scale, scale)
-    q.diagonal(dim1=-2, dim2=-1).fill_(scale)
+    q.diagonal(dim1=-2, dim2=-1).fill_(diagonal * scale)
     return q, scale
 
 
@@ -65,35 +70,37 @@ def facility_location(sim: torch.Tensor, k: int, mask: torch.Tensor | None = Non
     Returns:
         ``(..., k)`` int64 indices in pick order, distinct while real tokens remain.
     """
-    q, scale = exact_scores(sim)
-    # Six kernels a step, five on the first and four on the last: on a GPU at batch 1 the
-    # plan is launch-bound, so the step count of kernels is its cost.
-    # coverage[j] = best similarity of token j to a chosen destination so far (None: none
-    # chosen, i.e. the floor -scale, below which no score lies, so max(q, coverage) = q). A
-    # candidate's gain is sum_j max(q[i, j], coverage[j]) - sum_j coverage[j]; the second sum
-    # is the same for every candidate, so the argmax needs only the first.
+    # The diagonal is 2 * scale rather than scale (one more than any similarity). Every
+    # unpicked candidate's gain rises by the same scale, so the order among them and their
+    # exact ties are unchanged; but once picked, a token covers itself above what any other
+    # reaches, so a picked candidate gains nothing and loses to every unpicked one, even to a
+    # duplicate of a token already picked. That replaces a mask of picked candidates: four
+    # kernels a step (three on the first and last), where the mask took six. On a GPU at
+    # batch 1 the plan is launch-bound, so the kernel count is its cost. Sums stay exact:
+    # n - 1 similarities and the diagonal, or n padding sentinels of 2 * scale, reach at
+    # most 2**24.
+    q, scale = _scores(sim, 2.0)
+    # coverage[j] = best score of token j to a chosen destination so far (None: none chosen,
+    # i.e. a floor below every score, so max(q, coverage) = q). A candidate's gain is
+    # sum_j max(q[i, j], coverage[j]) - sum_j coverage[j]; the second sum is the same for
+    # every candidate, so the argmax needs only the first.
     coverage: torch.Tensor | None = None
-    # -inf for chosen and padded candidates: they rank below every real one (None: none yet)
-    barred: torch.Tensor | None = None
     if mask is not None:
         mask = mask.expand(q.shape[:-1])
-        coverage = torch.where(mask, -scale, 2 * scale).to(q.dtype)  # padded: never needs covering
-        barred = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
+        # padded candidates sit at the floor, so they gain nothing (and tie with picked ones);
+        # padded tokens count as covered at 2 * scale, above every score
+        q = torch.where(mask.unsqueeze(-1), q, -scale)
+        coverage = torch.where(mask, -scale, 2 * scale).to(q.dtype)
     picks = []
     for step in range(k):
         # row i of best is the coverage after picking i: the next coverage is one of its rows
         best = q if coverage is None else torch.maximum(q, coverage.unsqueeze(-2))
-        score = best.sum(-1)
-        if barred is not None:
-            score.add_(barred)
-        idx = score.argmax(-1, keepdim=True)  # the first of equal maxima
+        # the first of equal maxima; once every real token is picked all candidates tie and
+        # slot 0 is repeated (as the Triton kernel does)
+        idx = best.sum(-1).argmax(-1, keepdim=True)
         picks.append(idx)
-        if step == k - 1:
-            break
-        coverage = best.gather(-2, idx.unsqueeze(-1).expand(*idx.shape, q.shape[-1])).squeeze(-2)
-        if barred is None:
-            barred = torch.zeros_like(score)
-        barred.scatter_(-1, idx, float("-inf"))
+        if step < k - 1:
+            coverage = best.gather(-2, idx.unsqueeze(-1).expand(*idx.shape, q.shape[-1])).squeeze(-2)
     return torch.cat(picks, -1)
 
 

@@ -78,8 +78,9 @@ def _plan_kernel(
         tok = tl.load(tmask_ptr + t * n + cols, mask=real_c, other=0) != 0
     else:
         tok = real_c
-    # as in the torch path: padded tokens never need covering (2 * scale), padded and
-    # picked candidates are barred; slots past n (block padding) add nothing to any score
+    # padded tokens never need covering (2 * scale); padded and picked candidates are
+    # barred (the torch path gets the same picks from a raised diagonal, which saves
+    # kernels there and nothing here); slots past n (block padding) add nothing to any score
     coverage = tl.where(tok, -scale, 2.0 * scale)
     tok_r = tl.where(rows < n, 0.0, float("-inf"))
     if HAS_TMASK:
