@@ -105,6 +105,17 @@ def test_fused_merge_and_unmerge_match_the_torch_path(h, w, ratio, batch, share)
         tiled = tile_order(x, layout)
         assert torch.allclose(fused.merge(tiled, tiled=True), merged, atol=1e-5, rtol=0)
         assert torch.allclose(fused.unmerge(merged, tiled=True), torch_path.unmerge(merged, tiled=True), atol=1e-5, rtol=0)
+    # with the block's residual added in the same launch: the float32 sum rounded once,
+    # as the separate add rounds it
+    res = tokens(batch, h * w, 40, seed=h * w + 1)
+    unmerged = fused.unmerge(merged)
+    assert torch.equal(fused.unmerge(merged, residual=res), unmerged + res)
+    assert torch.allclose(torch_path.unmerge(merged, residual=res), unmerged + res, atol=1e-5, rtol=0)
+    if not layout.padded:  # the torch path's baddbmm in tile order
+        res_t = tile_order(res, layout)
+        tiled_sum = fused.unmerge(merged, tiled=True) + res_t
+        assert torch.equal(fused.unmerge(merged, tiled=True, residual=res_t), tiled_sum)
+        assert torch.allclose(torch_path.unmerge(merged, tiled=True, residual=res_t), tiled_sum, atol=1e-5, rtol=0)
     # the plan read from raster order is the plan read from tiles
     from_tiles = build_plan(to_tiles(src, layout), layout, ToMAConfig(ratio=ratio), x.dtype, index=index, kernels=kidx)
     assert torch.equal(from_tiles.dest, fused.dest) and torch.equal(from_tiles.merge_w, fused.merge_w)

@@ -9,7 +9,8 @@ import torch
 
 HOOK_NAME = "toma"
 CHUNK_HOOK_NAME = "toma_chunk"  # a block's second hook, where its MLP's chunking is taken over
-HOOK_NAMES = (HOOK_NAME, CHUNK_HOOK_NAME)  # every name an adapter's attach registers hooks under
+RESIDUAL_HOOK_NAME = "toma_residual"  # a block's hook that leaves its residual adds to the merge hooks
+HOOK_NAMES = (HOOK_NAME, CHUNK_HOOK_NAME, RESIDUAL_HOOK_NAME)  # every name an adapter's attach registers hooks under
 
 
 class Hook:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from toma.adapters.base import Hook
 from toma.adapters.spec import Rotary, Site, head_mask
 from toma.core.plan import Plan, PlanCache
 from toma.core.tiling import TileLayout
+
+if TYPE_CHECKING:  # the UNet adapter's; families on the engine do not import it
+    from toma.adapters.residual import ResidualSlot
 
 
 class TileState:
@@ -50,8 +53,9 @@ class MergeHook(Hook):
     """
 
     def __init__(self, cache: PlanCache, downsample: int, order: TileState, site: Site | None = None, bias: bool = False,
-                 part: str = "attn") -> None:
+                 part: str = "attn", residual: ResidualSlot | None = None) -> None:
         self.cache = cache
+        self.residual = residual  # where the block's forward hands over its residual add, if it does
         self.downsample = downsample
         self.order = order
         self.site = site
@@ -145,6 +149,11 @@ class MergeHook(Hook):
             return output
         if isinstance(output, tuple):  # joint attention: (image, text)
             return (plan.unmerge(output[0], self._tiled), *output[1:])
+        slot = self.residual
+        if slot is not None and slot.x is not None and not self._text:
+            out = plan.unmerge(output, self._tiled, residual=slot.x)
+            slot.fused = True
+            return out
         return unmerge_after_text(output, self._text, plan, self._tiled)  # [text; image] when text_first
 
 

@@ -17,6 +17,7 @@ import torch
 from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, register_innermost, step_timestep
 from toma.adapters.chunking import ChunkedMergeHook, chunkable_block, take_over_chunking
 from toma.adapters.engine import MergeHook, TileState, hidden_states_of, with_hidden_states
+from toma.adapters.residual import RESIDUAL_HOOK_NAME, FusedResidualHook, ResidualSlot, fusable
 from toma.config import ToMAConfig
 from toma.core.plan import PlanCache, profiled
 from toma.core.tiling import raster_order, tile_order
@@ -86,6 +87,7 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     hooked = [model]
     register_innermost(model, UNetStepHook(cache), HOOK_NAME)
     states: dict[str, TileState] = {}
+    slots: dict[str, ResidualSlot | None] = {}
     for target in targets:
         stack, inside, _ = target.name.rpartition(".transformer_blocks.")
         if not inside:  # a block outside a transformer stack: it reorders its own tokens
@@ -101,17 +103,36 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
                 hooked.append(block)
         # only self-attention has keys among the merged tokens to weight by their mass
         bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
-        part = _PARTS[target.name.rsplit(".", 1)[-1]]
+        block_name, _, sub = target.name.rpartition(".")
+        part = _PARTS[sub]
+        if block_name not in slots:
+            slots[block_name] = ResidualSlot() if _fusable_parent(model, block_name, sub, target.module) else None
+        slot = slots[block_name]
         block = chunkable_block(model, target, "ff") if part == "mlp" else None
         if block is None:
-            hook = MergeHook(cache, target.downsample, states[stack], bias=bias, part=part)
+            hook = MergeHook(cache, target.downsample, states[stack], bias=bias, part=part, residual=slot)
         else:
             hook = ChunkedMergeHook(cache, target.downsample, states[stack], bias=bias, part=part,
-                                    chunk=take_over_chunking(block))
+                                    chunk=take_over_chunking(block), residual=slot)
             hooked.append(block)
         register_innermost(target.module, hook, HOOK_NAME)
         hooked.append(target.module)
+    # registered last, so innermost: inside the blocks' tile-order and chunking hooks
+    for block_name, slot in slots.items():
+        if slot is not None:
+            block = model.get_submodule(block_name)
+            register_innermost(block, FusedResidualHook(slot), RESIDUAL_HOOK_NAME)
+            hooked.append(block)
     return hooked
+
+
+def _fusable_parent(model: torch.nn.Module, name: str, sub: str, module: torch.nn.Module) -> bool:
+    """Whether the module called ``name`` holds ``module`` as ``sub`` and runs toma's fused-residual forward."""
+    try:
+        block = model.get_submodule(name)
+    except AttributeError:
+        return False
+    return getattr(block, sub, None) is module and fusable(block)
 
 
 class UNetStepHook(Hook):

@@ -111,24 +111,44 @@ class Plan(Memo):
             merged = merge(tiles, _as(self.merge_w, tiles.dtype)).flatten(1, 2)
             return merged if self.keep_index is None else merged.index_select(1, self.keep_index)
 
-    def unmerge(self, y: torch.Tensor, tiled: bool = False) -> torch.Tensor:
-        """Unmerge ``(B, K, C)`` back to ``(B, N, C)``: raster order, or tile order when ``tiled``."""
+    def unmerge(self, y: torch.Tensor, tiled: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Unmerge ``(B, K, C)`` back to ``(B, N, C)``: raster order, or tile order when ``tiled``.
+
+        With ``residual`` ``(B, N, C)`` (in the same order), returns ``residual + unmerge(y)``:
+        a block's residual add done with the unmerge, in one kernel where tokens are in tile
+        order (a batched ``baddbmm``) or on the Triton path, instead of two.
+        """
         with profiled("toma::unmerge"):
-            if self.kernels is not None and not _needs_grad(y):
+            if self.kernels is not None and not _needs_grad(y) and not _needs_grad(residual):
                 from toma.kernels.triton_ops import unmerge_tokens
 
                 src = self.kernels.src_tiled if tiled else self.kernels.src_raster
                 rows = self.layout.num_tiles * self.layout.tile_area if tiled else self.layout.num_tokens
                 # unmerge_w is a transposed view of the (k, n) assignment the kernel reads
                 a = _as(self.unmerge_w, y.dtype).transpose(-1, -2)
-                return unmerge_tokens(y, a, src, self.kernels.dst_rows, rows)
+                return unmerge_tokens(y, a, src, self.kernels.dst_rows, rows, residual)
             if self.spread_index is not None:
                 y = y.index_select(1, self.spread_index)
-            y = y.unflatten(1, (self.layout.num_tiles, self.layout.slots))
-            out = unmerge(y, _as(self.unmerge_w, y.dtype))
-            if tiled:
-                return out.flatten(1, 2)
-            return from_tiles(out, self.layout, None if self.index is None else self.index.scatter_index)
+            lay = self.layout
+            y = y.unflatten(1, (lay.num_tiles, lay.slots))
+            weights = _as(self.unmerge_w, y.dtype)
+            if tiled and residual is not None and residual.dtype == y.dtype:
+                return self._unmerge_add(y, weights, residual)
+            out = unmerge(y, weights)
+            out = out.flatten(1, 2) if tiled else from_tiles(out, lay, None if self.index is None else self.index.scatter_index)
+            return out if residual is None else out + residual
+
+    def _unmerge_add(self, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + unmerge(y)`` in tile order, one ``baddbmm``: ``y`` ``(B, T, k, C)``,
+        ``weights`` ``(Bp, T, n, k)``, ``residual`` ``(B, T*n, C)``."""
+        b, tiles, k, c = y.shape
+        n = self.layout.tile_area
+        if weights.shape[0] != b:
+            # a plan shared by the batch: its weights repeated once per batch size and kept
+            # (they are small), since baddbmm does not broadcast
+            weights = self.memo(f"unmerge_w_{b}_{weights.dtype}", lambda: weights.expand(b, -1, -1, -1).contiguous())
+        out = torch.baddbmm(residual.reshape(b * tiles, n, c), weights.reshape(b * tiles, n, k), y.reshape(b * tiles, k, c))
+        return out.view(b, tiles * n, c)
 
     @property
     def log_mass(self) -> torch.Tensor:
@@ -476,6 +496,6 @@ def _as(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weights if weights.dtype == dtype else weights.to(dtype)
 
 
-def _needs_grad(x: torch.Tensor) -> bool:
+def _needs_grad(x: torch.Tensor | None) -> bool:
     # the Triton kernels have no backward: training merges run the torch path
-    return x.requires_grad and torch.is_grad_enabled()
+    return x is not None and x.requires_grad and torch.is_grad_enabled()

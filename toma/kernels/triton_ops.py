@@ -208,9 +208,9 @@ def _merge_kernel(
 
 @triton.jit
 def _unmerge_kernel(
-    y_ptr, a_ptr, src_ptr, dst_ptr, out_ptr,
-    T, n, k, C, syb, syn, syc, sab, sat, sak, san, sob, son,
-    N: tl.constexpr, KB: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr,
+    y_ptr, a_ptr, src_ptr, dst_ptr, out_ptr, res_ptr,
+    T, n, k, C, syb, syn, syc, sab, sat, sak, san, sob, son, srb, srn, src_c,
+    N: tl.constexpr, KB: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     g = tl.program_id(0)
     b = g // T
@@ -229,8 +229,11 @@ def _unmerge_kernel(
     else:
         acc = tl.dot(at, y)
     src = tl.load(src_ptr + t * n + slots, mask=slots < n, other=-1)
-    tl.store(out_ptr + b * sob + src[:, None] * son + c[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(src[:, None] >= 0) & (c[None, :] < C))
+    rows = (src[:, None] >= 0) & (c[None, :] < C)
+    if RESIDUAL:
+        # the block's residual add, in the same pass: one launch instead of two
+        acc += tl.load(res_ptr + b * srb + src[:, None] * srn + c[None, :] * src_c, mask=rows, other=0.0).to(tl.float32)
+    tl.store(out_ptr + b * sob + src[:, None] * son + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows)
 
 
 def _check_batch(b: int, bp: int) -> None:
@@ -268,21 +271,29 @@ def merge_tokens(x: torch.Tensor, merge_w: torch.Tensor, src_rows: torch.Tensor,
     return out
 
 
-def unmerge_tokens(y: torch.Tensor, a: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+def unmerge_tokens(y: torch.Tensor, a: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_rows: int,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """Unmerge ``y`` ``(B, K, C)`` with the assignment ``a`` ``(Bp, T, k, n)`` (``A``, whose
     transpose is the unmerge weights) into ``(B, num_rows, C)``; rows are placed by
-    ``src_rows`` (see :func:`merge_tokens`), and rows no slot names are left unwritten."""
+    ``src_rows`` (see :func:`merge_tokens`), and rows no slot names are left unwritten.
+
+    With ``residual`` ``(B, num_rows, C)``, returns ``residual + unmerge(y)`` (the sum in
+    float32, then rounded once), in the same launch."""
     b, _, c = y.shape
     bp, tiles, k, n = a.shape
     _check_batch(b, bp)
+    if residual is not None and residual.shape != (b, num_rows, c):
+        raise ValueError(f"residual of shape {tuple(residual.shape)} does not fit an unmerged {(b, num_rows, c)}")
     out = torch.empty(b, num_rows, c, dtype=y.dtype, device=y.device)
+    res = out if residual is None else residual  # not read without a residual
     bc = _block_c(c)
     _unmerge_kernel[(b * tiles, triton.cdiv(c, bc))](
-        y, a, src_rows, dst_rows, out,
+        y, a, src_rows, dst_rows, out, res,
         tiles, n, k, c, y.stride(0), y.stride(1), y.stride(2),
         0 if bp == 1 else a.stride(0), a.stride(1), a.stride(2), a.stride(3), out.stride(0), out.stride(1),
+        res.stride(0), res.stride(1), res.stride(2),
         N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=bc,
-        IEEE=y.dtype == torch.float32,
+        IEEE=y.dtype == torch.float32, RESIDUAL=residual is not None,
     )
     return out
 

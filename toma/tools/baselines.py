@@ -119,13 +119,18 @@ class IdealPlan(Memo):
                 return x.unflatten(1, (self.num_merged, self.stride))[:, :, 0]
             return x.index_select(1, self.keep)
 
-    def unmerge(self, y: torch.Tensor, tiled: bool = False) -> torch.Tensor:
-        """``(B, K, C)`` back to ``(B, N, C)``, each output repeated over its tokens."""
+    def unmerge(self, y: torch.Tensor, tiled: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B, K, C)`` back to ``(B, N, C)``, each output repeated over its tokens; with
+        ``residual`` ``(B, N, C)``, ``residual`` plus that (the repeat is then a broadcast
+        inside the add, so the ideal's unmerge costs no kernel where ToMA's fuses too)."""
         with profiled("ideal::unmerge"):
             if self.stride is not None:
                 b, k, c = y.shape
+                if residual is not None:
+                    return (residual.reshape(b, k, self.stride, c) + y.unsqueeze(2)).view(b, self.num_tokens, c)
                 return y.unsqueeze(2).expand(b, k, self.stride, c).reshape(b, self.num_tokens, c)
-            return y.index_select(1, self.owner)
+            out = y.index_select(1, self.owner)
+            return out if residual is None else out + residual
 
 
 class IdealPlanCache(PlanCache):
