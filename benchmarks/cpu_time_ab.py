@@ -15,11 +15,18 @@ model (sharing the weights, so memory stays that of one model) and each copy is 
 once, before the rounds, rather than recompiled whenever a round applies its method:
 
     python benchmarks/cpu_time_ab.py --arch sd15 --resolution 512 --rounds 3 --compile
+
+With ``--separate-adds`` (UNets, eager) a fourth variant, ``toma-separate``, runs ToMA with
+each merged sub-module unmerging on its own and the block adding its residual after, as
+before the blocks' fused residual forward (:mod:`toma.adapters.residual`):
+
+    python benchmarks/cpu_time_ab.py --arch sdxl --resolution 1024 --rounds 3 --set levels=2 --separate-adds
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -91,6 +98,8 @@ def main() -> None:
                         help="also time every method under torch.compile (inductor), interleaved with the eager ones")
     parser.add_argument("--profile", action="store_true",
                         help="after the rounds, profile one forward of each variant and print its time by region")
+    parser.add_argument("--separate-adds", action="store_true",
+                        help="also time ToMA with unmerge and residual add as two kernels (toma-separate; UNets, eager)")
     parser.add_argument("--out", default=None, help="JSON file for the raw samples")
     parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
                         help="override a placement option of toma and the ideal, e.g. --set levels=2 --set merge_mlp=True "
@@ -100,6 +109,8 @@ def main() -> None:
         parser.error(f"--rounds must be >= 1; got {args.rounds}")
     if args.batch < 1:
         parser.error(f"--batch must be >= 1; got {args.batch}")
+    if args.separate_adds and args.compile:
+        parser.error("--separate-adds times eager forwards only; drop --compile")
     torch.set_num_threads(1)  # CPU time equals work only with one thread
     if args.profile:  # inductor's kernels then show in the profile under their own names
         from torch._inductor import config as inductor_config
@@ -127,7 +138,7 @@ def main() -> None:
         variants = (*METHODS, *(f"{m}+compile" for m in METHODS))
     else:
         patcher = MethodPatcher(model, arch, placement, {}, None)
-        variants = METHODS
+        variants = (*METHODS, "toma-separate") if args.separate_adds else METHODS
     samples: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     graphs = _graph_count()
     for round_ in range(args.rounds + 1):
@@ -135,7 +146,8 @@ def main() -> None:
         order = variants[shift:] + variants[:shift]  # each variant leads a round in turn
         for v in order:
             if not args.compile:
-                patcher.apply(Variant(v, None if v == "none" else args.ratio))
+                with _separate_adds(v == "toma-separate"):
+                    patcher.apply(Variant(v.removesuffix("-separate"), None if v == "none" else args.ratio))
             with torch.inference_mode():
                 cpu, wall = time.process_time(), time.perf_counter()
                 calls[v](inputs) if args.compile else call_denoiser(arch, model, inputs)
@@ -162,7 +174,8 @@ def main() -> None:
     if args.profile:
         for v in variants:
             if not args.compile:
-                patcher.apply(Variant(v, None if v == "none" else args.ratio))
+                with _separate_adds(v == "toma-separate"):
+                    patcher.apply(Variant(v.removesuffix("-separate"), None if v == "none" else args.ratio))
             regions[v] = profile_regions(lambda: calls[v](inputs) if args.compile else call_denoiser(arch, model, inputs))
             if not args.compile:
                 patcher.remove()
@@ -177,6 +190,21 @@ def main() -> None:
                        "batch": args.batch, "ratio": args.ratio, "compile": args.compile,
                        "placement": {k: repr(v) for k, v in placement.items()},
                        "samples_cpu_wall_s": samples, "median_cpu_s": cpu, "profile_regions_ms": regions}, f, indent=1)
+
+
+@contextlib.contextmanager
+def _separate_adds(on: bool):
+    """While on, ToMA's UNet blocks keep their own forward (unmerge, then the block's add)."""
+    if not on:
+        yield
+        return
+    from toma.adapters import unet
+
+    fusable, unet.fusable = unet.fusable, lambda block: False
+    try:
+        yield
+    finally:
+        unet.fusable = fusable
 
 
 def parse_setting(text: str) -> tuple[str, object]:

@@ -72,9 +72,10 @@ def reads_device_data(arch: Arch, model: torch.nn.Module, inputs: dict[str, Any]
     model.to("meta")
     hook = getattr(model, "_diffusers_hook", None)
     step_hook = hook.get_hook("toma") if hook is not None else None
-    if hasattr(step_hook, "_known"):
+    reader = getattr(step_hook, "grid", None)  # the engine's per-model grid reader (Flux: IdsGrid)
+    if getattr(reader, "_known", None) is not None:
         # Flux reads its image ids once per denoising run (by design): start after that read
-        step_hook._known = (meta["img_ids"], -1, step_hook._known[2])  # an inference tensor: no version
+        reader._known = (meta["img_ids"], -1, reader._known[2])  # an inference tensor: no version
     try:
         call_denoiser(arch, model, meta)
         call_denoiser(arch, model, meta)  # a second step, where plans may be reused
