@@ -141,6 +141,11 @@ def test_fused_merge_reads_a_strided_slice_and_half_precision():
     assert fused_h.merge(half).dtype == torch.float16
     assert torch.allclose(fused_h.merge(half).float(), merged.float(), atol=4e-3, rtol=0)
     assert torch.allclose(fused_h.unmerge(merged).float(), torch_h.unmerge(merged).float(), atol=4e-3, rtol=0)
+    # a float32 residual under half-precision tokens: the add promotes, as the block's own would
+    res = tokens(2, 32, 16, seed=8)
+    for plan in (fused_h, torch_h):
+        out = plan.unmerge(merged, residual=res)
+        assert out.dtype == torch.float32 and torch.equal(out, plan.unmerge(merged) + res)
 
 
 def test_plan_cache_switch(monkeypatch):

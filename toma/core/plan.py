@@ -118,6 +118,9 @@ class Plan(Memo):
         a block's residual add done with the unmerge, in one kernel where tokens are in tile
         order (a batched ``baddbmm``) or on the Triton path, instead of two.
         """
+        if residual is not None and residual.dtype != y.dtype:
+            # the add promotes (a float32 residual stream under half-precision attention, say)
+            return self.unmerge(y, tiled) + residual
         with profiled("toma::unmerge"):
             if self.kernels is not None and not _needs_grad(y) and not _needs_grad(residual):
                 from toma.kernels.triton_ops import unmerge_tokens
@@ -132,7 +135,7 @@ class Plan(Memo):
             lay = self.layout
             y = y.unflatten(1, (lay.num_tiles, lay.slots))
             weights = _as(self.unmerge_w, y.dtype)
-            if tiled and residual is not None and residual.dtype == y.dtype:
+            if tiled and residual is not None:
                 return self._unmerge_add(y, weights, residual)
             out = unmerge(y, weights)
             out = out.flatten(1, 2) if tiled else from_tiles(out, lay, None if self.index is None else self.index.scatter_index)
