@@ -3,8 +3,10 @@
 Each merged sub-module of a transformer block (self-attention, optionally cross-attention
 and the MLP) computes ``F(norm(x))`` on a residual stream. A diffusers hook on the
 sub-module merges its input tokens and unmerges its output, so ``x + U F(M norm(x))``
-replaces ``x + F(norm(x))`` and the residual stays at full resolution. A hook on the UNet
-itself records the latent size and counts denoising steps for plan reuse.
+replaces ``x + F(norm(x))`` and the residual stays at full resolution; blocks that
+:mod:`toma.adapters.residual` covers hand the ``+ x`` to that hook, so that unmerge and add are
+one kernel. A hook on the UNet itself records the latent size and counts denoising steps for
+plan reuse.
 """
 
 from __future__ import annotations
