@@ -14,7 +14,7 @@ same interleaved rounds as the eager ones. Each method then patches its own copy
 model (sharing the weights, so memory stays that of one model) and each copy is compiled
 once, before the rounds, rather than recompiled whenever a round applies its method:
 
-    python benchmarks/cpu_time_ab.py --arch sd15 --resolution 512 --rounds 3 --compile
+    python benchmarks/cpu_time_ab.py --arch sd15 --resolution 512 --rounds 3 --compile [--freezing]
 
 With ``--separate-adds`` (UNets, eager) a fourth variant, ``toma-separate``, runs ToMA with
 each merged sub-module unmerging on its own and the block adding its residual after, as
@@ -96,6 +96,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
     parser.add_argument("--compile", action="store_true",
                         help="also time every method under torch.compile (inductor), interleaved with the eager ones")
+    parser.add_argument("--freezing", action="store_true",
+                        help="with --compile: inductor's freezing (weights as constants, prepacked for the CPU's "
+                             "convolution and matmul libraries), PyTorch's advice for CPU inference")
     parser.add_argument("--profile", action="store_true",
                         help="after the rounds, profile one forward of each variant and print its time by region")
     parser.add_argument("--separate-adds", action="store_true",
@@ -109,6 +112,12 @@ def main() -> None:
         parser.error(f"--rounds must be >= 1; got {args.rounds}")
     if args.batch < 1:
         parser.error(f"--batch must be >= 1; got {args.batch}")
+    if args.freezing and not args.compile:
+        parser.error("--freezing needs --compile")
+    if args.freezing:
+        from torch._inductor import config as inductor_config
+
+        inductor_config.freezing = True
     if args.separate_adds and args.compile:
         parser.error("--separate-adds times eager forwards only; drop --compile")
     torch.set_num_threads(1)  # CPU time equals work only with one thread

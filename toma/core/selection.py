@@ -70,7 +70,7 @@ def facility_location(sim: torch.Tensor, k: int, mask: torch.Tensor | None = Non
     Returns:
         ``(..., k)`` int64 indices in pick order, distinct while real tokens remain.
     """
-    # The diagonal is 2 * scale rather than scale (one more than any similarity). Every
+    # The diagonal is 2 * scale rather than scale (above any similarity). Every
     # unpicked candidate's gain rises by the same scale, so the order among them and their
     # exact ties are unchanged; but once picked, a token covers itself above what any other
     # reaches, so a picked candidate gains nothing and loses to every unpicked one, even to a
