@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
     parser.add_argument("--compile", action="store_true",
                         help="also time every method under torch.compile (inductor), interleaved with the eager ones")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated subset of none,toma,ideal (none is always timed; efficiency needs ideal)")
     parser.add_argument("--freezing", action="store_true",
                         help="with --compile: inductor's freezing (weights as constants, prepacked for the CPU's "
                              "convolution and matmul libraries), PyTorch's advice for CPU inference")
@@ -112,6 +114,9 @@ def main() -> None:
         parser.error(f"--rounds must be >= 1; got {args.rounds}")
     if args.batch < 1:
         parser.error(f"--batch must be >= 1; got {args.batch}")
+    methods = tuple(dict.fromkeys(["none", *args.methods.split(",")]))
+    if not set(methods) <= set(METHODS):
+        parser.error(f"--methods takes a subset of {','.join(METHODS)}; got {args.methods!r}")
     if args.freezing and not args.compile:
         parser.error("--freezing needs --compile")
     if args.freezing:
@@ -134,7 +139,7 @@ def main() -> None:
     print(f"placement: {placement}", flush=True)
     if args.compile:
         # a model each, patched once: a compiled model must keep the patch it was compiled with
-        picked = [Variant(m, None if m == "none" else args.ratio) for m in METHODS]
+        picked = [Variant(m, None if m == "none" else args.ratio) for m in methods]
         calls: dict[str, Callable[[dict], object]] = {}
         for v in picked:
             copy_ = weight_sharing_copy(model)
@@ -144,10 +149,10 @@ def main() -> None:
             compiled = compile_variants(MethodPatcher(model, arch, placement, {}, None), picked, [args.batch],
                                         {args.batch: [inputs]}, 0, torch.device("cpu"), print)
         calls.update({f"{cv.method}+compile": call for cv, call in compiled.items()})
-        variants = (*METHODS, *(f"{m}+compile" for m in METHODS))
+        variants = (*methods, *(f"{m}+compile" for m in methods))
     else:
         patcher = MethodPatcher(model, arch, placement, {}, None)
-        variants = (*METHODS, "toma-separate") if args.separate_adds else METHODS
+        variants = (*methods, "toma-separate") if args.separate_adds else methods
     samples: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     graphs = _graph_count()
     for round_ in range(args.rounds + 1):
@@ -175,10 +180,10 @@ def main() -> None:
     for v in variants:
         base, _, compiled = v.partition("+")
         none, ideal = (f"none+{compiled}", f"ideal+{compiled}") if compiled else ("none", "ideal")
-        eff = "" if base == "none" else f", efficiency {(cpu[none] - cpu[v]) / (cpu[none] - cpu[ideal]):.0%}"
+        eff = "" if base == "none" or ideal not in cpu else f", efficiency {(cpu[none] - cpu[v]) / (cpu[none] - cpu[ideal]):.0%}"
         print(f"  {v:14s} {cpu[v]:8.2f} s  speedup {cpu[none] / cpu[v]:.3f}x{eff}")
     if args.compile:
-        print("  compiled/eager time: " + ", ".join(f"{m} {cpu[m + '+compile'] / cpu[m]:.3f}" for m in METHODS))
+        print("  compiled/eager time: " + ", ".join(f"{m} {cpu[m + '+compile'] / cpu[m]:.3f}" for m in methods))
     regions: dict[str, dict[str, float]] = {}
     if args.profile:
         for v in variants:
