@@ -106,3 +106,26 @@ def test_ideal_unmerges_into_the_residual_add_exactly(monkeypatch):
     (fused_out, fused_kernels), (separate_out, separate_kernels) = outs
     assert torch.equal(fused_out, separate_out)  # the same adds of the same values
     assert fused_kernels < separate_kernels
+
+
+def test_only_blocks_whose_forward_it_reproduces_are_fused():
+    from diffusers.models.attention import BasicTransformerBlock
+
+    from toma.adapters.residual import fusable
+
+    def block(cls=BasicTransformerBlock, **kw):
+        return cls(dim=16, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=8, **kw)
+
+    class Scaled(BasicTransformerBlock):  # a forward of its own, with diffusers' signature
+        def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                    timestep=None, cross_attention_kwargs=None, class_labels=None, added_cond_kwargs=None):
+            return 2 * super().forward(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                       timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
+
+    class Plain(BasicTransformerBlock):  # a subclass that keeps diffusers' forward
+        pass
+
+    assert fusable(block()) and fusable(block(Plain))
+    assert not fusable(block(Scaled))
+    assert not fusable(block(norm_type="ada_norm_zero", num_embeds_ada_norm=10))
+    assert not fusable(block(positional_embeddings="sinusoidal", num_positional_embeddings=64))

@@ -40,14 +40,15 @@ class ResidualSlot:
 
 def fusable(block: torch.nn.Module) -> bool:
     """Whether ``block`` is a ``BasicTransformerBlock`` whose forward :class:`FusedResidualHook` covers."""
-    if not any(cls.__name__ == "BasicTransformerBlock" for cls in type(block).__mro__):
+    base = next((cls for cls in type(block).__mro__ if cls.__name__ == "BasicTransformerBlock"), None)
+    if base is None or type(block).forward is not base.forward:  # a subclass's own forward may do anything
         return False
     if getattr(block, "norm_type", None) != "layer_norm" or getattr(block, "pos_embed", 0) is not None:
         return False
     if not all(hasattr(block, name) for name in ("norm1", "attn1", "attn2", "norm3", "ff", "only_cross_attention")):
         return False
     try:
-        names = tuple(inspect.signature(type(block).forward).parameters)[1:]
+        names = tuple(inspect.signature(base.forward).parameters)[1:]
     except (TypeError, ValueError):
         return False
     return names == _PARAMETERS  # another diffusers version's block: leave its forward alone
