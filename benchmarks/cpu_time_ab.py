@@ -119,10 +119,6 @@ def main() -> None:
         parser.error(f"--methods takes a subset of {','.join(METHODS)}; got {args.methods!r}")
     if args.freezing and not args.compile:
         parser.error("--freezing needs --compile")
-    if args.freezing:
-        from torch._inductor import config as inductor_config
-
-        inductor_config.freezing = True
     if args.separate_adds and args.compile:
         parser.error("--separate-adds times eager forwards only; drop --compile")
     torch.set_num_threads(1)  # CPU time equals work only with one thread
@@ -147,7 +143,7 @@ def main() -> None:
             calls[v.method] = lambda inputs, copy_=copy_: call_denoiser(arch, copy_, inputs)
         with torch.inference_mode():
             compiled = compile_variants(MethodPatcher(model, arch, placement, {}, None), picked, [args.batch],
-                                        {args.batch: [inputs]}, 0, torch.device("cpu"), print)
+                                        {args.batch: [inputs]}, 0, torch.device("cpu"), print, args.freezing)
         calls.update({f"{cv.method}+compile": call for cv, call in compiled.items()})
         variants = (*methods, *(f"{m}+compile" for m in methods))
     else:

@@ -230,6 +230,7 @@ def test_missing_tomesd_is_skipped_with_a_message(monkeypatch, capsys):
         (["--depth", "2"], "--depth applies to transformers"),
         (["--dtype", "float8"], "--dtype"),
         (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a CUDA device"),
+        (["--freezing"], "--freezing applies to compiled rows: add --compile"),
     ],
 )
 def test_bench_rejects_bad_arguments(argv, message, capsys):

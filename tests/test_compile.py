@@ -148,3 +148,35 @@ def test_inductor_plan_has_no_scalar_nan_loop():
     assert torch.equal(compiled[0], eager[0])
     for c, e in zip(compiled[1:], eager[1:]):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not _cpp_compiler(), reason="inductor's CPU backend needs a C++ compiler")
+def test_inductor_freezing_compiles_toma(monkeypatch):
+    """``toma bench/tune --compile --freezing``: ToMA's hooks compile with inductor's freezing
+    (weights folded in as constants) and give the eager ToMA output."""
+    from toma.tools import bench_harness
+
+    arch = ARCHS["tiny-unet"]
+    model = build_model(arch)
+    harness = bench_harness.MethodPatcher(model, arch, {"levels": 1, "tile_size": 4}, {}, None)
+    variant = bench_harness.Variant("toma", 0.5)
+    inputs = make_inputs(arch, 64)
+    options = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: options.append(kw.get("options")) or real_compile(m, **kw))
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        plain = call_denoiser(arch, model, inputs)[0]
+        harness.apply(variant)
+        eager = call_denoiser(arch, model, inputs)[0]
+        harness.remove()
+        calls = bench_harness.compile_variants(harness, [variant], [1], {1: [inputs]}, 0, torch.device("cpu"),
+                                               lambda s: None, freezing=True)
+        (call,) = calls.values()
+        compiled = call(inputs)[0]
+    torch._dynamo.reset()
+    assert options == [{"freezing": True}]
+    # inductor reassociates float32 sums (~1e-6 relative per op through the net); merging
+    # itself moves this output by far more than the tolerance
+    assert (plain - eager).abs().max() > 1e-2
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)

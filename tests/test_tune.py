@@ -217,6 +217,7 @@ def test_compile_times_the_fastest_eager_candidates_compiled_and_chooses_among_t
         (["--batch", "0"], "--batch must be >= 1"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--compile-top", "0"], "--compile-top must be >= 1"),
+        (["--freezing"], "--freezing applies to compiled rows: add --compile"),
         (["--tile-size", "0"], "--tile-size must be >= 1"),
         (["--arch", "tiny-unet", "--dtype", "float8"], "--dtype must be one of"),
     ],

@@ -76,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also time none and toma under torch.compile, each compiled once, in the same interleaved rounds as "
                         "the eager rows")
+    p.add_argument("--freezing", action="store_true",
+                   help="with --compile: compile with inductor's freezing (weights prepacked; PyTorch's advice for "
+                        "CPU inference, where inductor's convolutions are otherwise slower than eager's)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="CUDA only: capture each variant's forward once as a CUDA graph and time its replays "
                         "(no Python or kernel-launch overhead, as in a graph-captured or compiled deployment); "
@@ -169,6 +172,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--cuda-graph needs a CUDA device; got --device {device}")
     if args.cuda_graph and args.compile:
         raise ValueError("--cuda-graph and --compile are separate modes: pass one of them")
+    if args.freezing and not args.compile:
+        raise ValueError("--freezing applies to compiled rows: add --compile")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1; got {args.threads}")
@@ -195,6 +200,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "tomesd_max_downsample": args.tomesd_max_downsample,
         "cache_options": {"fbcache": {} if args.fbcache_threshold is None else {"threshold": args.fbcache_threshold}},
         "compile": args.compile,
+        "freezing": args.freezing,
         "cuda_graph": args.cuda_graph,
         "profile": not args.no_profile,
         "seed": args.seed,

@@ -87,6 +87,8 @@ def _options(args: argparse.Namespace) -> Setup:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
+    if args.freezing and not args.compile:
+        raise ValueError("--freezing applies to compiled rows: add --compile")
     if args.depth != 1 and arch.family not in DEPTH_KEYS:
         raise ValueError(f"--depth applies to transformers ({', '.join(DEPTH_KEYS)}); {arch.name} is a {arch.family}")
     if args.frames is not None and not arch.frames:
@@ -546,7 +548,7 @@ def _tune(args: argparse.Namespace, setup: Setup) -> int:
                     bar.set_postfix_str("compiling")
                     # compiled rows interleave with each other (the eager ones are done)
                     compiled = compile_variants(harness, [NONE] + [c.variant for c in picked], [b], step_inputs,
-                                                args.warmup, setup.device, log)
+                                                args.warmup, setup.device, log, args.freezing)
                     results.update({(v, b): Measurement(v, b) for v in compiled})
                     time_rounds(harness, call, list(compiled), [b], step_inputs, args.warmup, args.repeats,
                                 setup.device, results, {}, bar, fixed=compiled)

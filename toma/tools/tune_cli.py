@@ -80,6 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also time unpatched and the --compile-top fastest eager candidates within the bound under "
                         "torch.compile, and choose among the compiled rows")
     p.add_argument("--compile-top", type=int, default=2, help="with --compile: eager candidates compiled")
+    p.add_argument("--freezing", action="store_true",
+                   help="with --compile: compile with inductor's freezing (weights prepacked; PyTorch's advice for "
+                        "CPU inference)")
     p.add_argument("--out", type=Path, default=Path("tuned.json"), help="config file written (JSON)")
     p.add_argument("--no-record", action="store_true", help="do not add the measurements to the tune records")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights, inputs and check samples")
