@@ -156,8 +156,7 @@ def main() -> None:
         order = variants[shift:] + variants[:shift]  # each variant leads a round in turn
         for v in order:
             if not args.compile:
-                with _separate_adds(v == "toma-separate"):
-                    patcher.apply(Variant(v.removesuffix("-separate"), None if v == "none" else args.ratio))
+                apply_variant(patcher, v, args.ratio)
             with torch.inference_mode():
                 cpu, wall = time.process_time(), time.perf_counter()
                 calls[v](inputs) if args.compile else call_denoiser(arch, model, inputs)
@@ -184,8 +183,7 @@ def main() -> None:
     if args.profile:
         for v in variants:
             if not args.compile:
-                with _separate_adds(v == "toma-separate"):
-                    patcher.apply(Variant(v.removesuffix("-separate"), None if v == "none" else args.ratio))
+                apply_variant(patcher, v, args.ratio)
             regions[v] = profile_regions(lambda: calls[v](inputs) if args.compile else call_denoiser(arch, model, inputs))
             if not args.compile:
                 patcher.remove()
@@ -200,6 +198,14 @@ def main() -> None:
                        "batch": args.batch, "ratio": args.ratio, "compile": args.compile,
                        "placement": {k: repr(v) for k, v in placement.items()},
                        "samples_cpu_wall_s": samples, "median_cpu_s": cpu, "profile_regions_ms": regions}, f, indent=1)
+
+
+def apply_variant(patcher: MethodPatcher, variant: str, ratio: float) -> None:
+    """Patch the eager model with ``variant`` (a method, or ``toma-separate``: ToMA with UNet
+    blocks keeping their own forward, so that unmerge and the block's add are two kernels)."""
+    method = variant.removesuffix("-separate")
+    with _separate_adds(variant != method):
+        patcher.apply(Variant(method, None if method == "none" else ratio))
 
 
 @contextlib.contextmanager

@@ -89,7 +89,7 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     hooked = [model]
     register_innermost(model, UNetStepHook(cache), HOOK_NAME)
     states: dict[str, TileState] = {}
-    slots: dict[str, ResidualSlot | None] = {}
+    fused: dict[str, tuple[torch.nn.Module, ResidualSlot] | None] = {}  # block name -> (block, slot)
     for target in targets:
         stack, inside, _ = target.name.rpartition(".transformer_blocks.")
         if not inside:  # a block outside a transformer stack: it reorders its own tokens
@@ -107,9 +107,10 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
         bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
         block_name, _, sub = target.name.rpartition(".")
         part = _PARTS[sub]
-        if block_name not in slots:
-            slots[block_name] = ResidualSlot() if _fusable_parent(model, block_name, sub, target.module) else None
-        slot = slots[block_name]
+        if block_name not in fused:
+            parent = _fusable_parent(model, block_name, sub, target.module)
+            fused[block_name] = None if parent is None else (parent, ResidualSlot())
+        slot = None if fused[block_name] is None else fused[block_name][1]
         block = chunkable_block(model, target, "ff") if part == "mlp" else None
         if block is None:
             hook = MergeHook(cache, target.downsample, states[stack], bias=bias, part=part, residual=slot)
@@ -120,21 +121,20 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
         register_innermost(target.module, hook, HOOK_NAME)
         hooked.append(target.module)
     # registered last, so innermost: inside the blocks' tile-order and chunking hooks
-    for block_name, slot in slots.items():
-        if slot is not None:
-            block = model.get_submodule(block_name)
-            register_innermost(block, FusedResidualHook(slot), RESIDUAL_HOOK_NAME)
-            hooked.append(block)
+    for block, slot in filter(None, fused.values()):
+        register_innermost(block, FusedResidualHook(slot), RESIDUAL_HOOK_NAME)
+        hooked.append(block)
     return hooked
 
 
-def _fusable_parent(model: torch.nn.Module, name: str, sub: str, module: torch.nn.Module) -> bool:
-    """Whether the module called ``name`` holds ``module`` as ``sub`` and runs toma's fused-residual forward."""
+def _fusable_parent(model: torch.nn.Module, name: str, sub: str, module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module called ``name`` if it holds ``module`` as ``sub`` and can run toma's
+    fused-residual forward, else None."""
     try:
         block = model.get_submodule(name)
     except AttributeError:
-        return False
-    return getattr(block, sub, None) is module and fusable(block)
+        return None
+    return block if getattr(block, sub, None) is module and fusable(block) else None
 
 
 class UNetStepHook(Hook):

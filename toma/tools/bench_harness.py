@@ -454,7 +454,7 @@ def compile_variants(harness: MethodPatcher, picked: list[Variant], batches: lis
         model = weight_sharing_copy(harness.model)
         MethodPatcher(model, harness.arch, harness.placement, harness.toma_options,
                       harness.tomesd_max_downsample).apply(v)
-        compiled = torch.compile(model, options={"freezing": True}) if freezing else torch.compile(model)
+        compiled = torch.compile(model, options={"freezing": True} if freezing else None)
 
         def ccall(inputs: dict[str, Any], compiled: Any = compiled) -> Any:
             return call_denoiser(harness.arch, compiled, inputs)
