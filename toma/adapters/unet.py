@@ -190,7 +190,8 @@ class _TileOrderHook(Hook):
         layout = self.state.layout
         if not self.last or layout is None:
             return output
-        self.state.layout = None
+        # The layout stays set until the stack's next call: a checkpointed block recomputed in
+        # the backward pass must merge its tokens in the order its forward did.
         with profiled("toma::unmerge"):
             return raster_order(output, layout)
 
