@@ -164,6 +164,7 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
         chunkable_block,
         take_over_chunking,
     )
+    from toma.adapters.replay import attach_replay
 
     order, hooks = order_hooks(spec, model, cache)
     chunkers = []
@@ -184,7 +185,8 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
         else:
             hook = MergeHook(cache, 1, order, site=site)
         hooks.append((target.module, hook))
-    return register(hooks) + chunkers
+    blocks = [".".join(target.name.split(".")[:2]) for target in targets]  # "stack.index"
+    return register(hooks) + chunkers + attach_replay(model, blocks, cache, [order])
 
 
 class EngineAdapter:

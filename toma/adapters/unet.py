@@ -19,6 +19,7 @@ import torch
 from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, register_innermost, step_timestep
 from toma.adapters.chunking import ChunkedMergeHook, chunkable_block, take_over_chunking
 from toma.adapters.engine import MergeHook, TileState, hidden_states_of, with_hidden_states
+from toma.adapters.replay import attach_replay
 from toma.adapters.residual import RESIDUAL_HOOK_NAME, FusedResidualHook, ResidualSlot, fusable
 from toma.config import ToMAConfig
 from toma.core.plan import PlanCache, profiled
@@ -90,6 +91,7 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     register_innermost(model, UNetStepHook(cache), HOOK_NAME)
     states: dict[str, TileState] = {}
     fused: dict[str, tuple[torch.nn.Module, ResidualSlot] | None] = {}  # block name -> (block, slot)
+    replayed: list[str] = []  # blocks with toma hooks besides those of fused
     for target in targets:
         stack, inside, _ = target.name.rpartition(".transformer_blocks.")
         if not inside:  # a block outside a transformer stack: it reorders its own tokens
@@ -99,10 +101,11 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
             states[stack] = TileState()
             blocks = model.get_submodule(f"{stack}.transformer_blocks")
             first, last = blocks[0], blocks[len(blocks) - 1]
-            for block in dict.fromkeys((first, last)):
+            for i, block in dict.fromkeys(((0, first), (len(blocks) - 1, last))):
                 hook = _TileOrderHook(cache, target.downsample, states[stack], block is first, block is last)
                 register_innermost(block, hook, HOOK_NAME)
                 hooked.append(block)
+                replayed.append(f"{stack}.transformer_blocks.{i}")
         # only self-attention has keys among the merged tokens to weight by their mass
         bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
         block_name, _, sub = target.name.rpartition(".")
@@ -124,7 +127,7 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     for block, slot in filter(None, fused.values()):
         register_innermost(block, FusedResidualHook(slot), RESIDUAL_HOOK_NAME)
         hooked.append(block)
-    return hooked
+    return hooked + attach_replay(model, [*fused, *replayed], cache, list(states.values()))
 
 
 def _fusable_parent(model: torch.nn.Module, name: str, sub: str, module: torch.nn.Module) -> torch.nn.Module | None:

@@ -421,6 +421,18 @@ class PlanCache:
         self.base_grid = None
         self._last_timestep = None
 
+    def snapshot(self) -> tuple:
+        """What :meth:`get`, :meth:`grid_at` and :meth:`tile_order_layout` read of the current
+        forward (its grid, step-window flag and plans), for :meth:`restore`."""
+        return self.base_grid, self.active, dict(self._plans)
+
+    def restore(self, state: tuple) -> tuple:
+        """Make a :meth:`snapshot` current (for a recomputation of an earlier forward's
+        block); returns the state it replaces, which this puts back."""
+        live = self.base_grid, self.active, self._plans
+        self.base_grid, self.active, self._plans = state
+        return live
+
     def grid_at(self, downsample: int) -> tuple[int, ...] | None:
         """Token grid at a spatial downsample factor of the base grid (conv strides round up)."""
         if self.base_grid is None or downsample == 1:

@@ -1,0 +1,113 @@
+"""Checkpointed blocks recomputed in the backward pass merge as their forward did.
+
+Gradient checkpointing runs a block's forward again during backward. The block's merges
+read shared state: the plans of the model's :class:`~toma.core.plan.PlanCache` and the
+token order of its :class:`~toma.adapters.merging.TileState`. Both hold what the *latest*
+forward left there, so a forward between a forward and its backward (a teacher or target
+prediction under ``no_grad``, as distillation loops make) would hand the recomputed blocks
+another call's plans: gradients silently off by a few percent.
+
+A :class:`ReplayHook` on every block with merged sub-modules keeps, after each forward that
+autograd may recompute (gradients on, or an input that requires them), a snapshot of that state keyed by the block's input tensor. A recomputation
+reaches the block with the same input tensor (checkpointing keeps it), inside the backward
+pass; the hook then runs the block on the snapshot, and puts the live state back after.
+A snapshot lives as long as its input tensor, which autograd frees with the graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from toma.adapters.base import REPLAY_HOOK_NAME, Hook, registry_of
+from toma.adapters.merging import TileState, hidden_states_of
+from toma.core.plan import PlanCache
+
+__all__ = ["REPLAY_HOOK_NAME", "Replay", "ReplayHook", "attach_replay"]
+
+
+class Replay:
+    """The per-model record of the state each block's forward merged with (see the module docstring).
+
+    Args:
+        cache: the patched model's plan cache.
+        states: every token-order state the model's merge hooks read.
+    """
+
+    def __init__(self, cache: PlanCache, states: list[TileState]) -> None:
+        self.cache = cache
+        self.states = states
+        self._records: dict[tuple, tuple[weakref.ref, tuple]] = {}
+
+    def _state(self) -> tuple:
+        return self.cache.snapshot(), tuple(s.layout for s in self.states)
+
+    def _put(self, state: tuple) -> tuple:
+        live = (self.cache.restore(state[0]), tuple(s.layout for s in self.states))
+        for s, layout in zip(self.states, state[1]):
+            s.layout = layout
+        return live
+
+    def run(self, forward: Any, x: Any, args: tuple, kwargs: dict) -> Any:
+        """``forward(*args, **kwargs)`` for a block whose input hidden states are ``x``: on
+        the snapshot of its forward if this is its recomputation, else recording one when
+        gradients are on."""
+        # a reentrant checkpoint runs the forward under no_grad, on inputs that require grad
+        if not isinstance(x, torch.Tensor) or not (torch.is_grad_enabled() or x.requires_grad) or torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        key = _key(x)
+        if key is None:
+            return forward(*args, **kwargs)
+        found = self._records.get(key)
+        # inside the backward pass, the same data again: checkpointing recomputes (a reentrant
+        # checkpoint passes a detached view of it, still alive in the checkpoint's context)
+        if found is not None and found[0]() is not None and torch._C._current_graph_task_id() != -1:
+            live = self._put(found[1])
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._put(live)
+        out = forward(*args, **kwargs)
+        records = self._records
+
+        def drop(ref: weakref.ref, key: tuple = key) -> None:
+            if records.get(key, (None,))[0] is ref:
+                del records[key]
+
+        records[key] = (weakref.ref(x, drop), self._state())
+        return out
+
+
+def _key(x: torch.Tensor) -> tuple | None:
+    """Where ``x``'s data lives; None for tensors without plain storage (e.g. subclasses)."""
+    try:
+        return (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class ReplayHook(Hook):
+    """On a block with merged sub-modules: runs it through :meth:`Replay.run`."""
+
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.replay.run(self.fn_ref.original_forward, hidden_states_of(args, kwargs), args, kwargs)
+
+
+def attach_replay(model: torch.nn.Module, blocks: list[str], cache: PlanCache, states: list[TileState]) -> list[torch.nn.Module]:
+    """Register a :class:`ReplayHook` on each block named in ``blocks``, outermost (after
+    every other toma hook on it, so that its snapshot covers them all); returns the blocks."""
+    replay = Replay(cache, states)
+    hooked = []
+    for name in dict.fromkeys(blocks):
+        try:
+            hooked.append(model.get_submodule(name))
+        except AttributeError:  # targets named outside the model's tree (as some tests make)
+            continue
+    for block in hooked:
+        registry_of(block).register_hook(ReplayHook(replay), REPLAY_HOOK_NAME)
+    return hooked
