@@ -303,18 +303,24 @@ def test_pipeline_object_resolves_to_unet(sd15_unet):
     assert toma.remove_toma(FakePipe())
 
 
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened-to-tile-order", "reordered-at-blocks"])
 @pytest.mark.parametrize("options", [{}, {"merge_crossattn": True, "merge_mlp": True}, {"merge_attn": False, "merge_mlp": True}])
-def test_tile_order_stacks_match_raster_order(sdxl_unet, monkeypatch, options):
+def test_tile_order_stacks_match_raster_order(sdxl_unet, monkeypatch, options, flatten):
     # A stack run in tile order must compute what per-module raster merging computes: the
     # blocks only see their tokens permuted, so only float summation order may differ.
+    # Transformer2DModel flattens its image straight into tile order; a stack that cannot
+    # (another class) is reordered at its first block.
     kw = unet_inputs(2, 16, 16, True)
     ref = run(sdxl_unet, **kw)
-    patch = toma.apply_toma(sdxl_unet, ratio=0.5, levels=2, **options)
     from toma.adapters import unet as unet_adapter
 
+    if not flatten:
+        monkeypatch.setattr(unet_adapter, "image_stack", lambda module: False)
+    patch = toma.apply_toma(sdxl_unet, ratio=0.5, levels=2, **options)
     conversions = []
-    real = unet_adapter.tile_order
-    monkeypatch.setattr(unet_adapter, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
+    name = "image_to_tile_order" if flatten else "tile_order"
+    real = getattr(unet_adapter, name)
+    monkeypatch.setattr(unet_adapter, name, lambda x, lay: conversions.append(x.shape) or real(x, lay))
     tiled = run(sdxl_unet, **kw)
     # one conversion per merged stack of 2 blocks (down, mid, 2 up), not one per block
     stacks = {p.name.rsplit(".transformer_blocks.", 1)[0] for p in patch.patched}
@@ -332,6 +338,7 @@ def test_padded_grid_stays_in_raster_order(sd15_unet, monkeypatch):
 
     calls = []
     monkeypatch.setattr(unet_adapter, "tile_order", lambda x, lay: calls.append(1))
+    monkeypatch.setattr(unet_adapter, "image_to_tile_order", lambda x, lay: calls.append(1))
     toma.apply_toma(sd15_unet, ratio=0.5)
     out = run(sd15_unet, **unet_inputs(1, 10, 14, False))  # 10x14 is not a whole number of 4x4 tiles
     assert calls == [] and torch.isfinite(out).all()
@@ -368,3 +375,53 @@ def test_block_outside_a_transformer_stack_reorders_its_own_tokens(sd15_unet):
     for m in hooked:
         remove_hook(m, HOOK_NAME)
     assert torch.equal(run(sd15_unet, **kw), ref)
+
+
+@pytest.mark.parametrize("make", [make_sdxl_unet, make_sd15_unet], ids=["linear-projection", "conv-projection"])
+def test_flattening_into_tile_order_saves_two_copies_a_stack(monkeypatch, make):
+    # Transformer2DModel's own flatten and unflatten copies write and read tile order, so the
+    # reordering copies at a stack's first and last blocks are gone. With a linear projection
+    # (SDXL) the model flattens with a view and unflattens with a copy: its linear on the
+    # strided view ran as mm + add, and now as one addmm on contiguous tokens; 3 kernels fewer
+    # per stack. With a conv projection (SD 1.x) the flattening is a view too: 1 fewer.
+    # Same values through the same layers, rows permuted: equal up to a GEMM's row blocking.
+    from toma.adapters import unet as unet_adapter
+    from toma.tools.opcount import count_kernels
+
+    sdxl = make is make_sdxl_unet
+    kw = unet_inputs(2, 16, 16, sdxl)
+    outs, kernels = [], []
+    for flatten in (True, False):
+        unet = make()
+        stacks = [m for m in unet.modules() if type(m).__name__ == "Transformer2DModel"]
+        with monkeypatch.context() as m:
+            if not flatten:
+                m.setattr(unet_adapter, "image_stack", lambda module: False)
+            patch = toma.apply_toma(unet, ratio=0.5, levels=2)
+        assert all(unet_adapter.image_stack(s) for s in stacks)
+        outs.append(run(unet, **kw))
+        kernels.append(sum(count_kernels(lambda: run(unet, **kw)).values()))
+        toma.remove_toma(unet)
+        # the instance's methods are the class's again
+        assert not any("_operate_on_continuous_inputs" in vars(s) or "_get_output_for_continuous_inputs" in vars(s)
+                       for s in stacks)
+    merged_stacks = {p.name.rsplit(".transformer_blocks.", 1)[0] for p in patch.patched}
+    assert kernels[1] - kernels[0] == (3 if sdxl else 1) * len(merged_stacks) > 0
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_image_stack_leaves_other_stacks_alone():
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    from toma.adapters.unet import image_stack
+
+    class OwnFlatten(Transformer2DModel):
+        def _operate_on_continuous_inputs(self, hidden_states):
+            return super()._operate_on_continuous_inputs(hidden_states)
+
+    kw = dict(num_attention_heads=2, attention_head_dim=4, in_channels=8, norm_num_groups=2, cross_attention_dim=8)
+    assert image_stack(Transformer2DModel(**kw))
+    assert not image_stack(OwnFlatten(**kw))  # a subclass's own flattening: the blocks reorder
+    assert not image_stack(Transformer2DModel(num_attention_heads=2, attention_head_dim=4, in_channels=4,
+                                              patch_size=2, sample_size=8, norm_type="ada_norm_single"))  # patches
+    assert not image_stack(torch.nn.Linear(2, 2))

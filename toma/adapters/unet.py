@@ -11,6 +11,8 @@ plan reuse.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from typing import Any
 
@@ -23,7 +25,7 @@ from toma.adapters.replay import attach_replay
 from toma.adapters.residual import RESIDUAL_HOOK_NAME, FusedResidualHook, ResidualSlot, fusable
 from toma.config import ToMAConfig
 from toma.core.plan import PlanCache, profiled
-from toma.core.tiling import raster_order, tile_order
+from toma.core.tiling import TileLayout, image_to_tile_order, raster_order, tile_order, tile_order_to_image
 
 _LEVEL = re.compile(r"^(down_blocks|up_blocks)\.(\d+)\.|^(mid_block)\.")
 
@@ -99,9 +101,16 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
             states.setdefault(stack, TileState())
         elif stack not in states:
             states[stack] = TileState()
-            blocks = model.get_submodule(f"{stack}.transformer_blocks")
-            first, last = blocks[0], blocks[len(blocks) - 1]
-            for i, block in dict.fromkeys(((0, first), (len(blocks) - 1, last))):
+            owner = model.get_submodule(stack)
+            if image_stack(owner):
+                register_innermost(owner, _ImageOrderHook(cache, target.downsample, states[stack]), HOOK_NAME)
+                hooked.append(owner)
+                ends = ()
+            else:
+                blocks = model.get_submodule(f"{stack}.transformer_blocks")
+                first, last = blocks[0], blocks[len(blocks) - 1]
+                ends = dict.fromkeys(((0, first), (len(blocks) - 1, last)))
+            for i, block in ends:
                 hook = _TileOrderHook(cache, target.downsample, states[stack], block is first, block is last)
                 register_innermost(block, hook, HOOK_NAME)
                 hooked.append(block)
@@ -197,6 +206,99 @@ class _TileOrderHook(Hook):
         # the backward pass must merge its tokens in the order its forward did.
         with profiled("toma::unmerge"):
             return raster_order(output, layout)
+
+
+# Transformer2DModel's methods that flatten its image into tokens and back, and their parameters
+_IMAGE_METHODS = {
+    "_operate_on_continuous_inputs": ("self", "hidden_states"),
+    "_get_output_for_continuous_inputs": ("self", "hidden_states", "residual", "batch_size", "height", "width", "inner_dim"),
+}
+
+
+def image_stack(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a diffusers ``Transformer2DModel`` on continuous (latent image)
+    inputs whose flattening :class:`_ImageOrderHook` can take over."""
+    base = next((cls for cls in type(module).__mro__ if cls.__name__ == "Transformer2DModel"), None)
+    if base is None or type(module).forward is not base.forward or not getattr(module, "is_input_continuous", False):
+        return False
+    if not all(hasattr(module, name) for name in ("norm", "proj_in", "proj_out", "use_linear_projection")):
+        return False
+    for name, params in _IMAGE_METHODS.items():
+        method = getattr(type(module), name, None)
+        if method is None or method is not getattr(base, name, None):  # a subclass's own: leave it
+            return False
+        try:
+            if tuple(inspect.signature(method).parameters) != params:
+                return False
+        except (TypeError, ValueError):
+            return False
+    return True
+
+
+class _ImageOrderHook(Hook):
+    """On a ``Transformer2DModel``: flattens its image straight into tile order, and back.
+
+    The model flattens its ``(B, C, H, W)`` image into raster tokens with one copy and
+    unflattens them with another; :class:`_TileOrderHook` then adds a reordering copy at
+    each end. Here the model's own methods for those two steps are replaced, on the
+    instance, by ones whose copies write and read tile order (the same maths on the same
+    values otherwise): two copies per stack fewer. A call left in raster order (an attention
+    mask over the raster sequence, a grid other than the level's, a step that merges
+    nothing) runs the model's methods.
+    """
+
+    def __init__(self, cache: PlanCache, downsample: int, state: TileState) -> None:
+        super().__init__()
+        self.cache = cache
+        self.downsample = downsample
+        self.state = state
+        self._pending: TileLayout | None = None  # the layout this call's flattening will use
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        module._operate_on_continuous_inputs = functools.partial(self._flatten, module)
+        module._get_output_for_continuous_inputs = functools.partial(self._unflatten, module)
+        return module
+
+    def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
+        for name in _IMAGE_METHODS:
+            module.__dict__.pop(name, None)
+        return module
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        self._pending = None
+        x = hidden_states_of(args, kwargs)
+        mask = kwargs.get("attention_mask", args[6] if len(args) > 6 else None)
+        grid = self.cache.grid_at(self.downsample)
+        if isinstance(x, torch.Tensor) and x.ndim == 4 and mask is None and grid is not None and tuple(x.shape[-2:]) == grid:
+            self._pending = self.cache.tile_order_layout(grid, x.device)
+        return args, kwargs
+
+    def _flatten(self, module: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, int]:
+        layout, self._pending = self._pending, None
+        # set on every call, and left set after it: blocks recomputed in backward read it
+        self.state.layout = layout
+        if layout is None:
+            return type(module)._operate_on_continuous_inputs(module, hidden_states)
+        x = module.norm(hidden_states)
+        if not module.use_linear_projection:
+            x = module.proj_in(x)
+        inner_dim = x.shape[1]
+        with profiled("toma::merge"):  # reordering is part of what merging costs
+            x = image_to_tile_order(x, layout)
+        return (module.proj_in(x) if module.use_linear_projection else x), inner_dim
+
+    def _unflatten(self, module: torch.nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor,
+                   batch_size: int, height: int, width: int, inner_dim: int) -> torch.Tensor:
+        layout = self.state.layout
+        if layout is None:
+            return type(module)._get_output_for_continuous_inputs(
+                module, hidden_states=hidden_states, residual=residual, batch_size=batch_size, height=height,
+                width=width, inner_dim=inner_dim,
+            )
+        x = module.proj_out(hidden_states) if module.use_linear_projection else hidden_states
+        with profiled("toma::unmerge"):
+            x = tile_order_to_image(x, layout)
+        return (x if module.use_linear_projection else module.proj_out(x)) + residual
 
 
 def _tokens(cache: PlanCache, downsample: int, args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple[int, int]] | None:

@@ -217,6 +217,34 @@ def raster_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     return from_tiles(x.unflatten(1, (layout.num_tiles, layout.tile_area)), layout)
 
 
+def image_to_tile_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """A channels-first image ``(B, C, H, W)`` to its tokens ``(B, T*n, C)`` in tile order.
+
+    The values of :func:`tile_order` on the image's raster tokens
+    (``x.permute(0, 2, 3, 1).reshape(B, H*W, C)``) in one copy instead of two: the copy that
+    flattens the image writes tile order. For single-frame layouts without padding.
+    """
+    _check_image_layout(x.shape[-2:], layout)
+    return _grid_to_tiles(x.permute(0, 2, 3, 1).unsqueeze(1), layout).flatten(1, 2)
+
+
+def tile_order_to_image(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """Inverse of :func:`image_to_tile_order`: tokens ``(B, T*n, C)`` in tile order to a
+    contiguous channels-first image ``(B, C, H, W)``, in one copy."""
+    _check_image_layout((layout.h, layout.w), layout)
+    b, c, lay = x.shape[0], x.shape[-1], layout
+    grid = x.view(b, lay.gh, lay.gw, lay.th, lay.tw, c).permute(0, 5, 1, 3, 2, 4)
+    return grid.reshape(b, c, lay.h, lay.w)
+
+
+def _check_image_layout(hw: tuple[int, ...], layout: TileLayout) -> None:
+    if layout.padded or layout.t != 1 or tuple(hw) != (layout.h, layout.w):
+        raise ValueError(
+            f"an image of {tuple(hw)} tokens in tile order needs a one-frame layout of that grid without padding; "
+            f"got a {layout.t}x{layout.h}x{layout.w} grid (padded: {layout.padded})"
+        )
+
+
 def slot_raster_index(layout: TileLayout, device: torch.device | str | None = None) -> torch.Tensor:
     """Raster index of the token in every tile slot, in tile order: ``(T * n,)`` int64.
 
