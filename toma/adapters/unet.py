@@ -5,8 +5,11 @@ and the MLP) computes ``F(norm(x))`` on a residual stream. A diffusers hook on t
 sub-module merges its input tokens and unmerges its output, so ``x + U F(M norm(x))``
 replaces ``x + F(norm(x))`` and the residual stays at full resolution; blocks that
 :mod:`toma.adapters.residual` covers hand the ``+ x`` to that hook, so that unmerge and add are
-one kernel. A hook on the UNet itself records the latent size and counts denoising steps for
-plan reuse.
+one kernel. Each transformer stack runs in tile order, where merging is a matmul on views: a
+``Transformer2DModel`` flattens its image straight into it, other stacks reorder at their
+first and last blocks. A hook on the UNet itself records the latent size and counts
+denoising steps for plan reuse, and blocks recomputed under gradient checkpointing merge as
+their forward did (:mod:`toma.adapters.replay`).
 """
 
 from __future__ import annotations
@@ -101,20 +104,9 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
             states.setdefault(stack, TileState())
         elif stack not in states:
             states[stack] = TileState()
-            owner = model.get_submodule(stack)
-            if image_stack(owner):
-                register_innermost(owner, _ImageOrderHook(cache, target.downsample, states[stack]), HOOK_NAME)
-                hooked.append(owner)
-                ends = ()
-            else:
-                blocks = model.get_submodule(f"{stack}.transformer_blocks")
-                first, last = blocks[0], blocks[len(blocks) - 1]
-                ends = dict.fromkeys(((0, first), (len(blocks) - 1, last)))
-            for i, block in ends:
-                hook = _TileOrderHook(cache, target.downsample, states[stack], block is first, block is last)
-                register_innermost(block, hook, HOOK_NAME)
-                hooked.append(block)
-                replayed.append(f"{stack}.transformer_blocks.{i}")
+            modules, blocks = _order_stack(model, stack, cache, target.downsample, states[stack])
+            hooked += modules
+            replayed += blocks
         # only self-attention has keys among the merged tokens to weight by their mass
         bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
         block_name, _, sub = target.name.rpartition(".")
@@ -137,6 +129,25 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
         register_innermost(block, FusedResidualHook(slot), RESIDUAL_HOOK_NAME)
         hooked.append(block)
     return hooked + attach_replay(model, [*fused, *replayed], cache, list(states.values()))
+
+
+def _order_stack(model: torch.nn.Module, stack: str, cache: PlanCache, downsample: int,
+                 state: TileState) -> tuple[list[torch.nn.Module], list[str]]:
+    """Register the hooks that run a transformer stack in tile order: on the stack itself
+    where it flattens its image (:func:`image_stack`), else on its first and last blocks.
+    Returns the hooked modules and the names of the hooked blocks."""
+    owner = model.get_submodule(stack)
+    if image_stack(owner):
+        register_innermost(owner, _ImageOrderHook(cache, downsample, state), HOOK_NAME)
+        return [owner], []
+    blocks = model.get_submodule(f"{stack}.transformer_blocks")
+    first, last = blocks[0], blocks[len(blocks) - 1]
+    hooked, names = [], []
+    for i, block in dict.fromkeys(((0, first), (len(blocks) - 1, last))):
+        register_innermost(block, _TileOrderHook(cache, downsample, state, block is first, block is last), HOOK_NAME)
+        hooked.append(block)
+        names.append(f"{stack}.transformer_blocks.{i}")
+    return hooked, names
 
 
 def _fusable_parent(model: torch.nn.Module, name: str, sub: str, module: torch.nn.Module) -> torch.nn.Module | None:
