@@ -63,7 +63,7 @@ class Replay:
         found = self._records.get(key)
         # inside the backward pass, the same data again: checkpointing recomputes (a reentrant
         # checkpoint passes a detached view of it, still alive in the checkpoint's context)
-        if found is not None and found[0]() is not None and torch._C._current_graph_task_id() != -1:
+        if found is not None and found[0]() is not None and _in_backward():
             live = self._put(found[1])
             try:
                 return forward(*args, **kwargs)
@@ -78,6 +78,14 @@ class Replay:
 
         records[key] = (weakref.ref(x, drop), self._state())
         return out
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread (where
+    checkpoints recompute). A torch without the private query counts as always: a block's
+    input tensor only comes back while its record lives when it is recomputed."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is None or task() != -1
 
 
 def _key(x: torch.Tensor) -> tuple | None:
