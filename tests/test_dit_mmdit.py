@@ -649,3 +649,35 @@ def test_flux2_reads_its_image_ids_once_per_run(monkeypatch):
     toma.apply_toma(other, ratio=0.5, **ALL_FLUX2)
     run(other, **kw)
     assert len(reads) == 2
+
+
+def test_qwenimage_edit_calls_run_unmerged_and_say_so():
+    # Qwen-Image-Edit appends the reference image's tokens to the generated image's and
+    # lists both shapes per sample in img_shapes: such calls run unmerged, with a warning.
+    kw = qwen_inputs(1, 8, 8)
+    kw = {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(1, 16, 16)], dim=1),
+          "img_shapes": [[(1, 8, 8), (1, 4, 4)]]}
+    model = make_qwen()
+    with torch.no_grad():
+        ref = model(**kw).sample
+        toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": (0, 1, 2)})
+        with pytest.warns(UserWarning, match="several images per sample"):
+            out = model(**kw).sample
+    assert torch.equal(out, ref)
+
+
+def test_flux2_reference_images_run_unmerged_and_say_so():
+    # FLUX.2 appends reference images' tokens (ids with t = 10, 20, ...) to the generated
+    # image's; Flux's id reader then sees no single grid of the call's tokens and warns
+    kw = flux2_inputs(1, 8, 8)
+    t, one = torch.tensor([10]), torch.arange(1)
+    ref_ids = torch.cartesian_prod(t, torch.arange(4), torch.arange(4), one)[None]
+    kw = {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(1, 16, 16)], dim=1),
+          "img_ids": torch.cat([kw["img_ids"], ref_ids], dim=1)}
+    model = make_flux2()
+    with torch.no_grad():
+        ref = model(**kw).sample
+        toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)})
+        with pytest.warns(UserWarning, match="conditioning images"):
+            out = model(**kw).sample
+    assert torch.equal(out, ref)

@@ -164,3 +164,26 @@ def test_controlnet_residuals_keep_raster_order(flux, monkeypatch):
         plain = flux(**kw, controlnet_block_samples=residual).sample
         assert torch.equal(flux(**kw, controlnet_block_samples=residual).sample, plain)
     toma.remove_toma(flux)
+
+
+def test_reference_image_tokens_run_unmerged_and_say_so():
+    # Flux Kontext appends a reference image's tokens (ids with a first column of 1) to the
+    # generated image's: the ids no longer describe one grid of the call's tokens, so the call
+    # runs unmerged. That was silent; now it warns once.
+    import warnings
+
+    kw = flux_inputs(1, 8, 8)
+    rows, cols = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+    ref_ids = torch.stack([torch.ones_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    kw = {**kw, "img_ids": torch.cat([kw["img_ids"], ref_ids]),
+          "hidden_states": torch.cat([kw["hidden_states"], torch.randn(1, 16, 16)], dim=1)}
+    model = make_flux()
+    with torch.no_grad():
+        ref = model(**kw).sample
+        toma.apply_toma(model, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
+        with pytest.warns(UserWarning, match="80 image tokens .*conditioning images"):
+            out = model(**kw).sample
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = model(**kw).sample  # once
+    assert torch.equal(out, ref) and torch.equal(again, ref)

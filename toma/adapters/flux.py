@@ -82,8 +82,12 @@ class IdsGrid:
         else:
             grid = image_grid(img_ids)
             self._known = (img_ids, _version(img_ids), grid)
-        # grids we cannot read (extra conditioning tokens, odd ids) simply get no merging
-        return (1, *grid) if grid[0] * grid[1] == hidden.shape[1] else None
+        if grid[0] * grid[1] != hidden.shape[1]:
+            # e.g. Flux Kontext's or Flux.2's reference images, whose tokens follow the
+            # generated image's (with ids of their own) in the same stream
+            return (f"img_ids span a {grid[0]}x{grid[1]} grid but the call has {hidden.shape[1]} image tokens "
+                    "(conditioning images in the sequence are not merged yet)")
+        return (1, *grid)
 
 
 def _version(t: torch.Tensor) -> int:
