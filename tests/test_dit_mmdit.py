@@ -651,33 +651,38 @@ def test_flux2_reads_its_image_ids_once_per_run(monkeypatch):
     assert len(reads) == 2
 
 
-def test_qwenimage_edit_calls_run_unmerged_and_say_so():
+
+def _permutation_matches_unpatched(make, kw, blocks):
+    """With every token its own destination (2x2 tiles keeping 4) and hard assignment,
+    merging is a permutation: the output must equal the unpatched model's."""
+    model = make()
+    with torch.no_grad():
+        ref = model(**kw).sample
+        toma.apply_toma(model, ratio=0.05, tile_size=2, temperature=0, **blocks)
+        torch.testing.assert_close(model(**kw).sample, ref, rtol=0, atol=1e-5)
+        toma.remove_toma(model)
+        toma.apply_toma(model, ratio=0.5, **blocks)
+        merged = model(**kw).sample
+        assert merged.shape == ref.shape and torch.isfinite(merged).all() and not torch.equal(merged, ref)
+
+
+def test_qwenimage_edit_reference_tokens_pass_whole():
     # Qwen-Image-Edit appends the reference image's tokens to the generated image's and
-    # lists both shapes per sample in img_shapes: such calls run unmerged, with a warning.
-    kw = qwen_inputs(1, 8, 8)
-    kw = {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(1, 16, 16)], dim=1),
-          "img_shapes": [[(1, 8, 8), (1, 4, 4)]]}
-    model = make_qwen()
-    with torch.no_grad():
-        ref = model(**kw).sample
-        toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": (0, 1, 2)})
-        with pytest.warns(UserWarning, match="several images per sample"):
-            out = model(**kw).sample
-    assert torch.equal(out, ref)
+    # lists both shapes per sample in img_shapes: the reference passes whole, like text
+    kw = qwen_inputs(2, 4, 6)
+    g = torch.Generator().manual_seed(7)
+    kw = {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(2, 8, 16, generator=g)], dim=1),
+          "img_shapes": [[(1, 4, 6), (1, 2, 4)]] * 2}
+    _permutation_matches_unpatched(make_qwen, kw, {"blocks": {"transformer_blocks": (0, 1, 2)}})
 
 
-def test_flux2_reference_images_run_unmerged_and_say_so():
-    # FLUX.2 appends reference images' tokens (ids with t = 10, 20, ...) to the generated
-    # image's; Flux's id reader then sees no single grid of the call's tokens and warns
-    kw = flux2_inputs(1, 8, 8)
-    t, one = torch.tensor([10]), torch.arange(1)
-    ref_ids = torch.cartesian_prod(t, torch.arange(4), torch.arange(4), one)[None]
-    kw = {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(1, 16, 16)], dim=1),
-          "img_ids": torch.cat([kw["img_ids"], ref_ids], dim=1)}
-    model = make_flux2()
-    with torch.no_grad():
-        ref = model(**kw).sample
-        toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)})
-        with pytest.warns(UserWarning, match="conditioning images"):
-            out = model(**kw).sample
-    assert torch.equal(out, ref)
+def test_flux2_reference_images_pass_whole():
+    # FLUX.2 appends reference images' tokens (ids with t = 10, 20, ...) to the generated image's
+    kw = flux2_inputs(2, 4, 6)
+    one = torch.arange(1)
+    ref_ids = torch.cat([torch.cartesian_prod(torch.tensor([10]), torch.arange(2), torch.arange(4), one),
+                         torch.cartesian_prod(torch.tensor([20]), torch.arange(2), torch.arange(2), one)])
+    g = torch.Generator().manual_seed(7)
+    kw = {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(2, 12, 16, generator=g)], dim=1),
+          "img_ids": torch.cat([kw["img_ids"], ref_ids[None].expand(2, -1, -1)], dim=1)}
+    _permutation_matches_unpatched(make_flux2, kw, {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}})

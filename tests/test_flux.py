@@ -166,24 +166,41 @@ def test_controlnet_residuals_keep_raster_order(flux, monkeypatch):
     toma.remove_toma(flux)
 
 
-def test_reference_image_tokens_run_unmerged_and_say_so():
-    # Flux Kontext appends a reference image's tokens (ids with a first column of 1) to the
-    # generated image's: the ids no longer describe one grid of the call's tokens, so the call
-    # runs unmerged. That was silent; now it warns once.
-    import warnings
 
-    kw = flux_inputs(1, 8, 8)
-    rows, cols = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+def kontext_inputs(batch: int, h: int, w: int, rh: int, rw: int) -> dict:
+    """Flux Kontext's call: an ``h x w`` image's tokens, then a reference image's ``rh x rw``
+    (ids with a first column of 1)."""
+    kw = flux_inputs(batch, h, w)
+    rows, cols = torch.meshgrid(torch.arange(rh), torch.arange(rw), indexing="ij")
     ref_ids = torch.stack([torch.ones_like(rows), rows, cols], -1).reshape(-1, 3).float()
-    kw = {**kw, "img_ids": torch.cat([kw["img_ids"], ref_ids]),
-          "hidden_states": torch.cat([kw["hidden_states"], torch.randn(1, 16, 16)], dim=1)}
+    g = torch.Generator().manual_seed(7)
+    return {**kw, "img_ids": torch.cat([kw["img_ids"], ref_ids]),
+            "hidden_states": torch.cat([kw["hidden_states"], torch.randn(batch, rh * rw, 16, generator=g)], dim=1)}
+
+
+@pytest.mark.parametrize("proportional", [False, True])
+@pytest.mark.parametrize("tiled", [True, False], ids=["tile-order", "raster"])
+def test_kontext_reference_tokens_pass_whole(monkeypatch, tiled, proportional):
+    # A reference image's tokens follow the generated image's; they pass whole, like text.
+    # With every token its own destination and hard assignment, merging is a permutation,
+    # so the output equals the unpatched model's: reference tokens, their rotary rows and
+    # their mask columns must all stay with them through the reorderings.
+    kw = kontext_inputs(2, 4, 6, 2, 4)
     model = make_flux()
+    blocks = dict(flux_double_blocks=(0, 1), flux_single_blocks=(0, 1), proportional_attention=proportional)
+    if not tiled:
+        monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
     with torch.no_grad():
         ref = model(**kw).sample
-        toma.apply_toma(model, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
-        with pytest.warns(UserWarning, match="80 image tokens .*conditioning images"):
-            out = model(**kw).sample
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            again = model(**kw).sample  # once
-    assert torch.equal(out, ref) and torch.equal(again, ref)
+        patch = toma.apply_toma(model, ratio=0.05, tile_size=2, temperature=0, **blocks)
+        out = model(**kw).sample
+        assert patch.cache.base_grid == (1, 4, 6) and all(p.num_merged == 24 for _, p in patch.cache._plans.values())
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+        toma.remove_toma(model)
+        toma.apply_toma(model, ratio=0.5, **blocks)  # 24 image tokens -> 12, the 8 reference ones whole
+        queries = []
+        model.transformer_blocks[0].attn.to_q.register_forward_pre_hook(lambda m, a: queries.append(a[0].shape[1]))
+        merged = model(**kw).sample
+        assert set(queries) == {8 + 12} and merged.shape == ref.shape and torch.isfinite(merged).all()
+        toma.remove_toma(model)
+        assert torch.equal(model(**kw).sample, ref)

@@ -332,3 +332,20 @@ def test_frames_is_refused_for_image_pipelines(tmp_path, capsys):
     build_sd(tmp_path).save_pretrained(folder)
     assert main(["generate", "--model", str(folder), "--frames", "5", "--out", str(tmp_path / "x.png")]) == 2
     assert "--frames applies to video pipelines" in capsys.readouterr().err
+
+
+def test_flux_kontext_pipeline_merges_the_image_and_keeps_the_reference_whole(tmp_path):
+    from diffusers import FluxKontextPipeline
+    from PIL import Image
+
+    pipe = FluxKontextPipeline(**build_flux(tmp_path).components)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 48, 3), dtype=np.uint8))
+
+    def generate():
+        torch.manual_seed(0)  # the pipeline samples the reference's latents from the global generator
+        return pipe(image=image, prompt="a red fox", height=32, width=48, num_inference_steps=3, max_sequence_length=16,
+                    output_type="np", generator=torch.Generator().manual_seed(0), _auto_resize=False,
+                    max_area=32 * 48).images
+
+    # 32x48 px -> 8x12 = 96 packed tokens, half kept, then the reference image's 96 whole
+    merged_round_trip(pipe, generate, [(1, 48 + 96)] * 3, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import warnings
 from typing import Any
 
@@ -231,6 +232,7 @@ class StepHook(Hook):
         self.order = order
         self.grid = spec.grid() if isinstance(spec.grid, type) else spec.grid  # one stateful reader per model
         self._warned: set[str] = set()
+        self._lead: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         named = named_arguments(module, args, kwargs)
@@ -246,23 +248,54 @@ class StepHook(Hook):
             raster = not self.spec.tile_order_ok(module, named)
         x = hidden_states_of(args, kwargs)
         device = x.device if isinstance(x, torch.Tensor) else None  # the Triton path merges from raster order
-        self.order.layout = None if raster else self.cache.tile_order_layout(grid, device)
-        for name in self.spec.position_inputs if self.order.layout is not None else ():
-            args, kwargs = _positions_to_tile_order(module, name, named.get(name), self.order.layout, args, kwargs)
+        order = self.order
+        order.layout = None if raster else self.cache.tile_order_layout(grid, device)
+        order.extra = 0
+        order.enter = order.leave = None
+        if grid is not None and self.spec.conditioning_tokens and isinstance(x, torch.Tensor) and x.ndim == 3:
+            order.extra = x.shape[1] - math.prod(grid)
+            if order.extra:
+                order.enter, order.leave = self._lead_index(math.prod(grid), order.extra, order.layout, x.device)
+        if order.layout is not None or order.extra:
+            for name in self.spec.position_inputs:
+                args, kwargs = _positions_to_block_order(module, name, named.get(name), order, args, kwargs)
         return args, kwargs
 
+    def _lead_index(self, tokens: int, extra: int, layout: TileLayout | None,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index that puts ``extra`` conditioning tokens first and the ``tokens`` image
+        tokens after them (in ``layout``'s tile order, or raster order), and its inverse;
+        built once per shape, on the device, as ordinary tensors (training may save them)."""
+        key = (tokens, extra, layout, device)
+        known = self._lead.get(key)
+        if known is None:
+            with torch.inference_mode(False):
+                image = torch.arange(tokens, device=device)
+                if layout is not None:
+                    image = tile_order(image[None, :, None], layout).flatten()
+                enter = torch.cat([torch.arange(tokens, tokens + extra, device=device), image])
+                known = self._lead[key] = (enter, torch.argsort(enter))
+        return known
 
-def _positions_to_tile_order(
-    module: torch.nn.Module, name: str, rows: Any, layout: TileLayout, args: tuple, kwargs: dict
+
+def _positions_to_block_order(
+    module: torch.nn.Module, name: str, rows: Any, order: TileState, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict]:
-    """The call with its per-token position rows ``name`` (``(N, d)`` or ``(B, N, d)``) in tile order."""
-    if not isinstance(rows, torch.Tensor) or rows.ndim not in (2, 3) or rows.shape[-2] != layout.num_tokens:
+    """The call with its per-token position rows ``name`` (``(N, d)`` or ``(B, N, d)``) in the
+    order the tokens have in the blocks (tile order; conditioning tokens first)."""
+    count = order.layout.num_tokens if order.layout is not None else 0
+    count = count + order.extra if order.extra else count
+    if not isinstance(rows, torch.Tensor) or rows.ndim not in (2, 3) or rows.shape[-2] != count:
         return args, kwargs
     with profiled("toma::merge"):
-        ordered = tile_order(rows if rows.ndim == 3 else rows[None], layout)
+        if order.extra:
+            ordered = rows.index_select(-2, order.enter.to(rows.device))
+        else:
+            ordered = tile_order(rows if rows.ndim == 3 else rows[None], order.layout)
+            ordered = ordered if rows.ndim == 3 else ordered[0]
     names = _parameter_names(type(module))
     index = names.index(name) if name in names else None
-    return replace_arg(args, kwargs, name, index, ordered if rows.ndim == 3 else ordered[0])
+    return replace_arg(args, kwargs, name, index, ordered)
 
 
 class Reorder(Hook):
@@ -274,7 +307,14 @@ class Reorder(Hook):
         self.on_output = on_output
 
     def _convert(self, x: torch.Tensor) -> torch.Tensor:
-        layout = self.order.layout
+        order = self.order
+        if order.extra:  # conditioning tokens lead in the blocks: one gather each way
+            index = order.enter if self.enter else order.leave
+            if x.ndim != 3 or x.shape[1] != index.numel():
+                return x
+            with profiled("toma::merge" if self.enter else "toma::unmerge"):
+                return x.index_select(1, index)
+        layout = order.layout
         if layout is None or x.ndim != 3 or x.shape[1] != layout.num_tokens:
             return x
         with profiled("toma::merge" if self.enter else "toma::unmerge"):  # reordering is part of merging's cost
@@ -300,11 +340,17 @@ class RotaryToTileOrder(Hook):
         self._rows: dict[tuple[int, TileLayout, torch.device], torch.Tensor] = {}
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        layout = self.order.layout
-        if layout is None:
+        order = self.order
+        layout = order.layout
+        if layout is None and not order.extra:
             return output
         items = range(len(output)) if self.items is None else self.items
         table = output[items[0]]
+        if order.extra:  # the image's rows and the conditioning tokens' after the text's
+            text = table.shape[self.seq_dim] - order.enter.numel()
+            with profiled("toma::merge"):
+                rows = torch.cat([torch.arange(text, device=table.device), order.enter.to(table.device) + text])
+                return tuple(t.index_select(self.seq_dim, rows) if i in items else t for i, t in enumerate(output))
         text = table.shape[self.seq_dim] - layout.num_tokens
         key = (text, layout, table.device)
         rows = self._rows.get(key)

@@ -9,7 +9,9 @@ share one plan per step and the single-stream blocks another, and the first 5 bl
 each stack stay unmerged (the authors' setting). Rotary tables come from the image ids
 through ``pos_embed``, in tile order with the tokens; the processor applies one table to
 the whole batch, so merged attention runs once per sample when the samples have plans of
-their own. A call with an attention mask in ``joint_attention_kwargs`` runs unmerged.
+their own. Flux Kontext's reference image (tokens after the image's, ids of their own)
+passes whole, like text. A call with an attention mask in ``joint_attention_kwargs`` runs
+unmerged.
 
 ``flux_double_blocks`` / ``flux_single_blocks`` remain as aliases of
 ``blocks={"transformer_blocks": ..., "single_transformer_blocks": ...}``.
@@ -53,10 +55,18 @@ def default_blocks(count: int) -> tuple[int, ...]:
 
 def image_grid(img_ids: torch.Tensor) -> tuple[int, int]:
     """Token grid ``(h, w)`` of raster-ordered Flux image ids ``(N, 3)`` (or ``(B, N, 3)``;
-    Flux.2's have a fourth column), whose columns 1 and 2 are the row and column."""
+    Flux.2's have a fourth column), whose columns 1 and 2 are the row and column.
+
+    Ids may go on with conditioning images' (Flux Kontext's reference, with a first column
+    of 1; FLUX.2's, 10, 20, ...): the grid is that of the leading rows that share the first
+    row's first column, the generated image's.
+    """
     ids = img_ids[0] if img_ids.ndim == 3 else img_ids
-    # one read of both corners: one host sync, and one graph break under torch.compile
-    (r0, c0), (r1, c1) = ids[[0, -1], 1:3].tolist()
+    # one read of the ids: one host sync, and one graph break under torch.compile
+    rows = ids[:, :3].tolist()
+    first = rows[0][0]
+    count = next((i for i, row in enumerate(rows) if row[0] != first), len(rows))
+    (r0, c0), (r1, c1) = rows[0][1:3], rows[count - 1][1:3]
     return int(r1 - r0) + 1, int(c1 - c0) + 1
 
 
@@ -82,11 +92,9 @@ class IdsGrid:
         else:
             grid = image_grid(img_ids)
             self._known = (img_ids, _version(img_ids), grid)
-        if grid[0] * grid[1] != hidden.shape[1]:
-            # e.g. Flux Kontext's or Flux.2's reference images, whose tokens follow the
-            # generated image's (with ids of their own) in the same stream
-            return (f"img_ids span a {grid[0]}x{grid[1]} grid but the call has {hidden.shape[1]} image tokens "
-                    "(conditioning images in the sequence are not merged yet)")
+        if grid[0] * grid[1] > hidden.shape[1]:
+            return f"img_ids span a {grid[0]}x{grid[1]} grid but the call has {hidden.shape[1]} image tokens"
+        # any tokens after the grid's are conditioning images' (Kontext, FLUX.2 references)
         return (1, *grid)
 
 
@@ -97,6 +105,7 @@ def _version(t: torch.Tensor) -> int:
 
 SPEC = FamilySpec(
     name="flux",
+    conditioning_tokens=True,
     classes=("FluxTransformer2DModel",),
     stacks=tuple(STACKS),
     sites=_sites,

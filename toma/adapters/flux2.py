@@ -7,8 +7,8 @@ fused output projection, so it merges the image part of ``[text; image]`` around
 module: attention and the parallel MLP run on the merged tokens, and the text part passes
 whole. Rotary tables come from the image ids, which go in tile order with the tokens; the
 processors apply one table to the whole batch, so merged attention runs once per sample
-when the samples have plans of their own (``Rotary(shared=True)``). Calls with reference
-image tokens (editing, KV caching) or an attention mask do not merge.
+when the samples have plans of their own (``Rotary(shared=True)``). Reference images'
+tokens (editing) pass whole, like text. Calls with an attention mask do not merge.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ SPEC = FamilySpec(
     enter=("output", "x_embedder"),
     leave="norm_out",
     position_inputs=("img_ids",),
+    conditioning_tokens=True,
     default_blocks=skip_first(5),
 )
 ADAPTER = EngineAdapter(SPEC)

@@ -36,10 +36,22 @@ if TYPE_CHECKING:  # the UNet adapter's; families on the engine do not import it
 
 
 class TileState:
-    """The tile layout the tokens are in between two reorder points, or None for raster order."""
+    """The order of the tokens between two reorder points.
+
+    Attributes:
+        layout: the tile layout the image tokens are in, or None for raster order.
+        extra: conditioning tokens (of images other than the one generated) in the
+            sequence; between the reorder points they lead the image tokens.
+        enter: with ``extra``, the ``(N + extra,)`` index that takes the model's order (the
+            image's tokens, then the conditioning ones) to the blocks' order; ``leave`` is
+            its inverse.
+    """
 
     def __init__(self) -> None:
         self.layout: TileLayout | None = None
+        self.extra = 0
+        self.enter: torch.Tensor | None = None
+        self.leave: torch.Tensor | None = None
 
 
 class MergeHook(Hook):
@@ -83,7 +95,8 @@ class MergeHook(Hook):
             return args, kwargs
         tiled = self.order.layout is not None
         tokens = math.prod(grid)
-        text = x.shape[1] - tokens if site is not None and site.text_first else 0
+        # text, and conditioning tokens, lead the image tokens and pass whole
+        text = x.shape[1] - tokens if site is not None and (site.text_first or self.order.extra) else 0
         image = x[:, text:] if text > 0 else x
         plan = self.cache.get(image, grid, group=plan_group(site, grid), tiled=tiled, ratio=self.ratio)
         if plan is None:
@@ -148,7 +161,7 @@ class MergeHook(Hook):
         if plan is None:
             return output
         if isinstance(output, tuple):  # joint attention: (image, text)
-            return (plan.unmerge(output[0], self._tiled), *output[1:])
+            return (unmerge_after_text(output[0], self._text, plan, self._tiled), *output[1:])
         slot = self.residual
         if slot is not None and slot.x is not None and not self._text:
             out = plan.unmerge(output, self._tiled, residual=slot.x)
@@ -232,7 +245,7 @@ class SpanOpen(Hook):
         if grid is None or x.ndim != 3:
             return output
         tokens = math.prod(grid)
-        text = x.shape[1] - tokens if self.site.text_first else 0
+        text = x.shape[1] - tokens if self.site.text_first or self.order.extra else 0
         tiled = self.order.layout is not None
         plan = None if text < 0 else self.cache.get(x[:, text:], grid, group=plan_group(self.site, grid), tiled=tiled,
                                                     ratio=self.ratio)

@@ -5,7 +5,8 @@ and so does its mask (``encoder_hidden_states_mask``), since the processor build
 part of the joint mask from the merged tokens. The processor applies one complex table to
 the whole batch (``freqs.unsqueeze(1)``), so merged attention runs once per sample when the
 samples have plans of their own (``Rotary(shared=True)``). ``merge_mlp`` merges the image
-MLP. Calls with several images per sample (editing) do not merge.
+MLP. With several images per sample (editing), the images after the first condition it:
+their tokens pass whole, like text.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ def _grid(model: torch.nn.Module, call: dict) -> Grid | str | None:
     # itself reads the first sample's
     first = shapes[0]
     first = [first] if isinstance(first, tuple) else list(first)
-    if len(first) != 1:
-        return "a QwenImage call with several images per sample (conditioning images) cannot merge"
+    # the generated image's grid; the images after it (editing) condition it and pass whole
     grid = tuple(int(v) for v in first[0])
-    return grid if len(grid) == 3 and math.prod(grid) == tokens.shape[1] else None
+    total = sum(math.prod(int(v) for v in shape) for shape in first)
+    return grid if len(grid) == 3 and total == tokens.shape[1] else None
 
 
 SPEC = FamilySpec(
     name="qwenimage",
+    conditioning_tokens=True,
     classes=("QwenImageTransformer2DModel",),
     stacks=("transformer_blocks",),
     sites=_sites,

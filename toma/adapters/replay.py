@@ -42,12 +42,12 @@ class Replay:
         self._records: dict[tuple, tuple[weakref.ref, tuple]] = {}
 
     def _state(self) -> tuple:
-        return self.cache.snapshot(), tuple(s.layout for s in self.states)
+        return self.cache.snapshot(), tuple(dict(vars(s)) for s in self.states)
 
     def _put(self, state: tuple) -> tuple:
-        live = (self.cache.restore(state[0]), tuple(s.layout for s in self.states))
-        for s, layout in zip(self.states, state[1]):
-            s.layout = layout
+        live = (self.cache.restore(state[0]), tuple(dict(vars(s)) for s in self.states))
+        for s, fields in zip(self.states, state[1]):
+            vars(s).update(fields)
         return live
 
     def run(self, forward: Any, x: Any, args: tuple, kwargs: dict) -> Any:

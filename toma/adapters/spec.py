@@ -140,6 +140,11 @@ class FamilySpec:
             a call that passes one runs in raster order.
         tile_order_ok: optional check of the model and its forward's named arguments; False
             keeps raster order (e.g. per-token modulation laid out over the raster sequence).
+        conditioning_tokens: the model's ``(B, S, C)`` image tokens may be those of the
+            ``grid`` followed by conditioning images' (Flux Kontext, FLUX.2 references,
+            Qwen-Image-Edit): those pass whole, like text; between the modules that bracket
+            the blocks they lead the sequence, so that every site sees them before the
+            image tokens it merges.
         default_blocks: the block indices merged by default in each stack, given the
             stack name and its length.
         video: whether tiles span frames by default (``tile_frames``).
@@ -157,6 +162,7 @@ class FamilySpec:
     position_inputs: tuple[str, ...] = ()
     raster_kwargs: tuple[str, ...] = ()
     tile_order_ok: Callable[[torch.nn.Module, dict], bool] | None = None
+    conditioning_tokens: bool = False
     default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
     video: bool = False
 
