@@ -462,3 +462,23 @@ def test_compiled_copy_keeps_its_patch_and_shares_weights(tiny_unet):
     assert torch.equal(after, plain)  # the copy's hooks are its own
     copy_params = {p.data_ptr() for p in call.__defaults__[0]._orig_mod.parameters()}
     assert copy_params == {p.data_ptr() for p in tiny_unet.parameters()}
+
+
+def test_kontext_inputs_carry_a_reference_that_passes_whole(tiny_flux):
+    # --arch flux-kontext: the generated image's tokens, then a reference image's (ids of
+    # frame 1); ToMA and the ideal halve the image's and keep the reference's
+    import dataclasses
+
+    arch = dataclasses.replace(ARCHS["tiny-flux"], name="tiny-flux-kontext", references=ARCHS["flux-kontext"].references)
+    kw = make_inputs(arch, 64)
+    image = (64 // 8 // 2) ** 2
+    assert kw["hidden_states"].shape[1] == kw["img_ids"].shape[0] == 2 * image
+    assert kw["img_ids"][:image, 0].eq(0).all() and kw["img_ids"][image:, 0].eq(1).all()
+    for apply in (toma.apply_toma, apply_ideal):
+        model = build_model(arch)
+        apply(model, 0.5, blocks={"transformer_blocks": (0,), "single_transformer_blocks": ()})
+        seen = {}
+        model.transformer_blocks[0].attn.to_q.register_forward_pre_hook(recorder(seen, "q"))
+        with torch.no_grad():
+            out = call_denoiser(arch, model, kw)[0]
+        assert seen["q"] == image + image // 2 and out.shape == kw["hidden_states"].shape[:2] + (out.shape[-1],)

@@ -306,6 +306,8 @@ class Arch:
         frames: video: default frames in pixels; 0 for images.
         time_scale: video: frames per latent frame after the first (the VAE keeps the first).
         patch: latent pixels per token side (1 for UNets and LTX, 2 for the other transformers).
+        references: reference images (of the generated image's size) whose tokens follow the
+            image's in the call, as in editing (Flux Kontext); 0 for plain generation.
     """
 
     name: str
@@ -321,6 +323,7 @@ class Arch:
     frames: int = 0
     time_scale: int = 4
     patch: int = 2
+    references: int = 0
 
     def size(self, resolution: int) -> tuple[int, int]:
         """``(height, width)`` in pixels for ``resolution`` (the height), a whole number of
@@ -333,6 +336,8 @@ ARCHS: dict[str, Arch] = {
     "sdxl": Arch("sdxl", "unet", SDXL_UNET, 1024, 77, 2048, 1280, 8, "SDXL-base UNet", patch=1),
     "sd15": Arch("sd15", "unet", SD15_UNET, 512, 77, 768, 0, 8, "Stable Diffusion 1.5 UNet", patch=1),
     "flux": Arch("flux", "flux", FLUX_DEV, 1024, 512, 4096, 768, 8, "Flux.1-dev transformer"),
+    "flux-kontext": Arch("flux-kontext", "flux", FLUX_DEV, 1024, 512, 4096, 768, 8,
+                         "Flux.1 Kontext transformer, editing one reference image", references=1),
     "tiny-unet": Arch("tiny-unet", "unet", TINY_UNET, 128, 8, 32, 0, 8, "tiny SD-like UNet (tests)", patch=1),
     "tiny-flux": Arch("tiny-flux", "flux", TINY_FLUX, 128, 8, 32, 16, 8, "tiny Flux-like transformer (tests)"),
     "sd35": Arch("sd35", "sd3", SD35_MEDIUM, 1024, 333, 4096, 2048, 8, "SD3.5-Medium transformer"),
@@ -541,11 +546,12 @@ def make_inputs(
         return {"hidden_states": rand(batch, th * tw, channels), "encoder_hidden_states": text, "timestep": timestep / 1000,
                 "img_ids": img_ids[None].expand(batch, -1, -1).to(device), "txt_ids": txt_ids[None].expand(batch, -1, -1).to(device),
                 "guidance": torch.full((batch,), 4.0, device=device, dtype=dtype), "return_dict": False}
-    ids = torch.zeros(th, tw, 3)
+    ids = torch.zeros(1 + arch.references, th, tw, 3)
+    ids[..., 0] = torch.arange(1 + arch.references)[:, None, None]  # Kontext: references are frames 1, 2, ...
     ids[..., 1] = torch.arange(th)[:, None]
     ids[..., 2] = torch.arange(tw)[None, :]
     return {
-        "hidden_states": rand(batch, th * tw, channels),
+        "hidden_states": rand(batch, (1 + arch.references) * th * tw, channels),
         "encoder_hidden_states": text,
         "pooled_projections": rand(batch, arch.pooled_dim),
         "timestep": torch.full((batch,), 1.0, device=device, dtype=dtype),
