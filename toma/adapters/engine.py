@@ -13,6 +13,9 @@ engine does the rest, the same way for every family:
   positions follow the tokens. So the tokens are put in tile order once where they enter
   the blocks and back in raster order where they leave, and merging is a matmul on a view.
   Padded grids and calls that add raster-ordered residuals (ControlNet) stay in raster order.
+* where a family's sequence may carry conditioning images after the generated one's
+  (``FamilySpec.conditioning_tokens``: editing), their tokens lead in the blocks and pass
+  every merge whole, as text does.
 """
 
 from __future__ import annotations
@@ -299,7 +302,8 @@ def _positions_to_block_order(
 
 
 class Reorder(Hook):
-    """Puts the tokens in tile order where they enter the blocks, back in raster order where they leave."""
+    """Puts the tokens in the blocks' order where they enter the blocks (tile order, after
+    any conditioning tokens), and back in the model's where they leave."""
 
     def __init__(self, order: TileState, enter: bool, on_output: bool) -> None:
         self.order = order
@@ -331,13 +335,14 @@ class Reorder(Hook):
 
 
 class RotaryToTileOrder(Hook):
-    """On the rotary module: the image rows of its tables to tile order (text rows lead)."""
+    """On the rotary module: the image rows of its tables to the blocks' order (tile order;
+    text rows lead, then any conditioning tokens' rows)."""
 
     def __init__(self, order: TileState, seq_dim: int, items: tuple[int, ...] | None = None) -> None:
         self.order = order
         self.seq_dim = seq_dim
         self.items = items  # the items of the output tuple with image rows (None: all)
-        self._rows: dict[tuple[int, TileLayout, torch.device], torch.Tensor] = {}
+        self._rows: dict[tuple, torch.Tensor] = {}  # (text rows, layout or index, device) -> row order
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         order = self.order
@@ -346,16 +351,20 @@ class RotaryToTileOrder(Hook):
             return output
         items = range(len(output)) if self.items is None else self.items
         table = output[items[0]]
-        if order.extra:  # the image's rows and the conditioning tokens' after the text's
+        if order.extra:  # the conditioning tokens' rows, then the image's, after the text's
             text = table.shape[self.seq_dim] - order.enter.numel()
-            with profiled("toma::merge"):
-                rows = torch.cat([torch.arange(text, device=table.device), order.enter.to(table.device) + text])
-                return tuple(t.index_select(self.seq_dim, rows) if i in items else t for i, t in enumerate(output))
-        text = table.shape[self.seq_dim] - layout.num_tokens
-        key = (text, layout, table.device)
-        rows = self._rows.get(key)
-        if rows is None:  # built on the device once per grid: no host-to-device copy per step
-            rows = self._rows[key] = rotary_rows(layout, text, table.device)
+            key = (text, order.enter, table.device)  # the step hook keeps one index per shape
+            rows = self._rows.get(key)
+            if rows is None:
+                with torch.inference_mode(False):
+                    rows = torch.cat([torch.arange(text, device=table.device), order.enter.to(table.device) + text])
+                self._rows[key] = rows
+        else:
+            text = table.shape[self.seq_dim] - layout.num_tokens
+            key = (text, layout, table.device)
+            rows = self._rows.get(key)
+            if rows is None:  # built on the device once per grid: no host-to-device copy per step
+                rows = self._rows[key] = rotary_rows(layout, text, table.device)
         with profiled("toma::merge"):
             return tuple(t.index_select(self.seq_dim, rows) if i in items else t for i, t in enumerate(output))
 
