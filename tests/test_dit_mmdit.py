@@ -652,9 +652,12 @@ def test_flux2_reads_its_image_ids_once_per_run(monkeypatch):
 
 
 
-def _permutation_matches_unpatched(make, kw, blocks):
+def _permutation_matches_unpatched(make, kw, blocks, monkeypatch, tiled):
     """With every token its own destination (2x2 tiles keeping 4) and hard assignment,
-    merging is a permutation: the output must equal the unpatched model's."""
+    merging is a permutation: the output must equal the unpatched model's (in tile order,
+    or raster order, as on the Triton path)."""
+    if not tiled:
+        monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
     model = make()
     with torch.no_grad():
         ref = model(**kw).sample
@@ -666,17 +669,19 @@ def _permutation_matches_unpatched(make, kw, blocks):
         assert merged.shape == ref.shape and torch.isfinite(merged).all() and not torch.equal(merged, ref)
 
 
-def test_qwenimage_edit_reference_tokens_pass_whole():
+@pytest.mark.parametrize("tiled", [True, False], ids=["tile-order", "raster"])
+def test_qwenimage_edit_reference_tokens_pass_whole(monkeypatch, tiled):
     # Qwen-Image-Edit appends the reference image's tokens to the generated image's and
     # lists both shapes per sample in img_shapes: the reference passes whole, like text
     kw = qwen_inputs(2, 4, 6)
     g = torch.Generator().manual_seed(7)
     kw = {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(2, 8, 16, generator=g)], dim=1),
           "img_shapes": [[(1, 4, 6), (1, 2, 4)]] * 2}
-    _permutation_matches_unpatched(make_qwen, kw, {"blocks": {"transformer_blocks": (0, 1, 2)}})
+    _permutation_matches_unpatched(make_qwen, kw, {"blocks": {"transformer_blocks": (0, 1, 2)}}, monkeypatch, tiled)
 
 
-def test_flux2_reference_images_pass_whole():
+@pytest.mark.parametrize("tiled", [True, False], ids=["tile-order", "raster"])
+def test_flux2_reference_images_pass_whole(monkeypatch, tiled):
     # FLUX.2 appends reference images' tokens (ids with t = 10, 20, ...) to the generated image's
     kw = flux2_inputs(2, 4, 6)
     one = torch.arange(1)
@@ -685,4 +690,5 @@ def test_flux2_reference_images_pass_whole():
     g = torch.Generator().manual_seed(7)
     kw = {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(2, 12, 16, generator=g)], dim=1),
           "img_ids": torch.cat([kw["img_ids"], ref_ids[None].expand(2, -1, -1)], dim=1)}
-    _permutation_matches_unpatched(make_flux2, kw, {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}})
+    blocks = {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}
+    _permutation_matches_unpatched(make_flux2, kw, blocks, monkeypatch, tiled)

@@ -286,8 +286,7 @@ def _positions_to_block_order(
 ) -> tuple[tuple, dict]:
     """The call with its per-token position rows ``name`` (``(N, d)`` or ``(B, N, d)``) in the
     order the tokens have in the blocks (tile order; conditioning tokens first)."""
-    count = order.layout.num_tokens if order.layout is not None else 0
-    count = count + order.extra if order.extra else count
+    count = order.enter.numel() if order.extra else order.layout.num_tokens
     if not isinstance(rows, torch.Tensor) or rows.ndim not in (2, 3) or rows.shape[-2] != count:
         return args, kwargs
     with profiled("toma::merge"):

@@ -5,13 +5,14 @@ read shared state: the plans of the model's :class:`~toma.core.plan.PlanCache` a
 token order of its :class:`~toma.adapters.merging.TileState`. Both hold what the *latest*
 forward left there, so a forward between a forward and its backward (a teacher or target
 prediction under ``no_grad``, as distillation loops make) would hand the recomputed blocks
-another call's plans: gradients silently off by a few percent.
+another call's plans: gradients silently off, by up to a few percent.
 
 A :class:`ReplayHook` on every block with merged sub-modules keeps, after each forward that
-autograd may recompute (gradients on, or an input that requires them), a snapshot of that state keyed by the block's input tensor. A recomputation
-reaches the block with the same input tensor (checkpointing keeps it), inside the backward
-pass; the hook then runs the block on the snapshot, and puts the live state back after.
-A snapshot lives as long as its input tensor, which autograd frees with the graph.
+autograd may recompute (gradients on, or an input that requires them), a snapshot of that
+state keyed by the block's input tensor. A recomputation reaches the block with the same
+input tensor (checkpointing keeps it), inside the backward pass; the hook then runs the
+block on the snapshot, and puts the live state back after. A snapshot lives as long as its
+input tensor, which autograd frees with the graph.
 """
 
 from __future__ import annotations
