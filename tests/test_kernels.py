@@ -214,3 +214,25 @@ def test_merges_that_need_a_gradient_take_the_torch_path():
     leaf_ref = x.clone().requires_grad_(True)
     ref.unmerge(ref.merge(leaf_ref)).sum().backward()
     assert leaf.grad is not None and torch.equal(leaf.grad, leaf_ref.grad)
+
+
+def test_kontext_call_on_the_triton_path_matches_the_torch_path(monkeypatch):
+    # an editing call (reference tokens after the image's) merges from raster order with
+    # the kernels, the reference passing whole: the torch path's output up to summation order
+    import toma
+    from conftest import make_flux
+    from test_flux import kontext_inputs
+
+    model = make_flux()
+    kw = kontext_inputs(2, 8, 8, 4, 4)
+    blocks = dict(flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
+    out = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv(KERNELS_ENV, mode)
+        toma.apply_toma(model, ratio=0.5, **blocks)
+        with torch.no_grad():
+            out[mode] = model(**kw).sample
+        toma.remove_toma(model)
+    assert torch.allclose(out["triton"], out["torch"], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert (out["torch"] - model(**kw).sample).abs().max() > 1e-3
