@@ -69,6 +69,23 @@ def test_spatio_temporal_tiles_round_trip_and_window(t, h, w, tile):
         assert torch.equal(tile_order(x, layout)[0, :, 0].long(), slot_raster_index(layout))
 
 
+
+@pytest.mark.parametrize("h,w,tile", [(8, 12, (4, 4)), (16, 16, (2, 4)), (12, 8, (4, 2))])
+def test_image_flattens_straight_into_tile_order(h, w, tile):
+    # the values of tile_order on the image's raster tokens, in one copy; and back, contiguous
+    from toma.core.tiling import image_to_tile_order, tile_order_to_image
+
+    layout = make_layout(h, w, tile, 0.5)
+    image = torch.randn(2, 5, h, w)
+    tokens = image_to_tile_order(image, layout)
+    assert torch.equal(tokens, tile_order(image.permute(0, 2, 3, 1).reshape(2, h * w, 5), layout))
+    back = tile_order_to_image(tokens, layout)
+    assert torch.equal(back, image) and back.is_contiguous()
+    with pytest.raises(ValueError, match="one-frame layout of that grid without padding"):
+        image_to_tile_order(torch.randn(1, 5, h + 1, w), layout)
+    with pytest.raises(ValueError, match="padded"):
+        image_to_tile_order(torch.randn(1, 5, 10, 14), make_layout(10, 14, (4, 4), 0.5))
+
 def test_spatio_temporal_grid_selection_picks_real_distinct_slots():
     layout = make_layout(3, 5, (2, 2, 2), 0.5, t=3)
     picks, mask = grid_selection(layout), token_mask(layout)

@@ -249,13 +249,13 @@ def image_stack(module: torch.nn.Module) -> bool:
 class _ImageOrderHook(Hook):
     """On a ``Transformer2DModel``: flattens its image straight into tile order, and back.
 
-    The model flattens its ``(B, C, H, W)`` image into raster tokens with one copy and
-    unflattens them with another; :class:`_TileOrderHook` then adds a reordering copy at
+    The model flattens its ``(B, C, H, W)`` image into raster tokens (a view where it can)
+    and unflattens them with a copy; :class:`_TileOrderHook` then adds a reordering copy at
     each end. Here the model's own methods for those two steps are replaced, on the
-    instance, by ones whose copies write and read tile order (the same maths on the same
-    values otherwise): two copies per stack fewer. A call left in raster order (an attention
-    mask over the raster sequence, a grid other than the level's, a step that merges
-    nothing) runs the model's methods.
+    instance, by ones that write and read tile order in one copy each (the same maths on
+    the same values otherwise): one copy per stack fewer, two where flattening copied. A
+    call left in raster order (an attention mask over the raster sequence, a grid other
+    than the level's, a step that merges nothing) runs the model's methods.
     """
 
     def __init__(self, cache: PlanCache, downsample: int, state: TileState) -> None:
