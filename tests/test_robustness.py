@@ -361,3 +361,27 @@ def test_toma_hooks_register_inside_hooks_already_there(with_new_forward):
     assert remove_hook(layer, "toma")
     assert torch.equal(layer(x), ref)  # the cache's hook alone, still working
     assert calls == ["cache in", *inner, "cache out"]
+
+
+def test_checkpointed_editing_call_recomputes_with_its_own_token_order():
+    # a Flux Kontext forward (reference tokens leading in the blocks), then a plain call with
+    # no reference, then the Kontext call's backward: its recomputed blocks must see the
+    # reference again (the snapshot carries the token order's conditioning index too)
+    from tests.test_flux import kontext_inputs
+
+    kw = kontext_inputs(2, 8, 8, 4, 4)
+    plain = {**kw, "hidden_states": torch.randn(2, 64, 16), "img_ids": kw["img_ids"][:64]}
+    grads = []
+    for checkpointing in (False, True):
+        model = make_flux().train()
+        toma.apply_toma(model, ratio=0.5, **FLUX_ALL)
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        loss = model(**kw).sample.square().mean()
+        with torch.no_grad():
+            model(**plain)
+        loss.backward()
+        grads.append([p.grad for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
