@@ -15,6 +15,7 @@
 #                                              # the proportional-attention mask (~2 minutes more)
 #   PYTHON=python3.12 benchmarks/gpu.sh        # the interpreter that has torch and diffusers
 #   ONLY=kernels benchmarks/gpu.sh             # ToMA's Triton kernels against its torch path (~4 minutes)
+#   ONLY=kontext benchmarks/gpu.sh             # Flux.1 Kontext, one reference image (~1 minute)
 # ToMA rows run ToMA's Triton kernels wherever triton imports (it ships with CUDA torch);
 # TOMA_KERNELS=torch benchmarks/gpu.sh times its torch path instead.
 set -euo pipefail
@@ -42,6 +43,11 @@ want flux && bench --arch flux --methods none,toma,ideal --name flux_gpu "${comm
 # the same with proportional attention, whose float mask rules out flash kernels: it adds
 # 4-5 dB of fidelity on the built-in Flux DiT, and this row decides whether Flux turns it on
 want flux && bench --arch flux --methods none,toma --proportional-attention --name flux_prop_gpu "${common[@]}" "$@"
+# Flux.1 Kontext (editing): the same model with one 1024px reference image's 4096 tokens
+# after the image's; they pass whole. Opt-in (ONLY=kontext): about a minute more
+if [[ ",${ONLY:-}," == *",kontext,"* ]]; then
+  bench --arch flux-kontext --methods none,toma,ideal --name flux_kontext_gpu "${common[@]}" "$@"
+fi
 # SD3.5-Medium at full depth (24 blocks; the first 5 unmerged), 4096 image tokens
 want sd35 && bench --arch sd35 --methods none,toma,ideal --name sd35_gpu "${common[@]}" "$@"
 # Wan 2.1 T2V 1.3B at 480p x 81 frames: 21 x 30 x 52 = 32,760 tokens in self-attention; one
