@@ -425,3 +425,37 @@ def test_image_stack_leaves_other_stacks_alone():
     assert not image_stack(Transformer2DModel(num_attention_heads=2, attention_head_dim=4, in_channels=4,
                                               patch_size=2, sample_size=8, norm_type="ada_norm_single"))  # patches
     assert not image_stack(torch.nn.Linear(2, 2))
+
+
+def test_cross_attention_queries_merge_under_a_text_mask():
+    # encoder_attention_mask masks text keys, which stay whole: cross-attention's merged
+    # queries can use it as is. Such calls ran unmerged, silently. With every token its own
+    # destination and hard assignment, merging is a permutation: the output is unpatched's.
+    unet = make_sd15_unet()
+    kw = unet_inputs(2, 16, 16, False)
+    mask = torch.ones(2, kw["encoder_hidden_states"].shape[1])
+    mask[:, -2:] = 0
+    kw["encoder_attention_mask"] = mask
+    ref = run(unet, **kw)
+    patch = toma.apply_toma(unet, ratio=0.05, tile_size=2, temperature=0, merge_attn=False, merge_crossattn=True)
+    torch.testing.assert_close(run(unet, **kw), ref, rtol=0, atol=1e-5)
+    toma.remove_toma(unet)
+    patch = toma.apply_toma(unet, ratio=0.5, merge_attn=False, merge_crossattn=True)
+    queries = []
+    patch.patched[0].module.to_q.register_forward_pre_hook(lambda m, a: queries.append(a[0].shape[1]))
+    run(unet, **kw)
+    assert queries[0] == patch.cache.layout(16, 16).num_merged == 128
+
+
+def test_self_attention_with_a_mask_of_its_own_runs_unmerged_and_says_so():
+    unet = make_sd15_unet()
+    patch = toma.apply_toma(unet, ratio=0.5)
+    attn1 = patch.patched[0].module
+    x = torch.randn(2, 256, attn1.to_q.in_features)
+    mask = torch.zeros(2, 1, 256)
+    patch.cache.begin_forward((16, 16), None)
+    with torch.no_grad(), pytest.warns(UserWarning, match="attention mask over its unmerged tokens"):
+        out = attn1(x, attention_mask=mask)
+    toma.remove_toma(unet)
+    with torch.no_grad():
+        assert torch.equal(out, attn1(x, attention_mask=mask))

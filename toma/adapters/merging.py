@@ -71,7 +71,8 @@ class MergeHook(Hook):
         self.downsample = downsample
         self.order = order
         self.site = site
-        self.ratio = cache.config.ratio_for(site.part if site is not None else part)
+        self.part = site.part if site is not None else part
+        self.ratio = cache.config.ratio_for(self.part)
         self.bias = bias or (site is not None and site.part == "attn" and bool(cache.config.proportional_attention))
         self._plan: Plan | None = None
         self._tiled = False
@@ -84,14 +85,16 @@ class MergeHook(Hook):
         self._samples = None
         x = hidden_states_of(args, kwargs)
         grid = self.cache.grid_at(self.downsample)
-        if x is None or x.ndim != 3 or grid is None:
+        if x is None or x.ndim != 3 or grid is None or not grid[-1]:  # (0, 0, 0): this forward merges nothing
             return args, kwargs
         # a mask of the model's own is laid out over the unmerged keys; cross-attention's
         # keys are the text, which stays whole, so only self-attention must then adapt it
         # to the merged keys (where the family says how) or run unmerged
         site = self.site
-        own = None if site is not None and site.part == "cross" else self._own_mask(args, kwargs)
+        own = None if self.part == "cross" else self._own_mask(args, kwargs)
         if own is not None and (site is None or site.joint_mask is None):
+            self._warn_once(f"ToMA: {type(module).__name__} got an attention mask over its unmerged tokens, which "
+                            "does not fit merged ones; such calls run unmerged")
             return args, kwargs
         tiled = self.order.layout is not None
         tokens = math.prod(grid)
