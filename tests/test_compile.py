@@ -26,8 +26,9 @@ STEP_HOOK_FUNCTIONS = {"timestep_value", "image_grid", "begin_forward"}
 
 
 # compiling is slow on a CPU: of the newer families, FLUX.2 (dual then single stream, ids
-# read in the step hook) and CogVideoX (a video family with its own processor) are compiled
-COMPILED = ["tiny-unet", "tiny-flux", "tiny-sd3", "tiny-wan", "tiny-flux2", "tiny-cogvideox"]
+# read in the step hook) and CogVideoX (a video family with its own processor) are compiled,
+# and Flux with a reference image (Kontext: the conditioning tokens' reorderings)
+COMPILED = ["tiny-unet", "tiny-flux", "tiny-flux-kontext", "tiny-sd3", "tiny-wan", "tiny-flux2", "tiny-cogvideox"]
 
 
 def toma_frames(reason):

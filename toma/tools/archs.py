@@ -340,6 +340,8 @@ ARCHS: dict[str, Arch] = {
                          "Flux.1 Kontext transformer, editing one reference image", references=1),
     "tiny-unet": Arch("tiny-unet", "unet", TINY_UNET, 128, 8, 32, 0, 8, "tiny SD-like UNet (tests)", patch=1),
     "tiny-flux": Arch("tiny-flux", "flux", TINY_FLUX, 128, 8, 32, 16, 8, "tiny Flux-like transformer (tests)"),
+    "tiny-flux-kontext": Arch("tiny-flux-kontext", "flux", TINY_FLUX, 128, 8, 32, 16, 8,
+                              "tiny Flux-like transformer with a reference image (tests)", references=1),
     "sd35": Arch("sd35", "sd3", SD35_MEDIUM, 1024, 333, 4096, 2048, 8, "SD3.5-Medium transformer"),
     "wan": Arch("wan", "wan", WAN21_1_3B, 480, 512, 4096, 0, 8, "Wan 2.1 T2V 1.3B transformer", 832 / 480, 81),
     "tiny-sd3": Arch("tiny-sd3", "sd3", TINY_SD3, 128, 8, 32, 16, 8, "tiny SD3-like transformer (tests)"),
