@@ -61,7 +61,7 @@ from toma.adapters.spec import (
 )
 from toma.config import ToMAConfig
 from toma.core.plan import PlanCache, profiled
-from toma.core.tiling import TileLayout, raster_order, tile_order
+from toma.core.tiling import TileLayout, raster_order, slot_raster_index, tile_order
 
 # the names family specs take from here
 __all__ = [
@@ -273,9 +273,7 @@ class StepHook(Hook):
         known = self._lead.get(key)
         if known is None:
             with torch.inference_mode(False):
-                image = torch.arange(tokens, device=device)
-                if layout is not None:
-                    image = tile_order(image[None, :, None], layout).flatten()
+                image = torch.arange(tokens, device=device) if layout is None else slot_raster_index(layout, device)
                 enter = torch.cat([torch.arange(tokens, tokens + extra, device=device), image])
                 known = self._lead[key] = (enter, torch.argsort(enter))
         return known

@@ -42,11 +42,14 @@ class Replay:
         self.states = states
         self._records: dict[tuple, tuple[weakref.ref, tuple]] = {}
 
+    def _orders(self) -> tuple[dict, ...]:
+        return tuple(dict(vars(s)) for s in self.states)
+
     def _state(self) -> tuple:
-        return self.cache.snapshot(), tuple(dict(vars(s)) for s in self.states)
+        return self.cache.snapshot(), self._orders()
 
     def _put(self, state: tuple) -> tuple:
-        live = (self.cache.restore(state[0]), tuple(dict(vars(s)) for s in self.states))
+        live = self.cache.restore(state[0]), self._orders()
         for s, fields in zip(self.states, state[1]):
             vars(s).update(fields)
         return live
