@@ -31,7 +31,7 @@ from toma.core.tiling import (
     slot_raster_index,
     to_tiles,
 )
-from toma.kernels import use_triton
+from toma.kernels import merges_from_raster, use_triton
 
 
 class Memo:
@@ -103,7 +103,9 @@ class Plan(Memo):
                 from toma.kernels.triton_ops import merge_tokens
 
                 src = self.kernels.src_tiled if tiled else self.kernels.src_raster
-                return merge_tokens(x, _as(self.merge_w, x.dtype), src, self.kernels.dst_rows, self.num_merged)
+                out = merge_tokens(x, _as(self.merge_w, x.dtype), src, self.kernels.dst_rows, self.num_merged)
+                if out is not None:  # None: the kernel cannot run here, the torch path does
+                    return out
             if tiled:
                 tiles = x.unflatten(1, (self.layout.num_tiles, self.layout.tile_area))
             else:
@@ -129,7 +131,9 @@ class Plan(Memo):
                 rows = self.layout.num_tiles * self.layout.tile_area if tiled else self.layout.num_tokens
                 # unmerge_w is a transposed view of the (k, n) assignment the kernel reads
                 a = _as(self.unmerge_w, y.dtype).transpose(-1, -2)
-                return unmerge_tokens(y, a, src, self.kernels.dst_rows, rows, residual)
+                out = unmerge_tokens(y, a, src, self.kernels.dst_rows, rows, residual)
+                if out is not None:
+                    return out
             if self.spread_index is not None:
                 y = y.index_select(1, self.spread_index)
             lay = self.layout
@@ -214,7 +218,9 @@ def build_plan(
     # rest of its batch into NaNs.
     with torch.no_grad():
         if kernels is not None and config.selection == "facility":
-            return _fused_plan(tiles.detach().flatten(1, 2), kernels.src_tiled, layout, config, dtype, index, kernels)
+            plan = _fused_plan(tiles.detach().flatten(1, 2), kernels.src_tiled, layout, config, dtype, index, kernels)
+            if plan is not None:
+                return plan
         clean = finite_or_zero(tiles.detach())
         return _build_plan(clean, layout, config, dtype, generator, index, kernels)
 
@@ -245,9 +251,15 @@ def build_fused_plan(
 ) -> Plan:
     """:func:`build_plan` for facility-location selection with the Triton kernels, straight
     from tokens ``x`` ``(Bp, N, C)`` in raster order (tile order when ``tiled``): one launch,
-    no copy of the tokens into tiles."""
+    no copy of the tokens into tiles. Where the plan kernel cannot run, the torch path
+    builds the plan (which the merge kernels still apply)."""
     with torch.no_grad():
-        return _fused_plan(x.detach(), kernels.src_tiled if tiled else kernels.src_raster, layout, config, dtype, index, kernels)
+        plan = _fused_plan(x.detach(), kernels.src_tiled if tiled else kernels.src_raster, layout, config, dtype, index,
+                           kernels)
+        if plan is not None:
+            return plan
+        tiles = x.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(x, layout, index.gather_index)
+        return _build_plan(finite_or_zero(tiles.detach()), layout, config, dtype, None, index, kernels)
 
 
 def _fused_plan(
@@ -258,16 +270,18 @@ def _fused_plan(
     dtype: torch.dtype,
     index: LayoutIndex | None,
     kernels: KernelIndex,
-) -> Plan:
+) -> Plan | None:
+    """The plan from the plan kernel, or None where that kernel cannot run."""
     from toma.kernels.triton_ops import plan_tiles
 
     index = index if index is not None else layout_index(layout, x.device)
     with profiled("toma::select"):
         # similarities, the greedy, the assignment and its weights; non-finite tokens
         # count as zero vectors inside the kernel
-        dest, a, merge_w, mass, log_mass, _ = plan_tiles(
-            x, src_rows, layout.slots, config.temperature, dtype, kernels.token_mask, kernels.keep
-        )
+        planned = plan_tiles(x, src_rows, layout.slots, config.temperature, dtype, kernels.token_mask, kernels.keep)
+    if planned is None:
+        return None
+    dest, a, merge_w, mass, log_mass, _ = planned
     flat_mass, flat_log = mass.flatten(1), log_mass.flatten(1)
     if index.keep_index is not None:
         flat_mass = flat_mass.index_select(1, index.keep_index)
@@ -454,7 +468,7 @@ class PlanCache:
         or None where they stay in raster order (nothing merged, a padded grid whose
         tiles are not a permutation of the tokens, or tokens on a ``device`` where the
         Triton kernels merge straight from raster order, which saves the two copies)."""
-        if self.config.max_ratio == 0 or not self.active or (device is not None and use_triton(device)):
+        if self.config.max_ratio == 0 or not self.active or (device is not None and merges_from_raster(device)):
             return None
         # the tile order is the same at every ratio; the largest ratio's layout carries it
         layout = self.layout(*grid, ratio=self.config.max_ratio)

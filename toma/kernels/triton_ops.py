@@ -13,22 +13,33 @@ copies:
   order folded into their loads and stores (a row index per tile slot), so tokens can stay
   in raster order with no copy.
 
+Every launch goes through :func:`_launch`, which runs it on its tensors' device, checks
+that its block shape fits the device before the first launch of that shape, and turns an
+error into a torch-path fallback in ``auto`` mode (see :mod:`toma.kernels`): the public
+functions then return None and the caller runs the torch path.
+
 Under ``TRITON_INTERPRET=1`` they run on CPU tensors (slowly), which is how the tests
-check them against the torch path on machines without a GPU.
+check them against the torch path on machines without a GPU; the interpreter does not
+apply the GPU compiler's rules, which :mod:`toma.kernels.aot` checks ahead of time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from toma.kernels import HEALTH, KERNELS_ENV, LAUNCH_OBSERVERS, kernel_mode
+
 # Adding then subtracting 1.5 * 2**23 rounds a float32 of magnitude <= 2**22 to the nearest
 # integer, ties to even, exactly like torch.round. libdevice.rint would do, but the Triton
-# interpreter cannot run libdevice calls.
-_ROUNDER = 12582912.0
+# interpreter cannot run libdevice calls. A kernel may only read a global that is a
+# tl.constexpr instance: the interpreter accepts a plain float, the GPU compiler does not.
+_ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -60,10 +71,11 @@ def _plan_kernel(
             gram += tl.dot(xb, tl.trans(xb), input_precision="ieee")
         else:
             gram += tl.dot(xb, tl.trans(xb))
-    # cosine similarity, as F.normalize: norms floored at 1e-12
+    # cosine similarity, as F.normalize: norms floored at 1e-12, and correctly rounded square
+    # roots (tl.sqrt may compile to an approximate one)
     diag = rows[:, None] == cols[None, :]
-    norm = tl.maximum(tl.sqrt(tl.sum(tl.where(diag, gram, 0.0), axis=1)), 1e-12)
-    norm_c = tl.maximum(tl.sqrt(tl.sum(tl.where(diag, gram, 0.0), axis=0)), 1e-12)
+    norm = tl.maximum(tl.sqrt_rn(tl.sum(tl.where(diag, gram, 0.0), axis=1)), 1e-12)
+    norm_c = tl.maximum(tl.sqrt_rn(tl.sum(tl.where(diag, gram, 0.0), axis=0)), 1e-12)
     sim = gram / norm[:, None] / norm_c[None, :]
     if SAVE_SIM:
         tl.store(sim_ptr + g * n * n + rows[:, None] * n + cols[None, :], sim, mask=real_r[:, None] & real_c[None, :])
@@ -136,7 +148,7 @@ def plan_tiles(
     token_mask: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
     save_sim: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """Similarities, destinations, assignment, merge weights and masses of every tile, in one launch.
 
     Args:
@@ -155,7 +167,8 @@ def plan_tiles(
         those similarities), ``a`` ``(Bp, T, k, n)`` assignment and ``merge_w``
         ``(Bp, T, k, n)`` in ``dtype``, ``mass`` ``(Bp, T, k)`` float32 (as
         :func:`toma.core.merge.destination_mass`), its log ``(Bp, T, k)`` in ``dtype`` (the
-        proportional-attention bias), and the similarities or None.
+        proportional-attention bias), and the similarities or None. None instead of all
+        that when the kernel cannot run here (see :func:`_launch`): use the torch path.
     """
     bp, _, c = x.shape
     tiles, n = src_rows.shape
@@ -170,13 +183,16 @@ def plan_tiles(
     if token_mask is not None and token_mask.dtype == torch.bool:
         token_mask = token_mask.to(torch.int8)
     tmask = src_rows if token_mask is None else token_mask  # src_rows: an unused pointer
-    _plan_kernel[(bp * tiles,)](
-        x, src_rows, tmask, src_rows if keep is None else keep, dest, a, mw, mass, log_mass, sim,
-        tiles, n, k, c, x.stride(0), x.stride(1), x.stride(2), scale, float(temperature),
-        N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=_block_c(c),
-        IEEE=x.dtype == torch.float32, HAS_TMASK=token_mask is not None, HAS_KEEP=keep is not None,
-        HARD=temperature == 0, SAVE_SIM=save_sim,
+    launched = _launch(
+        "plan", (bp * tiles,),
+        (x, src_rows, tmask, src_rows if keep is None else keep, dest, a, mw, mass, log_mass, sim,
+         tiles, n, k, c, x.stride(0), x.stride(1), x.stride(2), scale, float(temperature)),
+        dict(N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=_block_c(c),
+             IEEE=x.dtype == torch.float32, HAS_TMASK=token_mask is not None, HAS_KEEP=keep is not None,
+             HARD=temperature == 0, SAVE_SIM=save_sim),
     )
+    if not launched:
+        return None
     return dest, a, mw, mass, log_mass, sim if save_sim else None
 
 
@@ -246,8 +262,10 @@ def _block_c(c: int) -> int:
     return max(16, min(64, triton.next_power_of_2(c)))
 
 
-def merge_tokens(x: torch.Tensor, merge_w: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_merged: int) -> torch.Tensor:
-    """Merge ``x`` ``(B, N', C)`` with ``merge_w`` ``(Bp, T, k, n)`` into ``(B, K, C)``.
+def merge_tokens(x: torch.Tensor, merge_w: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+                 num_merged: int) -> torch.Tensor | None:
+    """Merge ``x`` ``(B, N', C)`` with ``merge_w`` ``(Bp, T, k, n)`` into ``(B, K, C)``, or
+    None when the kernel cannot run here (use the torch path).
 
     Args:
         src_rows: ``(T, n)`` int32 row of ``x`` in each tile slot, -1 for padded slots
@@ -261,24 +279,26 @@ def merge_tokens(x: torch.Tensor, merge_w: torch.Tensor, src_rows: torch.Tensor,
     merge_w = merge_w.contiguous()
     out = torch.empty(b, num_merged, c, dtype=x.dtype, device=x.device)
     bc = _block_c(c)
-    _merge_kernel[(b * tiles, triton.cdiv(c, bc))](
-        x, merge_w, src_rows, dst_rows, out,
-        tiles, n, k, c, x.stride(0), x.stride(1), x.stride(2), 0 if bp == 1 else merge_w.stride(0),
-        out.stride(0), out.stride(1),
-        N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=bc,
-        IEEE=x.dtype == torch.float32,
+    launched = _launch(
+        "merge", (b * tiles, triton.cdiv(c, bc)),
+        (x, merge_w, src_rows, dst_rows, out,
+         tiles, n, k, c, x.stride(0), x.stride(1), x.stride(2), 0 if bp == 1 else merge_w.stride(0),
+         out.stride(0), out.stride(1)),
+        dict(N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=bc,
+             IEEE=x.dtype == torch.float32),
     )
-    return out
+    return out if launched else None
 
 
 def unmerge_tokens(y: torch.Tensor, a: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_rows: int,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """Unmerge ``y`` ``(B, K, C)`` with the assignment ``a`` ``(Bp, T, k, n)`` (``A``, whose
     transpose is the unmerge weights) into ``(B, num_rows, C)``; rows are placed by
     ``src_rows`` (see :func:`merge_tokens`), and rows no slot names are left unwritten.
 
     With ``residual`` ``(B, num_rows, C)``, returns ``residual + unmerge(y)`` (the sum in
-    float32, then rounded once), in the same launch."""
+    float32, then rounded once), in the same launch. None when the kernel cannot run here
+    (use the torch path)."""
     b, _, c = y.shape
     bp, tiles, k, n = a.shape
     _check_batch(b, bp)
@@ -287,16 +307,129 @@ def unmerge_tokens(y: torch.Tensor, a: torch.Tensor, src_rows: torch.Tensor, dst
     out = torch.empty(b, num_rows, c, dtype=y.dtype, device=y.device)
     res = out if residual is None else residual  # not read without a residual
     bc = _block_c(c)
-    _unmerge_kernel[(b * tiles, triton.cdiv(c, bc))](
-        y, a, src_rows, dst_rows, out, res,
-        tiles, n, k, c, y.stride(0), y.stride(1), y.stride(2),
-        0 if bp == 1 else a.stride(0), a.stride(1), a.stride(2), a.stride(3), out.stride(0), out.stride(1),
-        res.stride(0), res.stride(1), res.stride(2),
-        N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=bc,
-        IEEE=y.dtype == torch.float32, RESIDUAL=residual is not None,
+    launched = _launch(
+        "unmerge", (b * tiles, triton.cdiv(c, bc)),
+        (y, a, src_rows, dst_rows, out, res,
+         tiles, n, k, c, y.stride(0), y.stride(1), y.stride(2),
+         0 if bp == 1 else a.stride(0), a.stride(1), a.stride(2), a.stride(3), out.stride(0), out.stride(1),
+         res.stride(0), res.stride(1), res.stride(2)),
+        dict(N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=bc,
+             IEEE=y.dtype == torch.float32, RESIDUAL=residual is not None),
     )
-    return out
+    return out if launched else None
 
 
 # every launch site's kernel, for toma.tools.opcount to count
 KERNELS = (_plan_kernel, _merge_kernel, _unmerge_kernel)
+
+# launch name -> kernel; looked up at each launch, so a test can put a failing kernel here
+KERNEL_FNS: dict[str, Any] = {"plan": _plan_kernel, "merge": _merge_kernel, "unmerge": _unmerge_kernel}
+
+# launch options: fused multiply-adds off, so that a GPU rounds each product and sum as
+# the interpreter (and the torch path) does; and no Triton warning about its default
+_OPTIONS = {"enable_fp_fusion": False}
+
+
+class _DryRun:
+    depth = 0
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Inside, the public functions record their launches (observers) without launching:
+    on ``meta`` tensors, they give every launch's signature with no device at all."""
+    _DryRun.depth += 1
+    try:
+        yield
+    finally:
+        _DryRun.depth -= 1
+
+
+def _launch(name: str, grid: tuple, args: tuple, meta: dict) -> bool:
+    """Launch kernel ``name`` on ``grid`` on its tensors' device; False if it takes the torch
+    path instead (turned off by an earlier error, a block shape that does not fit the
+    device, or an error now, in ``auto`` mode; each said once)."""
+    kernel = KERNEL_FNS[name]
+    if not _DryRun.depth and not HEALTH.usable(name):
+        return False
+    for observer in LAUNCH_OBSERVERS:
+        observer(name, kernel, args, meta)
+    if _DryRun.depth:
+        return True
+    device = args[0].device
+    try:
+        with _device_guard(device):
+            if not _fits(name, kernel, grid, args, meta, device):
+                return False
+            kernel[grid](*args, **meta, **_OPTIONS)
+    except Exception as err:
+        if kernel_mode() == "triton":
+            raise
+        HEALTH.fail(name, err)
+        return False
+    return True
+
+
+def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current device: make it ``device`` (tensors on ``cuda:1``
+    launched with ``cuda:0`` current would be read through the wrong device's addresses)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device.index)
+    return contextlib.nullcontext()
+
+
+def _fits(name: str, kernel: Any, grid: tuple, args: tuple, meta: dict, device: torch.device) -> bool:
+    """Whether this launch's block shape fits ``device``, from its compiled shared memory,
+    before the first launch of that shape (Triton would raise out of resources there).
+    The interpreter has no limits."""
+    key = (name, tuple(meta.values()), args[0].dtype, device)
+    fits = HEALTH.fits.get(key)
+    if fits is None:
+        limit = _shared_limit(device)
+        if limit is None:
+            HEALTH.fits[key] = True
+            return True
+        needed = _shared_needed(kernel, grid, args, meta)
+        fits = HEALTH.fits[key] = needed <= limit
+        if not fits:
+            message = (
+                f"toma: the Triton {name} kernel for N={meta.get('N')}, KB={meta.get('KB')} in {args[0].dtype} needs "
+                f"{needed} bytes of shared memory, more than this device's {limit}; those launches take the torch path"
+            )
+            if kernel_mode() == "triton":
+                raise RuntimeError(message.replace("; those launches take the torch path", "") +
+                                   f" (a smaller tile_size fits; {KERNELS_ENV}=auto falls back by itself)")
+            HEALTH.say(message)
+    return fits
+
+
+def _shared_needed(kernel: Any, grid: tuple, args: tuple, meta: dict) -> int:
+    # compiles (or finds in Triton's cache) exactly what the launch will run
+    return int(kernel.warmup(*args, grid=grid, **meta, **_OPTIONS).metadata.shared)
+
+
+def _shared_limit(device: torch.device) -> int | None:
+    """The most shared memory a block may use on ``device`` (what Triton checks at load),
+    or None where there is no limit (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    from triton.runtime import driver
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def probe(device: torch.device) -> None:
+    """Launch each kernel once on tiny inputs on ``device``, so that an environment where
+    a kernel cannot run at all (a compile error, a driver that rejects the code) turns it
+    off before the first real merge rather than in the middle of a forward."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 16, generator=g).to(device)
+    src = torch.arange(16, dtype=torch.int32, device=device).view(1, 16)
+    dst = torch.arange(8, dtype=torch.int32, device=device).view(1, 8)
+    planned = plan_tiles(x, src, 8, 0.1, x.dtype)
+    # the merge kernels run on weights of their own if the plan kernel could not
+    mw = planned[2] if planned is not None else torch.full((1, 1, 8, 16), 1 / 16, device=device)
+    a = planned[1] if planned is not None else mw
+    merged = merge_tokens(x, mw, src, dst, 8)
+    unmerge_tokens(merged if merged is not None else x[:, :8], a, src, dst, 16)
