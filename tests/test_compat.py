@@ -26,8 +26,8 @@ from tests.conftest import (
     unet_inputs,
     wan_inputs,
 )
-from tests.test_dit_mmdit import flux2_inputs, make_flux2, make_qwen, qwen_inputs
-from tests.test_dit_video import cogvideox_inputs, hunyuan_inputs, make_cogvideox, make_hunyuan
+from tests.tiny_models import flux2_inputs, make_flux2, make_qwen, qwen_inputs
+from tests.tiny_models import cogvideox_inputs, hunyuan_inputs, make_cogvideox, make_hunyuan
 from tests.test_robustness import _engine_family
 
 NEWER = ["ltx", "qwenimage", "flux2", "hunyuanvideo", "cogvideox"]

@@ -223,56 +223,7 @@ def test_a_spanning_site_needs_until_and_call_together():
 
 
 # ------------------------------------------------------------------ QwenImage and Flux.2
-TEXT_DIM = 32
-
-
-def make_qwen(layers: int = 3):
-    from diffusers import QwenImageTransformer2DModel
-
-    torch.manual_seed(0)
-    return QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=layers, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6),
-    ).eval()
-
-
-def qwen_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
-    """Packed latents of ``h x w`` tokens (2x2 latent patches of 4 channels), a text mask of ones."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(batch, h * w, 16, generator=g),
-        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
-        "encoder_hidden_states_mask": torch.ones(batch, text),
-        "timestep": torch.full((batch,), 0.5),
-        "img_shapes": [[(1, h, w)]] * batch,
-    }
-
-
-def make_flux2(double: int = 2, single: int = 2, text_dim: int = TEXT_DIM):
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(0)
-    return Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=double, num_single_layers=single, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=text_dim, timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4),
-    ).eval()
-
-
-def flux2_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
-    """Packed latents of ``h x w`` tokens with Flux.2's (t, h, w, l) ids, as its pipelines make them."""
-    g = torch.Generator().manual_seed(seed)
-    one = torch.arange(1)
-    img_ids = torch.cartesian_prod(one, torch.arange(h), torch.arange(w), one)
-    txt_ids = torch.cartesian_prod(one, one, one, torch.arange(text))
-    return {
-        "hidden_states": torch.randn(batch, h * w, 16, generator=g),
-        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
-        "timestep": torch.full((batch,), 0.5),
-        "img_ids": img_ids[None].expand(batch, -1, -1),
-        "txt_ids": txt_ids[None].expand(batch, -1, -1),
-        "guidance": torch.full((batch,), 3.5),
-    }
-
+from tests.tiny_models import TEXT_DIM, flux2_inputs, make_flux2, make_qwen, qwen_inputs  # noqa: E402
 
 ALL_QWEN = {"blocks": {"transformer_blocks": range(3)}}
 ALL_FLUX2 = {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}

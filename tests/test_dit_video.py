@@ -10,68 +10,14 @@ import torch
 import toma
 from tests.test_dit import check_tile_order_matches_raster
 
-TEXT_DIM = 32
-
-
-def make_hunyuan(seed: int = 0, layers: int = 2, single: int = 2, in_channels: int = 4, **config):
-    """Dual-stream then single-stream blocks, 2 heads of 8 channels, 3-D rotary over (2, 2, 4) channels."""
-    from diffusers import HunyuanVideoTransformer3DModel
-
-    torch.manual_seed(seed)
-    return HunyuanVideoTransformer3DModel(
-        in_channels=in_channels, out_channels=in_channels, num_attention_heads=2, attention_head_dim=8, num_layers=layers,
-        num_single_layers=single, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=TEXT_DIM,
-        pooled_projection_dim=16, rope_axes_dim=(2, 2, 4), **config,
-    ).eval()
-
-
-def hunyuan_inputs(batch: int, frames: int, h: int, w: int, text: int = 6, padded: int = 2, seed: int = 1) -> dict:
-    """Latents ``(B, 4, frames, h, w)`` (tokens ``frames x h/2 x w/2``); the last sample's
-    last ``padded`` text tokens are padding."""
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.ones(batch, text)
-    if padded:
-        mask[-1, -padded:] = 0
-    return {
-        "hidden_states": torch.randn(batch, 4, frames, h, w, generator=g),
-        "timestep": torch.full((batch,), 500.0),
-        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
-        "encoder_attention_mask": mask,
-        "pooled_projections": torch.randn(batch, 16, generator=g),
-        "guidance": torch.full((batch,), 3500.0),
-    }
-
-
-def make_cogvideox(seed: int = 0, layers: int = 3, patch_size_t: int | None = None, in_channels: int = 4, text_dim: int = 16):
-    """CogVideoX-5B-like (rotary positions from the caller); ``patch_size_t=2`` is CogVideoX 1.5."""
-    from diffusers import CogVideoXTransformer3DModel
-
-    torch.manual_seed(seed)
-    return CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=16, in_channels=in_channels, out_channels=in_channels, time_embed_dim=8,
-        text_embed_dim=text_dim, num_layers=layers, sample_width=8, sample_height=8, sample_frames=5, patch_size=2,
-        patch_size_t=patch_size_t, temporal_compression_ratio=4, max_text_seq_length=8, use_rotary_positional_embeddings=True,
-        patch_bias=patch_size_t is None,
-    ).eval()
-
-
-def cogvideox_rotary(frames: int, th: int, tw: int, head_dim: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(frames * th * tw, head_dim)`` cos and sin tables CogVideoXPipeline passes, raster order."""
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed
-
-    return get_3d_rotary_pos_embed(head_dim, ((0, 0), (th, tw)), (th, tw), frames)
-
-
-def cogvideox_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, patch_t: int = 1, seed: int = 1) -> dict:
-    """Latents ``(B, frames, 4, h, w)`` (tokens ``frames / patch_t x h/2 x w/2``) and their rotary tables."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(batch, frames, 4, h, w, generator=g),
-        "encoder_hidden_states": torch.randn(batch, text, 16, generator=g),
-        "timestep": torch.full((batch,), 500.0),
-        "image_rotary_emb": cogvideox_rotary(frames // patch_t, h // 2, w // 2),
-    }
-
+from tests.tiny_models import (  # noqa: E402
+    TEXT_DIM,
+    cogvideox_inputs,
+    cogvideox_rotary,
+    hunyuan_inputs,
+    make_cogvideox,
+    make_hunyuan,
+)
 
 HUNYUAN_ALL = {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}
 COG_ALL = {"blocks": {"transformer_blocks": range(3)}}

@@ -7,6 +7,7 @@ import torch
 
 import toma
 from tests.conftest import flux_inputs, make_flux
+from tests.tiny_models import kontext_inputs
 from toma.adapters.flux import default_blocks, image_grid
 
 
@@ -165,17 +166,6 @@ def test_controlnet_residuals_keep_raster_order(flux, monkeypatch):
         assert torch.equal(flux(**kw, controlnet_block_samples=residual).sample, plain)
     toma.remove_toma(flux)
 
-
-
-def kontext_inputs(batch: int, h: int, w: int, rh: int, rw: int) -> dict:
-    """Flux Kontext's call: an ``h x w`` image's tokens, then a reference image's ``rh x rw``
-    (ids with a first column of 1)."""
-    kw = flux_inputs(batch, h, w)
-    rows, cols = torch.meshgrid(torch.arange(rh), torch.arange(rw), indexing="ij")
-    ref_ids = torch.stack([torch.ones_like(rows), rows, cols], -1).reshape(-1, 3).float()
-    g = torch.Generator().manual_seed(7)
-    return {**kw, "img_ids": torch.cat([kw["img_ids"], ref_ids]),
-            "hidden_states": torch.cat([kw["hidden_states"], torch.randn(batch, rh * rw, 16, generator=g)], dim=1)}
 
 
 @pytest.mark.parametrize("proportional", [False, True])

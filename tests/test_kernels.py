@@ -225,7 +225,7 @@ def test_kontext_call_on_the_triton_path_matches_the_torch_path(monkeypatch):
     # an editing call (reference tokens after the image's) merges from raster order with
     # the kernels, the reference passing whole: the torch path's output up to summation order
     from conftest import make_flux
-    from test_flux import kontext_inputs
+    from tiny_models import kontext_inputs
 
     blocks = dict(flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
     assert_kernels_match_torch_path(monkeypatch, make_flux(), kontext_inputs(2, 8, 8, 4, 4), blocks)

@@ -367,7 +367,7 @@ def test_checkpointed_editing_call_recomputes_with_its_own_token_order():
     # a Flux Kontext forward (reference tokens leading in the blocks), then a plain call with
     # no reference, then the Kontext call's backward: its recomputed blocks must see the
     # reference again (the snapshot carries the token order's conditioning index too)
-    from tests.test_flux import kontext_inputs
+    from tests.tiny_models import kontext_inputs
 
     kw = kontext_inputs(2, 8, 8, 4, 4)
     plain = {**kw, "hidden_states": torch.randn(2, 64, 16), "img_ids": kw["img_ids"][:64]}

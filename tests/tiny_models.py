@@ -1,0 +1,359 @@
+"""The tiny denoisers the tests build, one table of them, and nothing of toma's.
+
+Every family's model is built from a config dict with small random weights (the real
+diffusers code paths, no downloads), with an input builder for one call. The table
+:data:`FAMILIES` gives, per family, what the conformance tests and the bitwise A/B of
+refactors (``benchmarks/bitwise_ab.py``) need: the model, a call's inputs, and the
+``apply_toma`` options that merge every block of the tiny model. This module imports no
+toma, so that one process can run it against two versions of the library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from diffusers import FluxTransformer2DModel, UNet2DConditionModel
+
+CROSS_DIM = 32
+TEXT_DIM = CROSS_DIM
+
+
+def make_sdxl_unet(seed: int = 0) -> UNet2DConditionModel:
+    """SDXL-like: no attention at full latent resolution, text_time added conditioning."""
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        cross_attention_dim=CROSS_DIM,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=8 * 6 + CROSS_DIM,
+        norm_num_groups=8,
+    ).eval()
+
+
+def make_sd15_unet(seed: int = 0) -> UNet2DConditionModel:
+    """SD-1.5-like: attention from the full latent resolution down."""
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=4,
+        cross_attention_dim=CROSS_DIM,
+        norm_num_groups=8,
+    ).eval()
+
+
+def make_flux(seed: int = 0, double: int = 2, single: int = 2) -> FluxTransformer2DModel:
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=double,
+        num_single_layers=single,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=CROSS_DIM,
+        pooled_projection_dim=CROSS_DIM,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()
+
+
+def unet_inputs(batch: int, h: int, w: int, sdxl: bool, dtype=torch.float32, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    kwargs = {
+        "sample": torch.randn(batch, 4, h, w, generator=g).to(dtype),
+        "timestep": torch.tensor(500),
+        "encoder_hidden_states": torch.randn(batch, 7, CROSS_DIM, generator=g).to(dtype),
+    }
+    if sdxl:
+        kwargs["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(batch, CROSS_DIM, generator=g).to(dtype),
+            "time_ids": torch.tensor([[h * 8, w * 8, 0, 0, h * 8, w * 8]], dtype=dtype).repeat(batch, 1),
+        }
+    return kwargs
+
+
+def flux_inputs(batch: int, h: int, w: int, text: int = 5, dtype=torch.float32, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    return {
+        "hidden_states": torch.randn(batch, h * w, 16, generator=g).to(dtype),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g).to(dtype),
+        "pooled_projections": torch.randn(batch, CROSS_DIM, generator=g).to(dtype),
+        "timestep": torch.full((batch,), 0.7, dtype=dtype),
+        "img_ids": img_ids,
+        "txt_ids": torch.zeros(text, 3),
+    }
+
+
+def make_sd3(seed: int = 0, layers: int = 4, dual: tuple[int, ...] = (0, 1)):
+    """SD3.5-like: joint attention, the first blocks with an image-only second attention."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    return SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=layers, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=CROSS_DIM, caption_projection_dim=16, pooled_projection_dim=16,
+        pos_embed_max_size=32, dual_attention_layers=dual,
+    ).eval()
+
+
+def sd3_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Latents of ``h x w`` (tokens ``h/2 x w/2``)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, 4, h, w, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "pooled_projections": torch.randn(batch, 16, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+    }
+
+
+def make_wan(seed: int = 0, layers: int = 3, in_channels: int = 4, text_dim: int = CROSS_DIM):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=in_channels,
+        out_channels=in_channels, text_dim=text_dim, freq_dim=16, ffn_dim=32, num_layers=layers, rope_max_seq_len=32,
+    ).eval()
+
+
+def wan_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Latents of ``frames x h x w`` (tokens ``frames x h/2 x w/2``)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, 4, frames, h, w, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+    }
+
+
+def make_pixart(seed: int = 0, layers: int = 3):
+    from diffusers import PixArtTransformer2DModel
+
+    torch.manual_seed(seed)
+    return PixArtTransformer2DModel(
+        sample_size=8, num_layers=layers, patch_size=2, attention_head_dim=8, num_attention_heads=2, caption_channels=CROSS_DIM,
+        in_channels=4, cross_attention_dim=16, out_channels=8, attention_bias=True, activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+    ).eval()
+
+
+def pixart_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Latents of ``h x w`` (tokens ``h/2 x w/2``), with a text mask that hides the last text token."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, text)
+    mask[:, -1] = 0
+    return {
+        "hidden_states": torch.randn(batch, 4, h, w, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "timestep": torch.full((batch,), 500),
+        "encoder_attention_mask": mask,
+        "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+    }
+
+
+def make_ltx(seed: int = 0, layers: int = 3):
+    from diffusers import LTXVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    return LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, num_layers=layers, caption_channels=CROSS_DIM,
+    ).eval()
+
+
+def ltx_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Flattened latents of ``frames x h x w`` tokens, with a text mask."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, text)
+    mask[:, -1] = 0
+    return {
+        "hidden_states": torch.randn(batch, frames * h * w, 8, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "timestep": torch.full((batch,), 500),
+        "encoder_attention_mask": mask,
+        "num_frames": frames,
+        "height": h,
+        "width": w,
+    }
+
+
+def make_qwen(layers: int = 3):
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    return QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=layers, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6),
+    ).eval()
+
+
+def qwen_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Packed latents of ``h x w`` tokens (2x2 latent patches of 4 channels), a text mask of ones."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, h * w, 16, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "encoder_hidden_states_mask": torch.ones(batch, text),
+        "timestep": torch.full((batch,), 0.5),
+        "img_shapes": [[(1, h, w)]] * batch,
+    }
+
+
+def make_flux2(double: int = 2, single: int = 2, text_dim: int = TEXT_DIM):
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=double, num_single_layers=single, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=text_dim, timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4),
+    ).eval()
+
+
+def flux2_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Packed latents of ``h x w`` tokens with Flux.2's (t, h, w, l) ids, as its pipelines make them."""
+    g = torch.Generator().manual_seed(seed)
+    one = torch.arange(1)
+    img_ids = torch.cartesian_prod(one, torch.arange(h), torch.arange(w), one)
+    txt_ids = torch.cartesian_prod(one, one, one, torch.arange(text))
+    return {
+        "hidden_states": torch.randn(batch, h * w, 16, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "timestep": torch.full((batch,), 0.5),
+        "img_ids": img_ids[None].expand(batch, -1, -1),
+        "txt_ids": txt_ids[None].expand(batch, -1, -1),
+        "guidance": torch.full((batch,), 3.5),
+    }
+
+
+def make_hunyuan(seed: int = 0, layers: int = 2, single: int = 2, in_channels: int = 4, **config):
+    """Dual-stream then single-stream blocks, 2 heads of 8 channels, 3-D rotary over (2, 2, 4) channels."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    return HunyuanVideoTransformer3DModel(
+        in_channels=in_channels, out_channels=in_channels, num_attention_heads=2, attention_head_dim=8, num_layers=layers,
+        num_single_layers=single, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=TEXT_DIM,
+        pooled_projection_dim=16, rope_axes_dim=(2, 2, 4), **config,
+    ).eval()
+
+
+def hunyuan_inputs(batch: int, frames: int, h: int, w: int, text: int = 6, padded: int = 2, seed: int = 1) -> dict:
+    """Latents ``(B, 4, frames, h, w)`` (tokens ``frames x h/2 x w/2``); the last sample's
+    last ``padded`` text tokens are padding."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, text)
+    if padded:
+        mask[-1, -padded:] = 0
+    return {
+        "hidden_states": torch.randn(batch, 4, frames, h, w, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "encoder_attention_mask": mask,
+        "pooled_projections": torch.randn(batch, 16, generator=g),
+        "guidance": torch.full((batch,), 3500.0),
+    }
+
+
+def make_cogvideox(seed: int = 0, layers: int = 3, patch_size_t: int | None = None, in_channels: int = 4, text_dim: int = 16):
+    """CogVideoX-5B-like (rotary positions from the caller); ``patch_size_t=2`` is CogVideoX 1.5."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(seed)
+    return CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=in_channels, out_channels=in_channels, time_embed_dim=8,
+        text_embed_dim=text_dim, num_layers=layers, sample_width=8, sample_height=8, sample_frames=5, patch_size=2,
+        patch_size_t=patch_size_t, temporal_compression_ratio=4, max_text_seq_length=8, use_rotary_positional_embeddings=True,
+        patch_bias=patch_size_t is None,
+    ).eval()
+
+
+def cogvideox_rotary(frames: int, th: int, tw: int, head_dim: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(frames * th * tw, head_dim)`` cos and sin tables CogVideoXPipeline passes, raster order."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    return get_3d_rotary_pos_embed(head_dim, ((0, 0), (th, tw)), (th, tw), frames)
+
+
+def cogvideox_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, patch_t: int = 1, seed: int = 1) -> dict:
+    """Latents ``(B, frames, 4, h, w)`` (tokens ``frames / patch_t x h/2 x w/2``) and their rotary tables."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, frames, 4, h, w, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, 16, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "image_rotary_emb": cogvideox_rotary(frames // patch_t, h // 2, w // 2),
+    }
+
+
+def kontext_inputs(batch: int, h: int, w: int, rh: int, rw: int) -> dict:
+    """Flux Kontext's call: an ``h x w`` image's tokens, then a reference image's ``rh x rw``
+    (ids with a first column of 1)."""
+    kw = flux_inputs(batch, h, w)
+    rows, cols = torch.meshgrid(torch.arange(rh), torch.arange(rw), indexing="ij")
+    ref_ids = torch.stack([torch.ones_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    g = torch.Generator().manual_seed(7)
+    return {**kw, "img_ids": torch.cat([kw["img_ids"], ref_ids]),
+            "hidden_states": torch.cat([kw["hidden_states"], torch.randn(batch, rh * rw, 16, generator=g)], dim=1)}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
+    keyword arguments, ``options`` the ``apply_toma`` settings that merge its blocks, and
+    ``adapter`` the name ``apply_toma`` reports."""
+
+    name: str
+    adapter: str
+    make: Callable[[], torch.nn.Module]
+    inputs: Callable[[int], dict]
+    options: dict = field(default_factory=dict)
+    proportional: bool = True  # whether apply_toma accepts proportional_attention=True here
+
+    def output(self, model: torch.nn.Module, kw: dict) -> torch.Tensor:
+        """The denoiser's prediction for ``kw``, without gradients."""
+        with torch.no_grad():
+            return model(**kw).sample
+
+
+FLUX_ALL = {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)}
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("sdxl", "unet", make_sdxl_unet, lambda b: unet_inputs(b, 16, 16, sdxl=True), {"levels": 2, "merge_mlp": True}),
+    Family("sd15", "unet", make_sd15_unet, lambda b: unet_inputs(b, 10, 14, sdxl=False), {"merge_mlp": True}),
+    Family("flux", "flux", make_flux, lambda b: flux_inputs(b, 8, 8), FLUX_ALL),
+    Family("flux-kontext", "flux", make_flux, lambda b: kontext_inputs(b, 8, 8, 4, 4), FLUX_ALL),
+    Family("sd3", "sd3", make_sd3, lambda b: sd3_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(4)}},
+           proportional=False),
+    Family("pixart", "pixart", make_pixart, lambda b: pixart_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(3)}}),
+    Family("wan", "wan", make_wan, lambda b: wan_inputs(b, 4, 12, 16), {"blocks": {"blocks": range(3)}}),
+    Family("ltx", "ltx", make_ltx, lambda b: ltx_inputs(b, 4, 6, 8), {"blocks": {"transformer_blocks": range(3)}},
+           proportional=False),
+    Family("qwenimage", "qwenimage", make_qwen, lambda b: qwen_inputs(b, 8, 10), {"blocks": {"transformer_blocks": range(3)}},
+           proportional=False),
+    Family("flux2", "flux2", make_flux2, lambda b: flux2_inputs(b, 8, 10),
+           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=False),
+    Family("hunyuanvideo", "hunyuanvideo", make_hunyuan, lambda b: hunyuan_inputs(b, 3, 8, 8),
+           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=False),
+    Family("cogvideox", "cogvideox", make_cogvideox, lambda b: cogvideox_inputs(b, 3, 8, 8),
+           {"blocks": {"transformer_blocks": range(3)}}, proportional=False),
+)}
