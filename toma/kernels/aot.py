@@ -65,12 +65,14 @@ def record(name: str, kernel: Any, args: tuple, meta: dict) -> dict:
 
 
 def synthetic_launches(tiles: list[tuple[int, int]], channels: list[int], dtypes: list[str],
-                       batch: int = 2) -> list[dict]:
+                       batch: int = 2, corners: bool = False) -> list[dict]:
     """The launches that settings can reach, recorded without a device: for each tile of
     ``n`` slots keeping ``k``, channel count and dtype (``"fp32"``, ``"fp16"``, ``"bf16"``),
     the plan kernel with soft and hard assignment, with and without padded slots (a
     token mask, and per-tile keep counts), the merge, and the unmerge with and without the
-    residual add. Runs the public functions on ``meta`` tensors in a dry run."""
+    residual add. With ``corners``, only two plan variants (soft with mask and keeps, hard
+    with neither), which set every flag both ways. Runs the public functions on ``meta``
+    tensors in a dry run."""
     import torch
 
     from toma.kernels import LAUNCH_OBSERVERS
@@ -95,9 +97,11 @@ def synthetic_launches(tiles: list[tuple[int, int]], channels: list[int], dtypes
                 dst = torch.empty(t, k, dtype=torch.int32, device=meta_dev)
                 mask = torch.empty(t, n, dtype=torch.int8, device=meta_dev)
                 keep = torch.empty(t, dtype=torch.int32, device=meta_dev)
-                for temperature in (0.1, 0.0):
-                    for tmask, tkeep in ((None, None), (mask, None), (mask, keep)):
-                        ops.plan_tiles(x, rows, k, temperature, dtype, tmask, tkeep)
+                variants = [(t, m, kp) for t in (0.1, 0.0) for m, kp in ((None, None), (mask, None), (mask, keep))]
+                if corners:
+                    variants = [(0.1, mask, keep), (0.0, None, None)]
+                for temperature, tmask, tkeep in variants:
+                    ops.plan_tiles(x, rows, k, temperature, dtype, tmask, tkeep)
                 w = torch.empty(batch, t, k, n, dtype=dtype, device=meta_dev)
                 merged = ops.merge_tokens(x, w, rows, dst, t * k)
                 for residual in (None, x):
