@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from toma.adapters.base import CHUNK_HOOK_NAME, Hook, Patched, register_innermost
-from toma.adapters.engine import MergeHook, hidden_states_of, with_hidden_states
+from toma.adapters.merging import MergeHook, hidden_states_of, with_hidden_states
 
 
 class ChunkState:

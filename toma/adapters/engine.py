@@ -36,6 +36,7 @@ from toma.adapters.base import (
     register_innermost,
     step_timestep,
 )
+from toma.adapters.chunking import ChunkedMergeHook, chunkable_block, take_over_chunking
 from toma.adapters.merging import (
     MergeHook,
     PerSampleMergeHook,
@@ -48,6 +49,7 @@ from toma.adapters.merging import (
     replace_arg,
     with_hidden_states,
 )
+from toma.adapters.replay import attach_replay
 from toma.adapters.spec import (
     FamilySpec,
     Grid,
@@ -163,13 +165,6 @@ def register(hooks: list[tuple[torch.nn.Module, Hook]]) -> list[torch.nn.Module]
 
 def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
     """Register the engine's hooks; returns every module that got one (for removal)."""
-    from toma.adapters.chunking import (
-        ChunkedMergeHook,
-        chunkable_block,
-        take_over_chunking,
-    )
-    from toma.adapters.replay import attach_replay
-
     order, hooks = order_hooks(spec, model, cache)
     chunkers = []
     for target in targets:
