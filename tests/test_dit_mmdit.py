@@ -445,7 +445,7 @@ def test_default_blocks_skip_the_first_and_flux_options_are_refused(family):
     else:  # 8 double blocks: the skip is capped at half a stack
         assert names == [f"transformer_blocks.{i}.attn" for i in range(4, 8)] + [f"single_transformer_blocks.{i}.attn" for i in range(5, 12)]
     toma.remove_toma(model)
-    with pytest.raises(ValueError, match="flux_double_blocks applies to Flux.1 only; for .* use blocks="):
+    with pytest.raises(ValueError, match="flux_double_blocks applies to Flux.1 only; .* places merging with blocks="):
         toma.apply_toma(model, flux_double_blocks=(1,))
     with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
         toma.apply_toma(model, proportional_attention=True)

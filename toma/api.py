@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from toma.adapters import FAMILIES, adapter_for, unsupported_reason
+from toma.adapters import FAMILIES, adapter_for, check_placement, unsupported_reason
 from toma.adapters.base import HOOK_NAMES, Patched, Skipped, remove_hook
 from toma.config import ToMAConfig, make_config
 from toma.core.plan import PlanCache
@@ -116,6 +116,7 @@ def apply_toma(
             f"{', '.join(sorted(c for _, classes in FAMILIES.values() for c in classes))}"
         )
     name, adapter = found
+    check_placement(name, adapter, cfg)
     targets, skipped = adapter.find_targets(model, cfg)
     if not targets:
         reasons = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4]) or "no candidate blocks"

@@ -41,11 +41,37 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+# options that say where merging happens, each meaningful for some families only: the
+# value that leaves it unset, and who takes it
+PLACEMENT_OPTIONS: dict[str, tuple[Any, str]] = {
+    "mlp_levels": (None, "UNets"),
+    "levels": (1, "UNets"),
+    "blocks": (None, "transformer families"),
+    "flux_double_blocks": (None, "Flux.1"),
+    "flux_single_blocks": (None, "Flux.1"),
+    "tile_frames": (None, "video families"),
+}
+
+
+def check_placement(name: str, adapter: Any, config: Any) -> None:
+    """Refuse a placement option that family ``name``'s adapter does not take.
+
+    An accepted setting must do something: ``blocks`` on a UNet, ``levels`` on a
+    transformer or ``tile_frames`` on an image family would otherwise be ignored. Each
+    adapter's ``placement()`` names the options it takes and how they place merging.
+    """
+    taken, hint = adapter.placement()
+    for option, (unset, owners) in PLACEMENT_OPTIONS.items():
+        value = getattr(config, option)
+        if option not in taken and value != unset and not (option == "tile_frames" and value == 1):
+            raise ValueError(f"{option} applies to {owners} only; {name} places merging with {hint}")
+
+
 def adapter_for(model: torch.nn.Module) -> tuple[str, Any] | None:
     """The adapter of ``model``'s family as ``(name, adapter)``, or None.
 
-    An adapter has ``find_targets(model, config)``, ``attach(model, targets, cache)``,
-    ``detach(targets)`` and ``tile_frames(config)``.
+    An adapter has ``placement()``, ``find_targets(model, config)``,
+    ``attach(model, targets, cache)``, ``detach(targets)`` and ``tile_frames(config)``.
     """
     names = {cls.__name__ for cls in type(model).__mro__}
     for name, (module, classes) in FAMILIES.items():

@@ -95,15 +95,6 @@ def chosen_blocks(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) 
 
 def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
     """The sub-modules to merge and the blocks left alone, with why. Touches nothing."""
-    aliases = [n for n in ("flux_double_blocks", "flux_single_blocks") if getattr(config, n) is not None]
-    if aliases:
-        raise ValueError(f"{aliases[0]} applies to Flux.1 only; for {spec.name} use blocks={{stack: indices}} with stacks {list(spec.stacks)}")
-    # accepted settings must do something: UNet- and video-only options are refused here
-    for option, unset in (("mlp_levels", None), ("levels", 1)):
-        if getattr(config, option) != unset:
-            raise ValueError(f"{option} applies to UNets only; for {spec.name} use blocks={{stack: indices}} with stacks {list(spec.stacks)}")
-    if not spec.video and config.tile_frames not in (None, 1):
-        raise ValueError(f"tile_frames applies to video families only; {spec.name} is an image family (its tiles are 2-D)")
     wanted = {"attn": config.merge_attn, "cross": config.merge_crossattn, "mlp": config.merge_mlp}
     sites_of = {(stack, i): spec.sites(stack, b) for stack in spec.stacks for i, b in enumerate(getattr(model, stack))}
     has = {s.part for sites in sites_of.values() for s in sites}
@@ -197,6 +188,12 @@ class EngineAdapter:
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` belongs to this family."""
         return self.spec.matches(model)
+
+    def placement(self) -> tuple[tuple[str, ...], str]:
+        """The placement options this family takes, and how they place merging (see
+        :func:`toma.adapters.check_placement`): ``blocks``, and ``tile_frames`` for video."""
+        hint = f"blocks={{stack: indices}} with stacks {list(self.spec.stacks)}"
+        return ("blocks", "tile_frames") if self.spec.video else ("blocks",), hint + (" and tile_frames" if self.spec.video else "")
 
     def find_targets(self, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
         """See :func:`find_targets`."""

@@ -122,6 +122,11 @@ SPEC = FamilySpec(
 class FluxAdapter(EngineAdapter):
     """The engine adapter for Flux.1, which also takes the ``flux_*_blocks`` aliases."""
 
+    def placement(self) -> tuple[tuple[str, ...], str]:
+        """``blocks``, or its aliases ``flux_double_blocks`` and ``flux_single_blocks``."""
+        taken, hint = super().placement()
+        return (*taken, *STACKS.values()), hint + " (or flux_double_blocks / flux_single_blocks)"
+
     def find_targets(self, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
         """See :func:`toma.adapters.engine.find_targets`; the aliases become ``blocks``."""
         aliases = {stack: getattr(config, option) for stack, option in STACKS.items()}

@@ -43,6 +43,11 @@ def matches(model: torch.nn.Module) -> bool:
     return hasattr(model, "down_blocks") and hasattr(model, "up_blocks") and any(map(_is_transformer_block, model.modules()))
 
 
+def placement() -> tuple[tuple[str, ...], str]:
+    """The placement options UNets take (see :func:`toma.adapters.check_placement`)."""
+    return ("levels", "mlp_levels"), "levels (attention levels merged, from the highest resolution down) and mlp_levels"
+
+
 def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
     """List the sub-modules to merge (and the transformer blocks skipped, with why).
 
