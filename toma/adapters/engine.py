@@ -247,7 +247,9 @@ class StepHook(Hook):
         order.layout = None if raster else self.cache.tile_order_layout(grid, device)
         order.extra = 0
         order.enter = order.leave = None
-        if grid is not None and self.spec.conditioning_tokens and isinstance(x, torch.Tensor) and x.ndim == 3:
+        # conditioning tokens lead only in forwards that merge: others keep the model's order
+        lead = grid is not None and self.spec.conditioning_tokens and self.cache.merging
+        if lead and isinstance(x, torch.Tensor) and x.ndim == 3:
             order.extra = x.shape[1] - math.prod(grid)
             if order.extra:
                 order.enter, order.leave = self._lead_index(math.prod(grid), order.extra, order.layout, x.device)

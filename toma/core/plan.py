@@ -463,12 +463,19 @@ class PlanCache:
             self._layouts[(grid, ratio)] = make_layout(h, w, self.tile, ratio, t=t[0] if t else 1)
         return self._layouts[(grid, ratio)]
 
+    @property
+    def merging(self) -> bool:
+        """Whether this forward merges anything (a ratio above 0, a step inside the window):
+        where it does not, tokens must keep the model's own order, so that the output is
+        bitwise the unpatched one."""
+        return self.config.max_ratio > 0 and self.active
+
     def tile_order_layout(self, grid: tuple[int, ...], device: torch.device | None = None) -> TileLayout | None:
         """The layout whose tile order tokens on ``grid`` may be kept in between merges,
         or None where they stay in raster order (nothing merged, a padded grid whose
         tiles are not a permutation of the tokens, or tokens on a ``device`` where the
         Triton kernels merge straight from raster order, which saves the two copies)."""
-        if self.config.max_ratio == 0 or not self.active or (device is not None and merges_from_raster(device)):
+        if not self.merging or (device is not None and merges_from_raster(device)):
             return None
         # the tile order is the same at every ratio; the largest ratio's layout carries it
         layout = self.layout(*grid, ratio=self.config.max_ratio)
