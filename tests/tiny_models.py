@@ -328,6 +328,11 @@ class Family:
     inputs: Callable[[int], dict]
     options: dict = field(default_factory=dict)
     proportional: bool = True  # whether apply_toma accepts proportional_attention=True here
+    cross: bool = False  # whether it has a cross-attention to merge the queries of
+
+    def every_part(self) -> dict:
+        """``options`` merging every part the family has: attention, MLP, cross-attention."""
+        return {**self.options, "merge_mlp": True, "merge_crossattn": self.cross}
 
     def output(self, model: torch.nn.Module, kw: dict) -> torch.Tensor:
         """The denoiser's prediction for ``kw``, without gradients."""
@@ -338,16 +343,18 @@ class Family:
 FLUX_ALL = {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)}
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("sdxl", "unet", make_sdxl_unet, lambda b: unet_inputs(b, 16, 16, sdxl=True), {"levels": 2, "merge_mlp": True}),
-    Family("sd15", "unet", make_sd15_unet, lambda b: unet_inputs(b, 10, 14, sdxl=False), {"merge_mlp": True}),
+    Family("sdxl", "unet", make_sdxl_unet, lambda b: unet_inputs(b, 16, 16, sdxl=True), {"levels": 2, "merge_mlp": True},
+           cross=True),
+    Family("sd15", "unet", make_sd15_unet, lambda b: unet_inputs(b, 10, 14, sdxl=False), {"merge_mlp": True}, cross=True),
     Family("flux", "flux", make_flux, lambda b: flux_inputs(b, 8, 8), FLUX_ALL),
     Family("flux-kontext", "flux", make_flux, lambda b: kontext_inputs(b, 8, 8, 4, 4), FLUX_ALL),
     Family("sd3", "sd3", make_sd3, lambda b: sd3_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(4)}},
            proportional=False),
-    Family("pixart", "pixart", make_pixart, lambda b: pixart_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(3)}}),
-    Family("wan", "wan", make_wan, lambda b: wan_inputs(b, 4, 12, 16), {"blocks": {"blocks": range(3)}}),
+    Family("pixart", "pixart", make_pixart, lambda b: pixart_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(3)}},
+           cross=True),
+    Family("wan", "wan", make_wan, lambda b: wan_inputs(b, 4, 12, 16), {"blocks": {"blocks": range(3)}}, cross=True),
     Family("ltx", "ltx", make_ltx, lambda b: ltx_inputs(b, 4, 6, 8), {"blocks": {"transformer_blocks": range(3)}},
-           proportional=False),
+           proportional=False, cross=True),
     Family("qwenimage", "qwenimage", make_qwen, lambda b: qwen_inputs(b, 8, 10), {"blocks": {"transformer_blocks": range(3)}},
            proportional=False),
     Family("flux2", "flux2", make_flux2, lambda b: flux2_inputs(b, 8, 10),

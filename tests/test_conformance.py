@@ -1,0 +1,130 @@
+"""What every family must do, written once and run on every row of tests/tiny_models.py.
+
+A new family is its spec, one row of that table, and the tests particular to it. Each test
+here states a property of merging that holds whatever the family's layout: exact undo,
+per-sample plans, copies that run their own weights, checkpointed gradients. The
+properties particular to a layout (which tokens reach which attention, rotary rows, text
+masks) stay in the family's own test module.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import toma
+from tests.tiny_models import FAMILIES
+
+NAMES = list(FAMILIES)
+
+
+def batch_slice(kw: dict, b: int, batch: int) -> dict:
+    """Sample ``b`` of a batch's inputs: tensors and lists with a batch dimension are cut."""
+    out = {}
+    for k, v in kw.items():
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch:
+            v = v[b : b + 1]
+        elif isinstance(v, list) and len(v) == batch:
+            v = v[b : b + 1]
+        elif isinstance(v, dict):
+            v = batch_slice(v, b, batch)
+        out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ratio_zero_and_remove_are_bitwise_identical(name):
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(2)
+    ref = fam.output(model, kw)
+    toma.apply_toma(model, ratio=0.0, **fam.every_part())
+    assert torch.equal(fam.output(model, kw), ref)
+    patch = toma.apply_toma(model, ratio=0.5, **fam.every_part())
+    assert patch.adapter == fam.adapter
+    out = fam.output(model, kw)
+    assert out.shape == ref.shape and torch.isfinite(out).all() and not torch.equal(out, ref)
+    assert toma.remove_toma(model) and not hasattr(model, "_diffusers_hook")
+    assert torch.equal(fam.output(model, kw), ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_step_window_runs_the_other_steps_bitwise_unmerged(name):
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(2)
+    t = kw["timestep"]
+    calls = [{**kw, "timestep": t * f} for f in (1.0, 1.0, 0.8, 0.8, 0.6)]  # two calls a step, as with CFG
+    base = [fam.output(model, c) for c in calls]
+    toma.apply_toma(model, ratio=0.5, **fam.options)
+    merged = [fam.output(model, c) for c in calls]
+    toma.remove_toma(model)
+    toma.apply_toma(model, ratio=0.5, stop_step=1, **fam.options)  # step 0 only: the first two calls
+    windowed = [fam.output(model, c) for c in calls]
+    for i in range(len(calls)):
+        if i < 2:
+            assert torch.equal(windowed[i], merged[i]) and not torch.equal(windowed[i], base[i])
+        else:
+            assert torch.equal(windowed[i], base[i])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batch_elements_get_their_own_plans(name):
+    # each sample's output is its batch-1 output: no sample's tokens choose another's
+    # destinations. Not bitwise: batch-2 and batch-1 matmuls block their sums differently,
+    # a few float32 ulps per op on unit-scale activations (~1e-7), ~1e-6 after the tiny
+    # models' blocks; merging itself moves outputs by ~1e-2
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(2)
+    patch = toma.apply_toma(model, ratio=0.5, **fam.options)
+    both = fam.output(model, kw)
+    plans = [p for _, p in patch.cache._plans.values()]
+    assert plans and all(p.dest.shape[0] == 2 for p in plans)
+    assert any(not torch.equal(p.dest[0], p.dest[1]) for p in plans)
+    for b in range(2):
+        alone = fam.output(model, batch_slice(kw, b, 2))
+        torch.testing.assert_close(both[b : b + 1], alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_deepcopy_merges_with_its_own_weights(name):
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(2)
+    toma.apply_toma(model, ratio=0.5, **fam.options)
+    out = fam.output(model, kw)
+    twin = copy.deepcopy(model)
+    assert toma.get_toma(twin) is not None and toma.get_toma(twin) is not toma.get_toma(model)
+    assert torch.equal(fam.output(twin, kw), out)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.9)  # the copy's hooks must run the copy's weights
+    assert not torch.allclose(fam.output(twin, kw), out, atol=1e-4)
+    assert toma.remove_toma(twin) and torch.equal(fam.output(model, kw), out)
+    toma.remove_toma(model)
+
+
+def loss_and_grads(fam, model, kw, between: dict | None = None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**kw).sample.square().mean()
+    if between is not None:
+        fam.output(model, between)  # another call before the backward, as a distillation loop's
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpointed_gradients_equal_plain_ones(name):
+    # a checkpointed block recomputes its forward in backward with the plans and token
+    # order of that forward, whatever ran in between; the same float ops run again, and
+    # only autograd's accumulation order can differ (1e-6 bounds that on these models,
+    # whose largest gradients are ~1e-1)
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(2)
+    other = fam.inputs(1)
+    toma.apply_toma(model, ratio=0.5, **fam.options)
+    plain = loss_and_grads(fam, model, kw)
+    model.enable_gradient_checkpointing()
+    checkpointed = loss_and_grads(fam, model, kw, between=other)
+    assert len(plain) == len(checkpointed) > 0
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
