@@ -19,8 +19,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from toma.tools.archs import STACKS, Arch, build_model, call_denoiser, default_placement, latent_frames, make_inputs, set_timestep
-from toma.tools.bench_report import OVERHEAD_PARTS, build_report, split_method
+from toma.tools.archs import STACKS, Arch, build_model, call_denoiser, count_parameters, default_placement, latent_frames, \
+    make_inputs, set_timestep
+from toma.tools.bench_report import OVERHEAD_PARTS, RunConditions, build_report, split_method
 from toma.tools.opcount import count_kernels
 
 
@@ -333,12 +334,58 @@ def benchmark(
         log("interrupted: reporting what was measured so far")
     finally:
         bar.close()
-    report = build_report(arch, model, resolution, dtype, device, depth, steps, repeats, warmup, methods, ratios,
-                          batches, harness, settings, skipped, notes, results, interrupted, compile)
+    conditions = RunConditions(
+        arch=arch, parameters=count_parameters(model), blocks=_blocks(model, arch), resolution=resolution, dtype=dtype,
+        device=device, depth=depth, steps=steps, repeats=repeats, warmup=warmup, methods=methods, ratios=ratios,
+        batches=batches, placement=_placement_in_force(harness, methods, skipped), toma_options=harness.toma_options,
+        compiled=compile,
+    )
+    report = build_report(conditions, _rows(results, settings), skipped, notes, interrupted)
     report["cuda_graph"] = cuda_graph
     report["freezing"] = freezing and bool(picked)
     report["load_average_before"], report["load_average_after"] = load_before, load_average()
     return report
+
+
+def _rows(results: dict[tuple[Variant, int], Measurement], settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's plain rows: one per variant and batch size that has timed samples."""
+    return [
+        {
+            "method": v.method,
+            "ratio": v.ratio,
+            "batch": b,
+            "compiled": v.compiled,
+            "times_s": m.times,
+            "overhead": m.overhead,
+            "kernels": m.kernels,
+            "settings": settings.get(v.label),
+        }
+        for (v, b), m in results.items()
+        if m.times
+    ]
+
+
+def _placement_in_force(harness: MethodPatcher, methods: list[str], skipped: dict[str, str]) -> dict[str, Any]:
+    """Where the methods merged; with tomesd run, the ``max_downsample`` it was given."""
+    placement = dict(harness.placement)
+    if "tomesd" in methods and "tomesd" not in skipped:
+        from toma.tools.baselines import tomesd_max_downsample
+
+        placement["tomesd_max_downsample"] = harness.tomesd_max_downsample or tomesd_max_downsample(
+            harness.model, **harness.placement
+        )
+    return placement
+
+
+def _blocks(model: torch.nn.Module, arch: Arch) -> dict[str, int]:
+    """The blocks of the model as built, per stack (Flux: double and single; UNets: transformer blocks)."""
+    if arch.family == "flux":
+        return {"double": len(model.transformer_blocks), "single": len(model.single_transformer_blocks)}
+    if arch.family in STACKS:
+        return {stack: len(getattr(model, stack)) for stack in STACKS[arch.family]}
+    from diffusers.models.attention import BasicTransformerBlock
+
+    return {"transformer_blocks": sum(isinstance(m, BasicTransformerBlock) for m in model.modules())}
 
 
 def time_rounds(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], variants: list[Variant],

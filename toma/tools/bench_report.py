@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import os
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toma import __version__
-from toma.tools.archs import STACKS, Arch, count_parameters
+from toma.tools.archs import Arch
 from toma.tools.report import cell, processor_name, pyplot, save_figure, write_json
 
 if TYPE_CHECKING:
     import torch
-
-    from toma.tools.bench_harness import Measurement, MethodPatcher, Variant
 
 # the report's vocabulary: rows are sorted by method in this order, overheads split in these parts
 METHODS = ("none", "toma", "tomesd", "ideal", "todo")
@@ -40,63 +39,70 @@ def method_order(method: str) -> tuple[int, int]:
 OVERHEAD_PARTS = ("select", "weights", "merge", "unmerge")
 
 
-def build_report(arch: Arch, model: torch.nn.Module, resolution: int, dtype: torch.dtype, device: torch.device,
-                 depth: int, steps: int, repeats: int, warmup: int, methods: list[str], ratios: list[float],
-                 batches: list[int], harness: MethodPatcher, settings: dict[str, Any], skipped: dict[str, str],
-                 notes: list[str], results: dict[tuple[Variant, int], Measurement], interrupted: bool,
-                 compiled: bool) -> dict[str, Any]:
-    """The report of one benchmark run: its conditions, then one row per measured variant and batch."""
+@dataclass(frozen=True)
+class RunConditions:
+    """What one benchmark run measured under: the model as built, its inputs and the schedule.
+
+    The harness fills it in, so that the report needs neither the model nor the harness's
+    objects (the harness imports this module; a report importing the harness back made a circle).
+    """
+
+    arch: Arch
+    parameters: int  # of the model as built (fewer with --depth)
+    blocks: dict[str, int]  # transformer blocks per stack as built
+    resolution: int
+    dtype: torch.dtype
+    device: torch.device
+    depth: int
+    steps: int  # denoiser forwards per timed sample
+    repeats: int
+    warmup: int
+    methods: list[str]
+    ratios: list[float]
+    batches: list[int]
+    placement: dict[str, Any]  # where the methods merged, as applied (tomesd's max_downsample when it ran)
+    toma_options: dict[str, Any]
+    compiled: bool  # whether compiled rows were asked for
+
+
+def build_report(conditions: RunConditions, rows: list[dict[str, Any]], skipped: dict[str, str], notes: list[str],
+                 interrupted: bool) -> dict[str, Any]:
+    """The report of one benchmark run: its conditions, then one row per measured variant and batch.
+
+    ``rows`` hold each variant's ``method``, ``ratio``, ``batch``, ``compiled``, ``times_s``,
+    ``overhead``, ``kernels`` and ``settings``; their statistics are derived here.
+    """
     import torch  # here, not at the top: the CLI reads METHODS to build its help without torch
 
-    rows = [
-        {
-            "method": v.method,
-            "ratio": v.ratio,
-            "batch": b,
-            "compiled": v.compiled,
-            "times_s": m.times,
-            "overhead": m.overhead,
-            "kernels": m.kernels,
-            "settings": settings.get(v.label),
-        }
-        for (v, b), m in results.items()
-        if m.times
-    ]
-    derive(rows, batches[0])
-    placement = dict(harness.placement)
-    if "tomesd" in methods and "tomesd" not in skipped:
-        from toma.tools.baselines import tomesd_max_downsample
-
-        placement["tomesd_max_downsample"] = harness.tomesd_max_downsample or tomesd_max_downsample(
-            model, **harness.placement
-        )
+    c = conditions
+    derive(rows, c.batches[0])
     return {
         "toma_version": __version__,
-        "arch": arch.name,
-        "description": arch.description,
-        "parameters": count_parameters(model),
-        "resolution": resolution,
-        "dtype": str(dtype).replace("torch.", ""),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else processor_name(),
+        "arch": c.arch.name,
+        "description": c.arch.description,
+        "parameters": c.parameters,
+        "resolution": c.resolution,
+        "dtype": str(c.dtype).replace("torch.", ""),
+        "device": str(c.device),
+        "device_name": torch.cuda.get_device_name(c.device) if c.device.type == "cuda" else processor_name(),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "diffusers": _package_version("diffusers"),
         "tomesd": _package_version("tomesd"),
-        "depth": depth,
-        "blocks": _blocks(model, arch),
-        "steps_per_sample": steps,
-        "repeats": repeats,
-        "warmup": warmup,
-        "methods": methods,
-        "ratios": ratios,
-        "batches": batches,
-        "placement": placement,
-        "toma_options": harness.toma_options,
+        "depth": c.depth,
+        "blocks": c.blocks,
+        "steps_per_sample": c.steps,
+        "repeats": c.repeats,
+        "warmup": c.warmup,
+        "methods": c.methods,
+        "ratios": c.ratios,
+        "batches": c.batches,
+        "placement": c.placement,
+        "toma_options": c.toma_options,
         "skipped": skipped,
         "notes": notes,
-        "compiled": compiled,
+        "compiled": c.compiled,
         "interrupted": interrupted,
         "results": sorted(rows, key=lambda r: (r["compiled"], r["batch"], r["ratio"] or 0, method_order(r["method"]))),
     }
@@ -159,16 +165,6 @@ def timing_flags(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
     if r.get("efficiency") is not None and r["efficiency"] > 1.0:
         flags.append(f"efficiency {r['efficiency']:.0%} is above the ideal's 100%")
     return flags
-
-
-def _blocks(model: torch.nn.Module, arch: Arch) -> dict[str, int]:
-    if arch.family == "flux":
-        return {"double": len(model.transformer_blocks), "single": len(model.single_transformer_blocks)}
-    if arch.family in STACKS:
-        return {stack: len(getattr(model, stack)) for stack in STACKS[arch.family]}
-    from diffusers.models.attention import BasicTransformerBlock
-
-    return {"transformer_blocks": sum(isinstance(m, BasicTransformerBlock) for m in model.modules())}
 
 
 def _package_version(package: str) -> str | None:
