@@ -21,7 +21,7 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
 
 def test_every_option_states_its_default_once():
     subs = subcommand_parsers()
-    assert set(subs) == {"bench", "eval", "generate", "tune"}
+    assert set(subs) == {"bench", "eval", "generate", "tune", "doctor"}
     for name, sub in subs.items():
         formatter = sub._get_formatter()
         for action in sub._actions:

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "toma.tools.generate",
     "eval": "toma.tools.evaluate",
     "tune": "toma.tools.tune_cli",
+    "doctor": "toma.tools.doctor",
 }
 
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="toma",
-        description="ToMA token merging for diffusers: generate, benchmark, evaluate and tune.",
+        description="ToMA token merging for diffusers: generate, benchmark, evaluate, tune, and check this machine (doctor).",
     )
     parser.add_argument("--version", action="version", version=f"toma {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
