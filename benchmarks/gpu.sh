@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # GPU latency in one command, for a machine with a CUDA GPU and no internet (weights are
-# random, built from the published configs; nothing is downloaded). Full-size SDXL UNet,
-# full-depth Flux.1-dev and SD3.5-Medium transformers, bf16, 1024x1024, and Wan 2.1 1.3B
-# at 832x480 x 81 frames (32,760 video tokens), ratio 0.5: unpatched, ToMA, tomesd (SDXL
-# only; a UNet method) and the ideal, interleaved. Sized to finish in about 9 minutes on
-# one H200 (Flux needs ~75 GB of GPU memory while it is built; Flux runs twice, the second
-# time with proportional attention). ONLY=sd35,wan runs just those.
+# random, built from the published configs; nothing is downloaded). First `toma doctor`
+# (versions, the kernel path, every Triton kernel against the torch path; its report in
+# $RESULTS/doctor.json), then full-size SDXL UNet (eager and CUDA graph replays),
+# full-depth Flux.1-dev and SD3.5-Medium transformers, bf16, 1024x1024, and Wan 2.1 1.3B at
+# 832x480 x 81 frames (32,760 video tokens), ratio 0.5: unpatched, ToMA, tomesd (SDXL only;
+# a UNet method) and the ideal, interleaved. The default selection is sized to finish
+# within 8 minutes on one H200 (Flux needs ~75 GB of GPU memory while it is built).
+# ONLY=sd35,wan runs just those; the rest is opt-in by name:
 #
 #   benchmarks/gpu.sh                          # results in bench-results/gpu/*.json|png
 #   RESULTS=/tmp/gpu REPEATS=20 benchmarks/gpu.sh
+#   ONLY=doctor,sdxl,flux,sd35,wan             # the default selection
+#   ONLY=sdxl-mlp benchmarks/gpu.sh            # SDXL with the MLPs merged too (~1 minute)
+#   ONLY=flux-prop benchmarks/gpu.sh           # Flux with proportional attention (~1.5 minutes)
+#   ONLY=kernels benchmarks/gpu.sh             # ToMA's Triton kernels against its torch path (~4 minutes)
+#   ONLY=kontext benchmarks/gpu.sh             # Flux.1 Kontext, one reference image (~1 minute)
 #   COMPILE=1 benchmarks/gpu.sh                # also SDXL under torch.compile (a few minutes more)
 #   EXTRAS=1 benchmarks/gpu.sh                 # also the hot-path micro-timings, the SDXL
 #                                              # tile-order A/B and SDXL graph replays without
 #                                              # the proportional-attention mask (~2 minutes more)
 #   PYTHON=python3.12 benchmarks/gpu.sh        # the interpreter that has torch and diffusers
-#   ONLY=kernels benchmarks/gpu.sh             # ToMA's Triton kernels against its torch path (~4 minutes)
-#   ONLY=kontext benchmarks/gpu.sh             # Flux.1 Kontext, one reference image (~1 minute)
 # ToMA rows run ToMA's Triton kernels wherever triton imports (it ships with CUDA torch);
 # TOMA_KERNELS=torch benchmarks/gpu.sh times its torch path instead.
 set -euo pipefail
@@ -26,26 +31,33 @@ STEPS=${STEPS:-4}
 PY=${PYTHON:-python3}
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu.sh needs a CUDA GPU (torch.cuda.is_available() is False)')"
 bench() { "$PY" -m toma bench "$@"; }
-want() { [[ -z "${ONLY:-}" || ",$ONLY," == *",$1,"* ]]; }
+want() { [[ -z "${ONLY:-}" || ",$ONLY," == *",$1,"* ]]; }      # default selection, or named
+opted() { [[ ",${ONLY:-}," == *",$1,"* ]]; }                    # named only
 common=(--device cuda --dtype bfloat16 --resolution 1024 --ratios 0.5
         --steps "$STEPS" --repeats "$REPEATS" --warmup 2 --out "$RESULTS" --no-progress)
+if want doctor; then
+  mkdir -p "$RESULTS"
+  # a failing check is reported, and the timings still run (they say which path ran)
+  "$PY" -m toma doctor --json "$RESULTS/doctor.json" | tee "$RESULTS/doctor.txt" || echo "toma doctor failed: see above"
+fi
 if want sdxl; then
   # SDXL: both attention levels (64x64 and 32x32 tokens), self-attention; batch 2 = a CFG batch
   bench --arch sdxl --methods none,toma,tomesd,ideal --levels 2 --batch 1,2 --name sdxl_levels2_gpu "${common[@]}" "$@"
   # the same timed as CUDA graph replays: what a launch-free deployment (graphs, compile) sees
   bench --arch sdxl --methods none,toma,ideal,tomesd --levels 2 --batch 1,2 --cuda-graph --no-profile \
     --name sdxl_levels2_cudagraph_gpu "${common[@]}" "$@"
-  # the same with the MLPs merged too
-  bench --arch sdxl --methods none,toma,tomesd,ideal --levels 2 --merge-mlp --name sdxl_levels2_mlp_gpu "${common[@]}" "$@"
 fi
+# SDXL with the MLPs merged too
+opted sdxl-mlp && bench --arch sdxl --methods none,toma,tomesd,ideal --levels 2 --merge-mlp --name sdxl_levels2_mlp_gpu \
+  "${common[@]}" "$@"
 # Flux.1-dev at full depth (19 double + 38 single blocks; the first 5 of each unmerged)
 want flux && bench --arch flux --methods none,toma,ideal --name flux_gpu "${common[@]}" "$@"
 # the same with proportional attention, whose float mask rules out flash kernels: it adds
 # 4-5 dB of fidelity on the built-in Flux DiT, and this row decides whether Flux turns it on
-want flux && bench --arch flux --methods none,toma --proportional-attention --name flux_prop_gpu "${common[@]}" "$@"
+opted flux-prop && bench --arch flux --methods none,toma --proportional-attention --name flux_prop_gpu "${common[@]}" "$@"
 # Flux.1 Kontext (editing): the same model with one 1024px reference image's 4096 tokens
 # after the image's; they pass whole. Opt-in (ONLY=kontext): about a minute more
-if [[ ",${ONLY:-}," == *",kontext,"* ]]; then
+if opted kontext; then
   bench --arch flux-kontext --methods none,toma,ideal --name flux_kontext_gpu "${common[@]}" "$@"
 fi
 # SD3.5-Medium at full depth (24 blocks; the first 5 unmerged), 4096 image tokens
@@ -57,7 +69,7 @@ if want wan; then
     --ratios 0.5 --steps 1 --repeats "${WAN_REPEATS:-5}" --warmup 1 --out "$RESULTS" --no-progress \
     --name wan_480p_81f_gpu "$@"
 fi
-if [[ ",${ONLY:-}," == *",kernels,"* ]]; then
+if opted kernels; then
   # the Triton kernels (one launch per plan; merges straight from raster order) against the
   # torch path, interleaved in one process: hot path, SDXL eager forwards and the gap between
   # the two paths' outputs; then graph replays on the torch path, to set beside the default
