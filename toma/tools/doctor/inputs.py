@@ -87,12 +87,14 @@ class NoMarginDesign(ValueError):
 class MarginTokens:
     """Tokens with a known plan: ``x`` ``(B, N, C)`` float32 (exact in fp16 and bf16 too),
     ``expected`` ``(B, T, k)`` destination slots in the greedy's order (-1 where a tile uses
-    fewer slots), and ``margin``, the smallest gap between the best and the second-best
-    choice at any greedy step, in cosine-similarity units."""
+    fewer slots, and for all slots of a tile with no design), ``margin``, the smallest gap
+    between the best and the second-best choice at any greedy step, in cosine-similarity
+    units, and ``designed``, the tiles with a design (per batch element)."""
 
     x: torch.Tensor
     expected: torch.Tensor
     margin: float
+    designed: int
 
 
 def hadamard(size: int) -> torch.Tensor:
@@ -130,7 +132,9 @@ def margin_tokens(h: int, w: int, th: int, tw: int, keep: tuple[int, ...], slots
     tokens tie exactly (the greedy's lowest-index rule orders them); a covered satellite
     gains ``1 - cos < 1``. Every entry is a small dyadic number (``b = j / 16``, norms
     scaled by powers of 2), so the tokens are exact in fp16 and bf16 and every dtype sees
-    the same design.
+    the same design. Tiles whose real tokens and keep count leave no design (one token
+    more than they keep: a cluster of two) get random tokens and no expected destinations;
+    :class:`NoMarginDesign` when no tile has a design.
     """
     rows = tile_rows(h, w, th, tw)
     n = rows.shape[1]
@@ -150,8 +154,17 @@ def margin_tokens(h: int, w: int, th: int, tw: int, keep: tuple[int, ...], slots
     groups: dict[tuple[int, int], list[int]] = {}
     for t in range(rows.shape[0]):
         groups.setdefault((int((rows[t] >= 0).sum()), keep[t]), []).append(t)
+    undesigned: list[str] = []
     for (real, kept), tiles in groups.items():
-        sizes = cluster_sizes(real, kept)
+        try:
+            sizes = cluster_sizes(real, kept)
+        except NoMarginDesign as err:
+            # such tiles (edge tiles, often) get plain random tokens and are not checked
+            undesigned.append(str(err))
+            for t in tiles:
+                slots = rows[t][rows[t] >= 0]
+                x[:, slots] = torch.randn(batch, len(slots), channels, generator=generator)
+            continue
         coef, centres, lone, gap = _cluster_template(sizes, real)
         margin = min(margin, gap)
         count = batch * len(tiles)
@@ -168,7 +181,9 @@ def margin_tokens(h: int, w: int, th: int, tw: int, keep: tuple[int, ...], slots
             x[b, rows[tiles_t[:, None], slot_of]] = tokens[part]
             lone_slots = slot_of[:, lone].sort(1).values if lone else slot_of[:, :0]
             expected[b, tiles_t, :kept] = torch.cat([slot_of[:, centres], lone_slots], 1)
-    return MarginTokens(x, expected, margin)
+    if not (expected >= 0).any():
+        raise NoMarginDesign("; ".join(undesigned))
+    return MarginTokens(x, expected, margin, int((expected[0] >= 0).any(-1).sum()))
 
 
 def _cluster_template(sizes: list[int], real: int) -> tuple[torch.Tensor, list[int], list[int], float]:
