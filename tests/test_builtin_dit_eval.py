@@ -22,7 +22,7 @@ from toma.tools.builtin import classify
 from toma.tools.builtin.dit import load_dit, sample
 from toma.tools.builtin.samplers import BUILTIN_MODELS, builtin_name, check_methods, load_sampler
 from toma.tools.cli import main
-from toma.tools.generate import parse_blocks
+from toma.tools.common.options import parse_blocks
 from toma.tools.metrics import psnr, ssim
 
 pytestmark = pytest.mark.usefixtures("one_thread")

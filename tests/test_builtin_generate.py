@@ -120,7 +120,7 @@ def dark_columns(img, top, bottom):
 
 
 def test_grid_writes_each_images_label_under_it():
-    from toma.tools.generate import LABEL_HEIGHT, make_grid
+    from toma.tools.common.images import LABEL_HEIGHT, make_grid
 
     images = torch.zeros(3, 1, 8, 8)  # black cells, so only the label strips hold text
     bare, labelled = make_grid(images, ncols=3, upscale=2), make_grid(images, ncols=3, upscale=2, labels=["0", "1", "7"])

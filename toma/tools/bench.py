@@ -24,11 +24,8 @@ from typing import Any, Callable
 # nothing here imports torch at module level: the CLI builds this parser for ``--help``
 from toma.tools.archs import ARCHS, DEPTH_KEYS, get_arch, latent_frames
 from toma.tools.bench_report import CACHES, METHODS, derive, format_report, split_method, write_outputs
-from toma.tools.report import check_output, missing_extra, wrote
-
-# --dtype spellings -> torch dtype names
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
+from toma.tools.common.options import DTYPES
+from toma.tools.common.report import check_output, missing_extra, wrote
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -249,7 +249,7 @@ def benchmark(
     graph (on the first step's inputs) and a sample times ``steps`` replays of it. Ctrl-C
     stops the rounds and returns what was measured, with ``report["interrupted"] = True``.
     """
-    from toma.tools.report import load_average
+    from toma.tools.common.report import load_average
 
     load_before = load_average()
     device = torch.device(device)

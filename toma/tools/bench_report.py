@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from toma import __version__
 from toma.tools.archs import Arch
-from toma.tools.report import cell, processor_name, pyplot, save_figure, write_json
+from toma.tools.common.report import cell, processor_name, pyplot, save_figure, timing_flags, write_json
 
 if TYPE_CHECKING:
     import torch
@@ -146,25 +146,6 @@ def derive(rows: list[dict[str, Any]], first_batch: int) -> list[dict[str, Any]]
         r["spread"] = (r["max_s"] - r["min_s"]) / r["median_s"]
         r["flags"] = timing_flags(r, by_key.get(("none", None, r["batch"], r["compiled"])))
     return rows
-
-
-def timing_flags(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
-    """Why a row's figures cannot be trusted: samples that spread by more than the effect
-    they measure (against the unpatched row's own spread too), or an efficiency above 100%
-    (the ideal is the ceiling, so that is noise).
-
-    ``r`` and ``base`` (the unpatched row) hold ``spread``, (max - min) / median of their
-    samples; ``r`` holds ``speedup`` (base time / time) and may hold ``efficiency``. Shared
-    by ``toma bench`` and ``toma eval``.
-    """
-    flags = []
-    if base is not None and r is not base and r.get("speedup"):
-        effect = abs(1 - 1 / r["speedup"])
-        if max(r["spread"], base["spread"]) > effect:
-            flags.append(f"samples spread {max(r['spread'], base['spread']):.0%}, more than the {effect:.0%} effect")
-    if r.get("efficiency") is not None and r["efficiency"] > 1.0:
-        flags.append(f"efficiency {r['efficiency']:.0%} is above the ideal's 100%")
-    return flags
 
 
 def _package_version(package: str) -> str | None:

@@ -27,7 +27,7 @@ from toma.tools.eval_harness import (
     mean_and_sem,
     timing,
 )
-from toma.tools.generate import toma_options
+from toma.tools.common.options import toma_options
 from toma.tools.metrics import feature_stats, psnr, ssim
 
 

@@ -134,7 +134,7 @@ def generate_interleaved(
         per ``(method, ratio)``: the images ``generate(batch)`` returned, in batch order, and
         the seconds each batch took.
     """
-    from toma.tools.generate import timed
+    from toma.tools.common.pipelines import timed
 
     out: dict[tuple[str, float], tuple[list[Any], list[float]]] = {run: ([], []) for run in runs}
     for i, batch in enumerate(batches):
@@ -263,7 +263,7 @@ def add_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Add ``speedup`` = unmerged latency / latency to every row, and the ``flags`` of rows
     whose timing cannot be trusted (the rules of ``toma bench``: samples that spread by more
     than the effect measured)."""
-    from toma.tools.bench_report import timing_flags
+    from toma.tools.common.report import timing_flags
 
     base = rows[0]
     for row in rows:

@@ -22,7 +22,8 @@ from toma.tools.eval_harness import (
     mean_and_sem,
     timing,
 )
-from toma.tools.generate import check_frames, load_pipeline, pipeline_call, resolve_device_dtype, sync, toma_options
+from toma.tools.common.options import resolve_device_dtype, toma_options
+from toma.tools.common.pipelines import check_frames, load_pipeline, pipeline_call, sync
 from toma.tools.metrics import (
     ClipScorer,
     DinoFeatures,

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from toma.tools.eval_harness import METHODS, Processes, fd_warning, key
-from toma.tools.generate import BUILTIN_UPSCALE, make_grid, side_by_side
-from toma.tools.report import cell, processor_name, pyplot, save_figure, write_json, wrote
+from toma.tools.common.images import BUILTIN_UPSCALE, make_grid, side_by_side
+from toma.tools.common.report import cell, processor_name, pyplot, save_figure, write_json, wrote
 
 # (row key, column heading, format) in table order; a table shows the keys its rows have
 COLUMNS = [

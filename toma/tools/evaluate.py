@@ -26,8 +26,7 @@ from typing import Any
 
 # torch-free imports only: the CLI builds this parser for ``--help``; ``run`` loads the rest
 from toma.tools.eval_harness import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, METHODS
-from toma.tools.generate import (
-    PipelineUnavailableError,
+from toma.tools.common.options import (
     add_frames_option,
     add_toma_options,
     default_threads,
@@ -35,7 +34,8 @@ from toma.tools.generate import (
     toma_options,
     validate_toma_options,
 )
-from toma.tools.report import check_output, load_average, missing_extra
+from toma.tools.common.pipelines import PipelineUnavailableError
+from toma.tools.common.report import check_output, load_average, missing_extra
 
 
 def register(subparsers: Any) -> None:

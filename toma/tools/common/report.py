@@ -1,7 +1,8 @@
 """Reporting pieces shared by ``toma bench`` and ``toma eval``: table cells, JSON and plots.
 
 Each command keeps its own tables and figures (:mod:`toma.tools.bench_report`,
-:mod:`toma.tools.eval_report`); what they do alike lives here.
+:mod:`toma.tools.eval_report`); what they do alike lives here, also the rule that flags
+timings too noisy to trust.
 """
 
 from __future__ import annotations
@@ -123,3 +124,22 @@ def check_output(path: Path, option: str, *, folder: bool, suffixes: tuple[str, 
         probe.unlink()
     except OSError as err:
         raise ValueError(f"{option}: cannot write to {str(target)!r} ({err.strerror or err})") from None
+
+
+def timing_flags(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+    """Why a row's figures cannot be trusted: samples that spread by more than the effect
+    they measure (against the unpatched row's own spread too), or an efficiency above 100%
+    (the ideal is the ceiling, so that is noise).
+
+    ``r`` and ``base`` (the unpatched row) hold ``spread``, (max - min) / median of their
+    samples; ``r`` holds ``speedup`` (base time / time) and may hold ``efficiency``. Shared
+    by ``toma bench`` and ``toma eval``.
+    """
+    flags = []
+    if base is not None and r is not base and r.get("speedup"):
+        effect = abs(1 - 1 / r["speedup"])
+        if max(r["spread"], base["spread"]) > effect:
+            flags.append(f"samples spread {max(r['spread'], base['spread']):.0%}, more than the {effect:.0%} effect")
+    if r.get("efficiency") is not None and r["efficiency"] > 1.0:
+        flags.append(f"efficiency {r['efficiency']:.0%} is above the ideal's 100%")
+    return flags

@@ -1,0 +1,126 @@
+"""Diffusers pipelines as the commands run them: loaded offline, called per prompt and seed, timed.
+
+torch and diffusers load in the functions that use them, so that importing this module for a
+parser costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PipelineUnavailableError(RuntimeError):
+    """A ``--model`` pipeline cannot be loaded offline."""
+
+
+def dtype_kwargs(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype keyword ``from_pretrained`` expects: recent diffusers renamed ``torch_dtype`` to ``dtype``."""
+    try:
+        from diffusers.utils.deprecation_utils import _resolve_dtype  # noqa: F401  (present since the rename)
+    except ImportError:
+        return {"torch_dtype": dtype}
+    return {"dtype": dtype}
+
+
+def first_sentence(err: BaseException, limit: int = 200) -> str:
+    """The first sentence of an error message, for one-line reports."""
+    text = " ".join(str(err).split())
+    cut = text.find(". ")
+    text = text[: cut + 1] if cut >= 0 else text
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
+    """Load a diffusers pipeline from the local cache or a folder, never downloading.
+
+    Raises:
+        PipelineUnavailableError: the weights are not available offline, with how to get them.
+    """
+    from diffusers import DiffusionPipeline
+
+    try:
+        pipe = DiffusionPipeline.from_pretrained(model_id, local_files_only=True, **dtype_kwargs(dtype))
+    except (OSError, ValueError) as err:  # hub "not cached" errors subclass these
+        reason = f"{type(err).__name__}: {first_sentence(err)}"
+        if Path(model_id).exists():
+            raise PipelineUnavailableError(
+                f"{model_id!r} is not a loadable diffusers pipeline folder ({reason}). "
+                "Pass a folder written by `pipe.save_pretrained(...)` (it contains model_index.json) "
+                "or a Hugging Face model id that is in the local cache."
+            ) from err
+        raise PipelineUnavailableError(
+            f"the weights of {model_id!r} are not in the local Hugging Face cache ({reason}).\n"
+            "toma never downloads weights. Fetch them once with network access:\n"
+            f"    hf download {model_id}        (older huggingface_hub: huggingface-cli download {model_id})\n"
+            "Gated models (e.g. black-forest-labs/FLUX.1-dev) need `hf auth login` and accepting the "
+            "licence on the model page first. Or pass --model /path/to/a/save_pretrained/folder."
+        ) from err
+    return pipe.to(device)
+
+
+def pipeline_call(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], steps: int, args: argparse.Namespace,
+                  device: str, progress: bool | str = True) -> torch.Tensor:
+    """Run a pipeline once per prompt/seed pair; returns images ``(B, 3, H, W)`` in ``[0, 1]``,
+    or clips ``(B, T, 3, H, W)`` from a video pipeline.
+
+    ``progress``: show the pipeline's progress bar; a string labels it (which run it is).
+    """
+    import torch
+
+    # the config persists on the pipeline: reset the label when none is given
+    pipe.set_progress_bar_config(disable=not progress, leave=False, desc=progress if isinstance(progress, str) else None)
+    kwargs: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt"}
+    if getattr(args, "frames", None) is not None:
+        kwargs["num_frames"] = args.frames
+    if args.guidance_scale is not None:
+        kwargs["guidance_scale"] = args.guidance_scale
+    if args.height is not None:
+        kwargs["height"] = args.height
+    if args.width is not None:
+        kwargs["width"] = args.width
+    gen_device = device if device.startswith("cuda") else "cpu"
+    images = []
+    for prompt, seed in zip(prompts, seeds):
+        gen = torch.Generator(gen_device).manual_seed(int(seed))
+        result = pipe(prompt=prompt, generator=gen, **kwargs)
+        out = result.frames if is_video_pipeline(pipe) else result.images
+        images.append(torch.as_tensor(out).float().cpu())
+    return torch.cat(images)
+
+
+def is_video_pipeline(pipe: Any) -> bool:
+    """Whether ``pipe`` draws videos: its call takes ``num_frames`` (Wan, LTX, CogVideoX, HunyuanVideo)."""
+    import inspect
+
+    return "num_frames" in inspect.signature(pipe.__call__).parameters
+
+
+def check_frames(pipe: Any, frames: int | None) -> None:
+    """``--frames`` is for video pipelines and must be positive."""
+    if frames is None:
+        return
+    if not is_video_pipeline(pipe):
+        raise ValueError(f"--frames applies to video pipelines; {type(pipe).__name__} draws images")
+    if frames < 1:
+        raise ValueError(f"--frames must be >= 1; got {frames}")
+
+
+def sync(device: str) -> None:
+    """Wait for queued GPU work so timings are honest."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """Run ``fn`` and return its result and wall-clock seconds."""
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
