@@ -287,7 +287,7 @@ def _missing(message: str) -> str:
     """diffusers' "not usable ... Please install `pkg`" as "needs pkg" (and "Please build ..." as it is)."""
     found = re.search(r"install (?:it with )?`(?:pip install )?(?:-U )?([^`]+)`", message)
     if found:
-        return f"needs {found.group(1)}"
+        return f"needs pip install {found.group(1)}"
     advice = re.search(r"Please (.+?)\.?$", message)
     return f"not installed ({advice.group(1)})" if advice else _short(message, 90)
 
