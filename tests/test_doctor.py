@@ -81,6 +81,7 @@ def test_cpu_run_passes_says_the_gpu_checks_were_skipped_and_writes_the_report(c
 
     report = json.loads(path.read_text())
     assert report["verdict"] == {"ok": True, "exit_code": 0, "line": verdict(out)}
+    assert report["options"]["grid"] == [8, 8] and report["options"]["json_path"] == str(path)
     assert report["versions"]["torch"] == torch.__version__ and report["versions"]["toma"]
     assert report["kernels"]["path"] == "torch" and report["kernels"]["interpreter"] is False
     assert report["sizes"]["merge"]["grid"] == [8, 8] and report["sizes"]["merge"]["dtypes"] == ["fp16", "bf16", "fp32"]

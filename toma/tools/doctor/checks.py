@@ -119,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     report.say(f"          attention {attn.describe()}{size_note}")
     report.info = {
         "doctor": 1,
-        "argv": sys.argv[1:],
+        "options": {k: v for k, v in vars(args).items() if k not in ("func", "command")},
         "versions": versions,
         "device": dev,
         "kernels": {"mode": mode, "path": path, "why": why, "interpreter": interpreter},
