@@ -53,8 +53,8 @@ def loaded_by_cli(*argv: str) -> tuple[int, set[str]]:
 def test_cli_help_version_and_argument_errors_do_not_import_torch():
     # torch takes ~1.3 s to import: help, version and argparse errors must answer without it
     cases = [("--help",), ("--version",), ("bench", "--help"), ("eval", "--help"), ("generate", "--help"),
-             ("doctor", "--help"), ("bench", "--arch", "no-such-arch"), ("eval", "--steps", "x"),
-             ("doctor", "--grid", "0"), ("no-such-command",)]
+             ("doctor", "--help"), ("tune", "--help"), ("bench", "--arch", "no-such-arch"), ("eval", "--steps", "x"),
+             ("doctor", "--grid", "0"), ("tune", "--ratios"), ("no-such-command",)]
     for argv in cases:
         code, mods = loaded_by_cli(*argv)
         assert code in (0, 2), (argv, code)

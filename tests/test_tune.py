@@ -13,7 +13,8 @@ import pytest
 
 import toma
 from toma import tuned
-from toma.tools import bench_harness, tune
+from toma.tools import bench_harness
+from toma.tools.tune import run as tune_run
 from toma.tools.archs import ARCHS, build_model
 from toma.tools.cli import main
 
@@ -140,7 +141,7 @@ def test_ctrl_c_in_the_quality_check_writes_nothing(tmp_path, monkeypatch, capsy
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tune, "psnr_against", interrupted)
+    monkeypatch.setattr(tune_run, "psnr_against", interrupted)
     out = tmp_path / "tuned.json"
     rc = main(["tune", "--arch", "tiny-unet", "--resolution", "64", "--ratios", "0.5", "--levels", "1",
                "--parts", "attn", "--no-progress", "--out", str(out)])
@@ -226,7 +227,7 @@ def test_bad_arguments_are_refused_in_one_line_before_any_work(argv, message, mo
     def no_work(*args, **kwargs):
         raise AssertionError("work started")
 
-    monkeypatch.setattr(tune, "build_model", no_work)
+    monkeypatch.setattr(tune_run, "build_model", no_work)
     monkeypatch.setattr("toma.tools.builtin.load_builtin", no_work)
     assert main(["tune", *argv]) == 2
     err = capsys.readouterr().err

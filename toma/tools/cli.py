@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "toma.tools.bench",
     "generate": "toma.tools.generate",
     "eval": "toma.tools.evaluate",
-    "tune": "toma.tools.tune_cli",
+    "tune": "toma.tools.tune",
     "doctor": "toma.tools.doctor",
 }
 

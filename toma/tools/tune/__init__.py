@@ -28,10 +28,10 @@ from typing import Any
 
 from toma.tools.archs import ARCHS
 from toma.tools.cli import HelpFormatter
+from toma.tools.tune.constants import DEFAULT_MIN_PSNR
 
-# the subcommand's arguments live here, apart from the measuring in toma.tools.tune, so that
-# `toma --help` does not import torch
-DEFAULT_MIN_PSNR = 30.0
+# the subcommand's arguments live here, apart from the measuring in toma.tools.tune.run, so
+# that `toma --help` does not import torch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -93,6 +93,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> Any:
-    from toma.tools.tune import run
+    from toma.tools.tune.run import run
 
     return run(args)

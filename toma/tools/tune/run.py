@@ -1,5 +1,5 @@
 """The measuring behind ``toma tune`` (what it does, its quality check and exit status:
-:mod:`toma.tools.tune_cli`, which holds the command line)."""
+:mod:`toma.tools.tune`, which holds the command line)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from toma.tools.bench_harness import Measurement, MethodPatcher, Variant, compil
 from toma.tools.bench_report import derive
 from toma.tools.common.options import DTYPES
 from toma.tools.common.report import cell, check_output, processor_name
-from toma.tools.tune_cli import DEFAULT_MIN_PSNR
+from toma.tools.tune.constants import DEFAULT_MIN_PSNR
 
 PARTS = ("attn", "cross", "mlp")
 NONE = Variant("none", None)
