@@ -23,14 +23,48 @@ import torch.nn.functional as F
 def cosine_similarity(tiles: torch.Tensor) -> torch.Tensor:
     """Cosine similarity of the tokens inside each tile.
 
+    Tokens at any scale their dtype holds give the similarities of their directions: bf16,
+    float32 and float64 tokens are first scaled by powers of two (:func:`_power_of_two_scale`),
+    fp16 ones need not be.
+
     Args:
         tiles: ``(..., n, C)`` tokens (any float dtype; zero rows are allowed).
 
     Returns:
         ``(..., n, n)`` float32 similarities in ``[-1, 1]``.
     """
+    if tiles.dtype in _EXPONENT_BITS:
+        tiles = tiles / _power_of_two_scale(tiles)
     unit = F.normalize(tiles.float(), dim=-1)
     return unit @ unit.transpose(-1, -2)
+
+
+# the exponent bits of each float dtype whose squares can leave float32's range
+_EXPONENT_BITS = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}
+
+
+def _power_of_two_scale(tiles: torch.Tensor) -> torch.Tensor:
+    """``(..., n, 1)``: the power of two at or below each token's largest magnitude (at
+    least the dtype's smallest normal number).
+
+    bf16 and float32 tokens beyond about 1e19 have squares that overflow float32, and tokens
+    below about 1e-12 have norms under normalize's floor: either way their similarities came
+    out 0, whatever their directions. Divided by this scale, a token's largest component is
+    in [1, 2) (or, for a subnormal token, a normal number), and the division is exact (by a
+    power of two), so tokens in range normalise to bitwise the same unit vectors as without
+    it. fp16 needs none: its squares fit float32, and its smallest non-zero value is far
+    above the floor.
+    """
+    # abs and amax: two kernels, but on the CPU 15x faster than vector_norm's ord=inf
+    peak = tiles.abs().amax(-1, keepdim=True)
+    bits, exponent = _EXPONENT_BITS[tiles.dtype]
+    # keeping only the exponent bits rounds down to a power of two; subnormals and 0 give 0
+    scale = (peak.view(bits) & exponent).view(tiles.dtype)
+    return scale.clamp_min(torch.finfo(tiles.dtype).tiny)
 
 
 def assignment(
