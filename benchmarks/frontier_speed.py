@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from toma.tools.eval_harness import apply_method
+from toma.tools.eval.harness import apply_method
 
 # placement name -> ToMA options; the names are unet_frontier.sh's output folders
 PLACEMENTS: dict[str, dict] = {

@@ -281,8 +281,8 @@ def sample_images(args: argparse.Namespace, model: Any, unet: Any) -> torch.Tens
 def quality_row(model: Any, images: torch.Tensor, base: torch.Tensor, plain: torch.Tensor | None) -> dict[str, float]:
     """Scores of ``images`` with ``toma eval``'s functions (against base and plain-LoRA samples)."""
     from toma.tools.builtin import NUM_CLASSES, classify
-    from toma.tools.eval_harness import frechet_to, mean_and_sem
-    from toma.tools.metrics import accuracy, feature_stats, psnr, ssim
+    from toma.tools.eval.harness import frechet_to, mean_and_sem
+    from toma.tools.eval.metrics import accuracy, feature_stats, psnr, ssim
 
     labels = torch.arange(len(images)) % NUM_CLASSES
     preds, feats = classify(model.classifier, images)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import toma  # noqa: E402
 from toma.tools.builtin import NUM_CLASSES, classify  # noqa: E402
 from toma.tools.builtin.dit import DIT_DIR, BuiltinDiT, load_dit, sample  # noqa: E402
-from toma.tools.metrics import psnr, ssim  # noqa: E402
+from toma.tools.eval.metrics import psnr, ssim  # noqa: E402
 
 
 def generate(model: BuiltinDiT, labels: torch.Tensor, seeds: list[int], args: argparse.Namespace) -> tuple[torch.Tensor, float]:

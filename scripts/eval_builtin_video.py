@@ -12,7 +12,7 @@ unmerged Wan transformer and with ToMA at ``--ratio`` in four variants:
 Scores (means over clips, with standard errors over clips, since a clip's frames are not
 independent): per-frame accuracy of the model's frame classifier; PSNR (over the whole
 clip) and SSIM (per frame, averaged) against the unmerged clip; temporal consistency
-against the unmerged clip (:func:`toma.tools.metrics.temporal_difference_error`, mean
+against the unmerged clip (:func:`toma.tools.eval.metrics.temporal_difference_error`, mean
 absolute change of frame-to-frame differences, pixels in ``[0, 1]``); the Frechet distance
 of the frame classifier's features to those of frames of real test-split clips; sampling
 time. Times are interleaved: every batch of clips runs all variants in turn (ToMA applied
@@ -51,7 +51,7 @@ from toma.tools.builtin.video import (  # noqa: E402
     sample_video,
     shrink_digits,
 )
-from toma.tools.metrics import feature_stats, frechet_distance, psnr, ssim, temporal_difference_error  # noqa: E402
+from toma.tools.eval.metrics import feature_stats, frechet_distance, psnr, ssim, temporal_difference_error  # noqa: E402
 
 # name -> apply_toma options (None: unmerged)
 VARIANTS: dict[str, dict | None] = {

@@ -23,7 +23,7 @@ from toma.tools.builtin.dit import load_dit, sample
 from toma.tools.builtin.samplers import BUILTIN_MODELS, builtin_name, check_methods, load_sampler
 from toma.tools.cli import main
 from toma.tools.common.options import parse_blocks
-from toma.tools.metrics import psnr, ssim
+from toma.tools.eval.metrics import psnr, ssim
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -215,7 +215,7 @@ def test_eval_reports_clip_dino_and_fid_with_local_weights(tiny_sd_folder, tiny_
 
 
 def test_variants_are_timed_interleaved_batch_by_batch(monkeypatch):
-    from toma.tools import eval_harness
+    from toma.tools.eval import harness as eval_harness
 
     calls = []
     monkeypatch.setattr(eval_harness, "apply_method",
@@ -240,7 +240,7 @@ def test_variants_are_timed_interleaved_batch_by_batch(monkeypatch):
 
 
 def test_timing_spread_leaves_out_the_short_last_batch():
-    from toma.tools.eval_harness import timing
+    from toma.tools.eval.harness import timing
 
     parts = [{"count": 5, "batch_seconds": [2.0, 3.0, 0.1], "batch_sizes": [2, 2, 1]},
              {"count": 2, "batch_seconds": [2.5], "batch_sizes": [2]}]
@@ -252,7 +252,7 @@ def test_timing_spread_leaves_out_the_short_last_batch():
 
 
 def test_speedups_that_the_spread_exceeds_are_flagged():
-    from toma.tools.eval_harness import add_speedup
+    from toma.tools.eval.harness import add_speedup
 
     def rows(spreads):
         return [{"method": "none", "ratio": 0.0, "latency_s": 1.0, "spread": spreads[0]},
@@ -269,7 +269,7 @@ def test_speedups_that_the_spread_exceeds_are_flagged():
 
 
 def test_fd_warning_below_100_images():
-    from toma.tools.eval_harness import fd_warning
+    from toma.tools.eval.harness import fd_warning
 
     assert fd_warning([{"n_images": 100, "fd_real": 1.0}]) is None
     assert "from 99 images" in fd_warning([{"n_images": 99, "fd_real": 1.0, "fd_vs_none": 0.0}])
@@ -290,7 +290,7 @@ def eval_rows(ratios, methods=("toma", "toma-random", "toma-grid", "tomesd")):
 
 
 def test_eval_plot_ratio_labels_do_not_overlap(tmp_path):
-    from toma.tools.eval_report import plot
+    from toma.tools.eval.report import plot
 
     fig = plot(eval_rows([0.25, 0.5, 0.75]), tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").is_file()
@@ -307,7 +307,7 @@ def test_eval_plot_ratio_labels_do_not_overlap(tmp_path):
 
 
 def test_eval_plot_with_one_ratio_names_it_once(tmp_path):
-    from toma.tools.eval_report import plot
+    from toma.tools.eval.report import plot
 
     fig = plot(eval_rows([0.5]), tmp_path / "p.png", "t")
     assert all(not ax.texts for ax in fig.axes)  # no "0.5" on every point

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from toma.tools.metrics import (
+from toma.tools.eval.metrics import (
     ClipScorer,
     DinoFeatures,
     MissingWeightsError,

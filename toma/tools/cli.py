@@ -16,7 +16,7 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "bench": "toma.tools.bench",
     "generate": "toma.tools.generate",
-    "eval": "toma.tools.evaluate",
+    "eval": "toma.tools.eval",
     "tune": "toma.tools.tune",
     "doctor": "toma.tools.doctor",
 }

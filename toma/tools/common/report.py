@@ -1,7 +1,7 @@
 """Reporting pieces shared by ``toma bench`` and ``toma eval``: table cells, JSON and plots.
 
 Each command keeps its own tables and figures (:mod:`toma.tools.bench_report`,
-:mod:`toma.tools.eval_report`); what they do alike lives here, also the rule that flags
+:mod:`toma.tools.eval.report`); what they do alike lives here, also the rule that flags
 timings too noisy to trust.
 """
 

@@ -283,7 +283,7 @@ def _first(output: Any) -> torch.Tensor:
 def _check(setup: Setup, args: argparse.Namespace, harness: MethodPatcher, cands: list[Candidate],
            call: Callable[[dict[str, Any]], Any], inputs: list[dict[str, Any]], builtin_model: Any, bar: Any) -> None:
     """Fill in each candidate's PSNR against the unpatched model (see :func:`check_description`)."""
-    from toma.tools.metrics import psnr
+    from toma.tools.eval.metrics import psnr
 
     def output() -> torch.Tensor:
         if builtin_model is not None:

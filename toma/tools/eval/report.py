@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from toma.tools.eval_harness import METHODS, Processes, fd_warning, key
 from toma.tools.common.images import BUILTIN_UPSCALE, make_grid, side_by_side
 from toma.tools.common.report import cell, processor_name, pyplot, save_figure, write_json, wrote
+from toma.tools.eval.constants import METHODS
+from toma.tools.eval.harness import Processes, fd_warning, key
 
 # (row key, column heading, format) in table order; a table shows the keys its rows have
 COLUMNS = [

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 # torch-free imports only: the CLI builds this parser for ``--help``; ``run`` loads the rest
-from toma.tools.eval_harness import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, METHODS
 from toma.tools.common.options import (
     add_frames_option,
     add_toma_options,
@@ -36,6 +35,7 @@ from toma.tools.common.options import (
 )
 from toma.tools.common.pipelines import PipelineUnavailableError
 from toma.tools.common.report import check_output, load_average, missing_extra
+from toma.tools.eval.constants import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, METHODS
 
 
 def register(subparsers: Any) -> None:
@@ -115,12 +115,12 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma eval``; returns the exit code."""
     import torch
 
-    from toma.tools.eval_builtin import eval_builtin, summarise_builtin
-    from toma.tools.eval_harness import init_processes, tomesd_available, variants
-    from toma.tools.eval_pipeline import eval_pipeline, summarise_pipeline
-    from toma.tools.eval_report import machine_info, write_outputs
     from toma.tools.builtin.samplers import BUILTIN_MODELS, builtin_name, check_blocks, check_methods
-    from toma.tools.metrics import MissingWeightsError
+    from toma.tools.eval.builtin import eval_builtin, summarise_builtin
+    from toma.tools.eval.harness import init_processes, tomesd_available, variants
+    from toma.tools.eval.metrics import MissingWeightsError
+    from toma.tools.eval.pipeline import eval_pipeline, summarise_pipeline
+    from toma.tools.eval.report import machine_info, write_outputs
 
     # a built-in model is named by args.builtin; args.model stays for pipelines only
     args.builtin = builtin_name(args.model)

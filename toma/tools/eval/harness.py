@@ -1,7 +1,7 @@
 """The harness of ``toma eval``: methods, the processes that share the images, and statistics.
 
-Shared by the built-in model (:mod:`toma.tools.eval_builtin`) and diffusers pipelines
-(:mod:`toma.tools.eval_pipeline`): how each method is applied and removed, which
+Shared by the built-in model (:mod:`toma.tools.eval.builtin`) and diffusers pipelines
+(:mod:`toma.tools.eval.pipeline`): how each method is applied and removed, which
 (method, ratio) variants run, how a data-parallel launch splits and gathers work, and
 the per-variant statistics both summaries compute.
 """
@@ -17,18 +17,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from toma.tools.eval.constants import METHODS
+
 if TYPE_CHECKING:
     import torch
-# torch and the metrics load in the functions that use them: the CLI reads METHODS and the
-# metric models' ids to build ``toma eval --help`` without importing torch
+# torch and the metrics load in the functions that use them
 
-METHODS = ("none", "toma", "toma-random", "toma-grid", "tomesd")
 # Frechet distances estimate a covariance from the images' features: below this many
 # images per variant they swing with the seeds drawn (the usual advice is thousands)
 FD_MIN_IMAGES = 100
-# hub ids of the metric models that --clip and --dino load (from the local cache only)
-DEFAULT_CLIP_MODEL = "openai/clip-vit-large-patch14"
-DEFAULT_DINO_MODEL = "facebook/dinov2-base"
 TOMA_SELECTION = {"toma": "facility", "toma-random": "random", "toma-grid": "grid"}
 
 
@@ -222,7 +219,7 @@ def mean_and_sem(name: str, values: torch.Tensor) -> dict[str, float]:
     """
     import torch
 
-    from toma.tools.metrics import mean_finite
+    from toma.tools.eval.metrics import mean_finite
 
     finite = values.double()[torch.isfinite(values.double())]
     sem = float(finite.std() / math.sqrt(finite.numel())) if finite.numel() > 1 else float("nan")
@@ -235,7 +232,7 @@ def frechet_to(feats: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> fl
     One feature vector has no covariance; a process or a variant with a single image
     reports NaN (shown as n/a) rather than failing.
     """
-    from toma.tools.metrics import feature_stats, frechet_distance
+    from toma.tools.eval.metrics import feature_stats, frechet_distance
 
     if len(feats) < 2:
         return float("nan")

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from toma.tools.eval_harness import (
+from toma.tools.common.options import toma_options
+from toma.tools.eval.harness import (
     Processes,
     add_speedup,
     apply_method,
@@ -27,8 +28,7 @@ from toma.tools.eval_harness import (
     mean_and_sem,
     timing,
 )
-from toma.tools.common.options import toma_options
-from toma.tools.metrics import feature_stats, psnr, ssim
+from toma.tools.eval.metrics import feature_stats, psnr, ssim
 
 
 def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[str, float]]) -> dict[str, Any]:
@@ -91,10 +91,10 @@ def _clip_scores(model: Any, clips: torch.Tensor, reference: torch.Tensor, label
     PSNR is over every pixel of a clip; SSIM is the mean of its frames'; the classifier
     labels every frame (so accuracy is per frame, and the Frechet distance is over frame
     features); the temporal difference error says how much merging changed how each clip
-    moves (:func:`toma.tools.metrics.temporal_difference_error`).
+    moves (:func:`toma.tools.eval.metrics.temporal_difference_error`).
     """
     from toma.tools.builtin.video import frames_for_classifier
-    from toma.tools.metrics import temporal_difference_error
+    from toma.tools.eval.metrics import temporal_difference_error
 
     b, t = clips.shape[:2]
     preds, feats = model.classify(model.classifier, clips)

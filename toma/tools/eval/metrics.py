@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from toma.tools.eval_harness import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL  # noqa: F401  (torch-free home)
+from toma.tools.eval.constants import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL
 
 
 class MissingWeightsError(RuntimeError):

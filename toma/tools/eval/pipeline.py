@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-from toma.tools.eval_harness import (
+from toma.tools.common.options import resolve_device_dtype, toma_options
+from toma.tools.common.pipelines import check_frames, load_pipeline, pipeline_call, sync
+from toma.tools.eval.harness import (
     Processes,
     add_speedup,
     frechet_to,
@@ -22,9 +24,7 @@ from toma.tools.eval_harness import (
     mean_and_sem,
     timing,
 )
-from toma.tools.common.options import resolve_device_dtype, toma_options
-from toma.tools.common.pipelines import check_frames, load_pipeline, pipeline_call, sync
-from toma.tools.metrics import (
+from toma.tools.eval.metrics import (
     ClipScorer,
     DinoFeatures,
     cosine_similarity,
