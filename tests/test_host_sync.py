@@ -3,6 +3,10 @@
 PyTorch's ``meta`` device has shapes but no data, so any read (``.item()``, ``nonzero``,
 ``tolist``, a data-dependent branch) fails there: running a patched forward on ``meta``
 proves it launches everything without waiting for the device.
+
+Copies from the host to the device are counted in tests/test_device_placement.py: meta
+cannot see them (``torch.tensor(data, device="meta")`` copies nothing, and dispatches
+nothing).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 
 import toma
 from tests.conftest import flux_inputs, make_flux, make_sd15_unet, make_sdxl_unet, unet_inputs
+from tests.test_device_placement import CASES, case, read_ids_on_host
 
 
 def on_meta(value):
@@ -19,6 +24,8 @@ def on_meta(value):
         return value.to("meta")
     if isinstance(value, dict):
         return {k: on_meta(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):  # CogVideoX's rotary tables; Qwen-Image's img_shapes hold ints
+        return type(value)(on_meta(v) for v in value)
     return value
 
 
@@ -78,3 +85,39 @@ def test_flux_forward_after_the_ids_read_reads_no_device_data():
         reader._known = (meta["img_ids"], meta["img_ids"]._version, reader._known[2])
         out = model(**meta).sample
     assert out.shape == (2, 64, 16) and out.device.type == "meta"
+
+
+# every transformer family, in tile order and on padded grids (raster order, one plan for the
+# batch), every block merged, the MLP and cross-attention too where the family has them, and
+# proportional attention where its processor takes a mask (tests/test_device_placement.py)
+DITS = [name for name, (row, *_) in CASES.items() if row not in ("sdxl", "sd15")]  # the UNets: above
+
+
+@pytest.mark.parametrize("name", DITS)
+def test_transformer_forward_reads_no_device_data(name):
+    model, kw, options = case(name)
+    model = model.to("meta")
+    meta = on_meta(kw)
+    with torch.no_grad():  # diffusers' own forward reads nothing either
+        ref = model(**meta, return_dict=False)[0]
+    patch = toma.apply_toma(model, **options)
+    # Flux and FLUX.2 read their grid from the image ids on the host once per denoising run
+    # (test_flux_reads_its_image_ids_once_per_run); the others read it from shapes and
+    # Python values (Qwen-Image's img_shapes)
+    read_ids_on_host(model, kw, meta)
+    with torch.no_grad():
+        for t in (0.9, 0.8):  # two steps: plans are rebuilt at each, without reading the timestep
+            out = model(**{**meta, "timestep": torch.full_like(meta["timestep"], t)}, return_dict=False)[0]
+    assert out.shape == ref.shape and out.device.type == "meta"
+    plans = [p for _, p in patch.cache._plans.values()]
+    assert plans and all(p.dest.device.type == "meta" and p.num_merged < p.layout.num_tokens for p in plans)
+
+
+@pytest.mark.parametrize("name", ["flux-tiled", "flux2-tiled", "flux-kontext-tiled"])
+def test_ids_families_read_the_ids_of_a_new_run(name):
+    # the control for the families above that read: ids not read yet on the host are read
+    # at the call, and meta has no values to give
+    model, kw, options = case(name)
+    toma.apply_toma(model.to("meta"), **options)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="meta"):
+        model(**on_meta(kw))
