@@ -36,7 +36,7 @@ import torch
 
 from toma.config import parse_option
 from toma.tools.archs import build_model, call_denoiser, default_placement, get_arch, make_inputs
-from toma.tools.bench_harness import MethodPatcher, Variant, compile_variants, weight_sharing_copy
+from toma.tools.bench.harness import MethodPatcher, Variant, compile_variants, weight_sharing_copy
 
 METHODS = ("none", "toma", "ideal")
 

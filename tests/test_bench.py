@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import toma
-from toma.tools import bench_harness
+from toma.tools.bench import harness as bench_harness
 from toma.tools.archs import ARCHS, build_model, call_denoiser, make_inputs, merged_blocks, reduced_config
 from toma.tools.baselines import (
     IdealPlan,
@@ -123,7 +123,7 @@ def test_rows_that_noise_decides_are_flagged(tmp_path, capsys):
 
 def plotted(monkeypatch, report, tmp_path):
     """The figure plot_report draws for ``report`` (statistics derived first)."""
-    from toma.tools import bench_report
+    from toma.tools.bench import report as bench_report
 
     figs = []
     monkeypatch.setattr(bench_report, "save_figure", lambda fig, path: figs.append(fig))

@@ -50,7 +50,7 @@ def test_bench_output_has_no_profiler_or_float32_noise(tmp_path):
 
 
 def test_kineto_filter_passes_other_stderr_text(capfd):
-    from toma.tools.bench_harness import _kineto_lines_dropped
+    from toma.tools.bench.harness import _kineto_lines_dropped
 
     with _kineto_lines_dropped():
         os.write(2, b"USDT:2026-01-01 10:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")

@@ -155,7 +155,7 @@ def test_inductor_plan_has_no_scalar_nan_loop():
 def test_inductor_freezing_compiles_toma(monkeypatch):
     """``toma bench/tune --compile --freezing``: ToMA's hooks compile with inductor's freezing
     (weights folded in as constants) and give the eager ToMA output."""
-    from toma.tools import bench_harness
+    from toma.tools.bench import harness as bench_harness
 
     arch = ARCHS["tiny-unet"]
     model = build_model(arch)

@@ -146,7 +146,8 @@ def test_failure_while_attaching_rolls_back(monkeypatch):
 
 
 def test_unusable_outputs_fail_before_any_work(tmp_path, capsys, monkeypatch):
-    from toma.tools import bench_harness, generate
+    from toma.tools import generate
+    from toma.tools.bench import harness as bench_harness
     from toma.tools.cli import main
 
     blocker = tmp_path / "file"
@@ -169,7 +170,7 @@ def test_unusable_outputs_fail_before_any_work(tmp_path, capsys, monkeypatch):
 def test_missing_extras_are_named_before_the_work(tmp_path, capsys, monkeypatch):
     import importlib.util
 
-    from toma.tools import bench_harness
+    from toma.tools.bench import harness as bench_harness
     from toma.tools.cli import main
 
     real = importlib.util.find_spec

@@ -13,7 +13,7 @@ import pytest
 
 import toma
 from toma import tuned
-from toma.tools import bench_harness
+from toma.tools.bench import harness as bench_harness
 from toma.tools.tune import run as tune_run
 from toma.tools.archs import ARCHS, build_model
 from toma.tools.cli import main

@@ -1,6 +1,6 @@
 """Reporting pieces shared by ``toma bench`` and ``toma eval``: table cells, JSON and plots.
 
-Each command keeps its own tables and figures (:mod:`toma.tools.bench_report`,
+Each command keeps its own tables and figures (:mod:`toma.tools.bench.report`,
 :mod:`toma.tools.eval.report`); what they do alike lives here, also the rule that flags
 timings too noisy to trust.
 """

@@ -17,8 +17,8 @@ import torch
 
 from toma.tools.archs import ARCHS, DEPTH_KEYS, STACKS, Arch, build_model, call_denoiser, get_arch, latent_frames, \
     make_inputs, set_timestep, token_grid
-from toma.tools.bench_harness import Measurement, MethodPatcher, Variant, compile_variants, progress_bar, time_rounds
-from toma.tools.bench_report import derive
+from toma.tools.bench.harness import Measurement, MethodPatcher, Variant, compile_variants, progress_bar, time_rounds
+from toma.tools.bench.report import derive
 from toma.tools.common.options import DTYPES
 from toma.tools.common.report import cell, check_output, processor_name
 from toma.tools.tune.constants import DEFAULT_MIN_PSNR

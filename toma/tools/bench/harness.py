@@ -3,7 +3,7 @@
 :func:`benchmark` builds one denoiser, applies each method in turn
 (:class:`MethodPatcher`) and times denoiser forwards round by round, interleaved, so
 that a slow spell of a shared machine hits every variant alike; optionally as CUDA graph
-replays or under torch.compile. It returns the report dict of :mod:`toma.tools.bench_report`.
+replays or under torch.compile. It returns the report dict of :mod:`toma.tools.bench.report`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 
 from toma.tools.archs import STACKS, Arch, build_model, call_denoiser, count_parameters, default_placement, latent_frames, \
     make_inputs, set_timestep
-from toma.tools.bench_report import OVERHEAD_PARTS, RunConditions, build_report, split_method
+from toma.tools.bench.constants import OVERHEAD_PARTS, split_method
+from toma.tools.bench.report import RunConditions, build_report
 from toma.tools.opcount import count_kernels
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 # nothing here imports torch at module level: the CLI builds this parser for ``--help``
 from toma.tools.archs import ARCHS, DEPTH_KEYS, get_arch, latent_frames
-from toma.tools.bench_report import CACHES, METHODS, derive, format_report, split_method, write_outputs
+from toma.tools.bench.constants import CACHES, METHODS, split_method
 from toma.tools.common.options import DTYPES
 from toma.tools.common.report import check_output, missing_extra, wrote
 
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     missing = missing_extra("matplotlib", "bench", "the PNG plot")
     if missing:
         print(f"note: {missing}; writing the JSON only")
-    from toma.tools.bench_harness import benchmark
+    from toma.tools.bench.harness import benchmark
 
     report = benchmark(**opts, log=print)
     _show_and_write(report, Path(args.out), args.name)
@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _rerender(path: Path, out: Path, name: str | None) -> int:
+    from toma.tools.bench.report import derive
+
     try:
         report = json.loads(path.read_text())
         derive(report["results"], report["batches"][0])
@@ -123,6 +125,8 @@ def _rerender(path: Path, out: Path, name: str | None) -> int:
 
 
 def _show_and_write(report: dict[str, Any], out: Path, name: str | None) -> None:
+    from toma.tools.bench.report import format_report, write_outputs
+
     print(format_report(report))
     print(wrote(write_outputs(report, out, name)))
 

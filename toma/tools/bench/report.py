@@ -1,6 +1,6 @@
 """Reports of ``toma bench``: the JSON report, its statistics, the text table and the plot.
 
-A report is a plain dict (what :func:`toma.tools.bench_harness.benchmark` returns and
+A report is a plain dict (what :func:`toma.tools.bench.harness.benchmark` returns and
 ``--from-json`` reads back): the run's conditions and one row per method, ratio, batch
 size and compile state with its timed samples and the statistics derived from them.
 """
@@ -15,28 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from toma import __version__
 from toma.tools.archs import Arch
+from toma.tools.bench.constants import METHODS, OVERHEAD_PARTS, method_order, split_method
 from toma.tools.common.report import cell, processor_name, pyplot, save_figure, timing_flags, write_json
 
 if TYPE_CHECKING:
     import torch
 
-# the report's vocabulary: rows are sorted by method in this order, overheads split in these parts
-METHODS = ("none", "toma", "tomesd", "ideal", "todo")
-# diffusers caches a method can be combined with, as ``<method>+<cache>`` (``toma+fbcache``)
-CACHES = ("fbcache", "taylorseer")
-
-
-def split_method(method: str) -> tuple[str, str | None]:
-    """``"toma+fbcache"`` -> ``("toma", "fbcache")``; ``"toma"`` -> ``("toma", None)``."""
-    base, _, cache = method.partition("+")
-    return base, cache or None
-
-
-def method_order(method: str) -> tuple[int, int]:
-    """Sort key of a method name: its base method's rank, then its cache's."""
-    base, cache = split_method(method)
-    return METHODS.index(base), 0 if cache is None else 1 + CACHES.index(cache)
-OVERHEAD_PARTS = ("select", "weights", "merge", "unmerge")
 
 
 @dataclass(frozen=True)
@@ -72,7 +56,7 @@ def build_report(conditions: RunConditions, rows: list[dict[str, Any]], skipped:
     ``rows`` hold each variant's ``method``, ``ratio``, ``batch``, ``compiled``, ``times_s``,
     ``overhead``, ``kernels`` and ``settings``; their statistics are derived here.
     """
-    import torch  # here, not at the top: the CLI reads METHODS to build its help without torch
+    import torch  # here, not at the top: --from-json re-renders a saved report without torch
 
     c = conditions
     derive(rows, c.batches[0])
