@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+HEAVY = ("torch", "diffusers", "transformers", "matplotlib")
 
 
 def loaded_after(code: str) -> list[str]:
@@ -58,8 +62,119 @@ def test_cli_help_version_and_argument_errors_do_not_import_torch():
     for argv in cases:
         code, mods = loaded_by_cli(*argv)
         assert code in (0, 2), (argv, code)
-        heavy = sorted(m for m in mods if m.split(".")[0] in ("torch", "diffusers", "transformers", "matplotlib"))
+        heavy = sorted(m for m in mods if m.split(".")[0] in HEAVY)
         assert not heavy, (argv, heavy[:5])
+
+
+def test_python_dash_m_toma_answers_help_without_torch():
+    for argv in (("--help",), ("bench", "--help"), ("tune", "--help")):
+        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "toma", *argv], capture_output=True,
+                             text=True, cwd=ROOT)
+        assert out.returncode == 0 and out.stdout.startswith("usage: toma"), (argv, out.stderr[-500:])
+        # -X importtime lists every module imported, one "import time: ... | name" line each
+        imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+        heavy = sorted(m for m in imported if m.split(".")[0] in HEAVY)
+        assert not heavy, (argv, heavy[:5])
+
+
+def test_command_packages_and_shared_helpers_import_without_torch():
+    # a command's package holds its parser and constants; what needs torch waits for its run
+    modules = ["toma.tools.cli", "toma.tools.archs", "toma.tools.generate", "toma.tools.bench",
+               "toma.tools.bench.constants", "toma.tools.bench.report", "toma.tools.eval", "toma.tools.eval.constants",
+               "toma.tools.tune", "toma.tools.tune.constants", "toma.tools.common", "toma.tools.common.options",
+               "toma.tools.common.pipelines", "toma.tools.common.images", "toma.tools.common.report"]
+    script = f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    heavy = sorted(m for m in json.loads(out.stdout.strip().splitlines()[-1]) if m.split(".")[0] in HEAVY)
+    assert not heavy, heavy[:5]
+
+
+def toma_import_graph() -> dict[str, set[str]]:
+    """Each toma module -> the toma modules its source imports, wherever the import statement is.
+
+    Imports inside functions and under ``TYPE_CHECKING`` count: a lazy import still makes
+    the two modules depend on each other, and a circle hidden that way was how the tools
+    grew theirs. ``import a.b`` and ``from a.b import x`` import ``a.b``; ``from a import
+    b`` imports the module ``a.b`` when there is one, else the package ``a`` (``from toma
+    import apply_toma`` is an import of ``toma/__init__.py`` only). Parent packages do not
+    count: Python runs them for every submodule import, and counting that would make a
+    circle of every package whose ``__init__`` imports one of its submodules lazily.
+    """
+    package = ROOT / "toma"
+    modules: dict[str, tuple[Path, bool]] = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, is_package) in modules.items():
+        here = name if is_package else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: from its own package upwards
+                    base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    target = f"{source}.{alias.name}"
+                    if target in modules:
+                        graph[name].add(target)
+                    elif source in modules:
+                        graph[name].add(source)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module, or one that imports itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_circles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert sorted(circles(graph)) == [["a", "b", "c"], ["e"]]
+
+
+def test_no_import_circle_among_toma_modules():
+    graph = toma_import_graph()
+    assert "toma.tools.bench.report" in graph and "toma.tools.bench.constants" in graph["toma.tools.bench.report"]
+    found = circles(graph)
+    # each circle with its edges, which name the imports to move
+    assert not found, "\n".join(
+        " <-> ".join(c) + ": " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c) for c in found
+    )
 
 
 def test_lazy_public_names_resolve():
