@@ -157,10 +157,11 @@ CASES = {
     "cogvideox-padded": ("cogvideox", lambda: cogvideox_inputs(2, 3, 12, 20), PADDED_VIDEO),
 }
 CROSS = ("sdxl", "sd15", "pixart", "wan", "ltx")  # the rows with a cross-attention whose queries merge
-# Fake tensors cost about 20x the meta device per op, so the fake device runs every family in
-# tile order and with conditioning images, but padded grids for six of them: those run the
-# same gathers of toma.core whatever the family (also tested on their own below), and the
-# six cover each way a family's rotary rows follow merged tokens in raster order
+# A fake forward costs several meta ones (each op runs in Python), so the fake device runs
+# every family in tile order and with conditioning images, but padded grids for six of them:
+# those run the same gathers of toma.core whatever the family (also tested on their own
+# below), and the six cover each way a family's rotary rows follow merged tokens in raster
+# order (shared tables per sample, per-batch gathers, the caller's raster tables)
 ON_FAKE_DEVICE = [name for name in CASES if name not in (
     "sdxl-padded", "flux-padded", "sd3-padded", "pixart-padded", "qwenimage-padded", "hunyuanvideo-padded")]
 
@@ -365,7 +366,7 @@ def test_a_copy_to_the_device_at_every_call_is_counted(monkeypatch):
 @pytest.mark.parametrize("share", [False, True])
 def test_plans_merges_and_unmerges_stay_on_the_device(monkeypatch, selection, temperature, share):
     from toma.config import ToMAConfig
-    from toma.core.plan import PlanCache
+    from toma.adapters.state import PlanCache
 
     # a fake device has no random generator: random destinations then come from the global
     # one, drawn with device= (the path a generator-less caller takes)
@@ -397,7 +398,7 @@ def test_plans_merges_and_unmerges_stay_on_the_device(monkeypatch, selection, te
 ])
 def test_a_later_plan_copies_nothing_to_the_device(monkeypatch, selection):
     from toma.config import ToMAConfig
-    from toma.core.plan import PlanCache
+    from toma.adapters.state import PlanCache
 
     monkeypatch.setattr(PlanCache, "_random", lambda self, device: None)  # as above
     cache = PlanCache(ToMAConfig(ratio=0.5, selection=selection))
