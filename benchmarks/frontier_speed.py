@@ -88,7 +88,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from toma.tools.builtin import load_builtin, sample
+    from toma.tools.builtin.unet import load_builtin, sample
 
     model = load_builtin()
     labels = torch.arange(args.batch) % 10

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import toma  # noqa: E402
-from toma.tools.builtin import SCHEDULER_CONFIG  # noqa: E402
+from toma.tools.builtin.unet import SCHEDULER_CONFIG  # noqa: E402
 from scripts.train_builtin import LossLog, epsilon_loss, load_digits_32, optimise, training_batch  # noqa: E402
 
 # name: (ToMA options or None, gradient checkpointing)
@@ -144,7 +144,7 @@ def memory_child(args: argparse.Namespace) -> dict[str, Any]:
     steps added at their peak. Each configuration runs in a fresh process so that one
     configuration's freed-but-kept memory cannot hide another's.
     """
-    from toma.tools.builtin import load_builtin
+    from toma.tools.builtin.unet import load_builtin
 
     torch.set_num_threads(args.threads)
     model = load_builtin()
@@ -268,7 +268,7 @@ def heldout_loss(args: argparse.Namespace, model: Any, unet: Any) -> float:
 @torch.no_grad()  # the LoRA factors require grad: no graph may be built while sampling
 def sample_images(args: argparse.Namespace, model: Any, unet: Any) -> torch.Tensor:
     """``args.num_images`` unmerged samples ``(N, 1, 32, 32)``: ``toma eval``'s seeds and classes."""
-    from toma.tools.builtin import NUM_CLASSES, sample
+    from toma.tools.builtin.unet import NUM_CLASSES, sample
 
     chunks = []
     for start in range(0, args.num_images, 50):
@@ -280,7 +280,7 @@ def sample_images(args: argparse.Namespace, model: Any, unet: Any) -> torch.Tens
 
 def quality_row(model: Any, images: torch.Tensor, base: torch.Tensor, plain: torch.Tensor | None) -> dict[str, float]:
     """Scores of ``images`` with ``toma eval``'s functions (against base and plain-LoRA samples)."""
-    from toma.tools.builtin import NUM_CLASSES, classify
+    from toma.tools.builtin.unet import NUM_CLASSES, classify
     from toma.tools.eval.harness import frechet_to, mean_and_sem
     from toma.tools.eval.metrics import accuracy, feature_stats, psnr, ssim
 
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     import diffusers
     import peft
 
-    from toma.tools.builtin import load_builtin
+    from toma.tools.builtin.unet import load_builtin
 
     torch.set_num_threads(args.threads)
     started = time.time()

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import toma  # noqa: E402
-from toma.tools.builtin import NUM_CLASSES, classify  # noqa: E402
+from toma.tools.builtin.unet import NUM_CLASSES, classify  # noqa: E402
 from toma.tools.builtin.dit import DIT_DIR, BuiltinDiT, load_dit, sample  # noqa: E402
 from toma.tools.eval.metrics import psnr, ssim  # noqa: E402
 

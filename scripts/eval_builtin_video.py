@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import toma  # noqa: E402
 from toma.config import parse_option  # noqa: E402
-from toma.tools.builtin import NUM_CLASSES  # noqa: E402
+from toma.tools.builtin.unet import NUM_CLASSES  # noqa: E402
 from toma.tools.builtin.video import (  # noqa: E402
     VIDEO_DIR,
     classify_frames,

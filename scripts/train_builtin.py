@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from toma.tools.builtin import (  # noqa: E402
+from toma.tools.builtin.unet import (  # noqa: E402
     COND_TOKENS,
     IMAGE_SIZE,
     NULL_CLASS,

@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from train_builtin import LossLog, ema_update, load_digits_32, optimise, sample_accuracy, write_metadata  # noqa: E402
 
-from toma.tools.builtin import NULL_CLASS, NUM_CLASSES, DigitClassifier  # noqa: E402
+from toma.tools.builtin.unet import NULL_CLASS, NUM_CLASSES, DigitClassifier  # noqa: E402
 from toma.tools.builtin.video import (  # noqa: E402
     COND_DIM,
     COND_TOKENS,

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 import toma
-from toma.tools.builtin import classify
+from toma.tools.builtin.unet import classify
 from toma.tools.builtin.dit import load_dit, sample
 from toma.tools.builtin.samplers import BUILTIN_MODELS, builtin_name, check_methods, load_sampler
 from toma.tools.cli import main

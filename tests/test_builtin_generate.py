@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 import toma
-from toma.tools.builtin import BUILTIN_DIR, builtin_available, load_builtin, sample
+from toma.tools.builtin.unet import BUILTIN_DIR, builtin_available, load_builtin, sample
 from toma.tools.cli import main
 
 

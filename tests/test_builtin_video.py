@@ -142,7 +142,7 @@ class ExactVelocity(torch.nn.Module):
 
 
 def exact_model(target: torch.Tensor, null_target: torch.Tensor, time_shift: float | None = None):
-    from toma.tools.builtin import NULL_CLASS, DigitClassifier
+    from toma.tools.builtin.unet import NULL_CLASS, DigitClassifier
     from toma.tools.builtin.video import BuiltinVideoDiT
 
     tokens = torch.ones(11, COND_TOKENS, COND_DIM)
@@ -245,7 +245,7 @@ def real_clips(count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Clips ``(count, T, 1, S, S)`` of the last ``count`` bundled digits and their labels."""
     from sklearn.datasets import load_digits
 
-    from toma.tools.builtin import IMAGE_SIZE
+    from toma.tools.builtin.unet import IMAGE_SIZE
     from toma.tools.builtin.video import shrink_digits
 
     digits = load_digits()
@@ -272,7 +272,7 @@ def test_the_class_steers_the_velocity(model):
     model (width 64, cross-attention output initialised at zero, 900 steps) ignored its
     class: on these 30 clips its two losses are 0.6% apart; the step-806 checkpoint 3.7%.
     """
-    from toma.tools.builtin import NUM_CLASSES
+    from toma.tools.builtin.unet import NUM_CLASSES
     from toma.tools.builtin.video import velocity
 
     clips, labels = real_clips(30)

@@ -228,7 +228,7 @@ def test_bad_arguments_are_refused_in_one_line_before_any_work(argv, message, mo
         raise AssertionError("work started")
 
     monkeypatch.setattr(tune_run, "build_model", no_work)
-    monkeypatch.setattr("toma.tools.builtin.load_builtin", no_work)
+    monkeypatch.setattr("toma.tools.builtin.unet.load_builtin", no_work)
     assert main(["tune", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("toma tune: error: ") and message in err and len(err.strip().splitlines()) == 1

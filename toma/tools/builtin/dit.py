@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from toma.tools.builtin import (
+from toma.tools.builtin.unet import (
     BUILTIN_DIR,
     IMAGE_SIZE,
     NULL_CLASS,
@@ -221,7 +221,7 @@ def sample(
         model: the loaded built-in DiT.
         labels: ``B`` class labels in ``0..9``.
         seeds: one seed per image, or a single int ``s`` meaning seeds ``s, s+1, ...``; the
-            starting noise is the UNet's (:func:`toma.tools.builtin.initial_noise`).
+            starting noise is the UNet's (:func:`toma.tools.builtin.unet.initial_noise`).
         steps: number of Euler steps (>= 1), one transformer call each.
         progress: show a tqdm progress bar over the steps, labelled "denoising" or, given a
             string, with that label (``toma generate`` names the run it times).

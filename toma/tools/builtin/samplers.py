@@ -34,7 +34,7 @@ class BuiltinSampler:
             ``(B, 1, 32, 32)`` in ``[0, 1]`` for ``B`` labels in ``0..9`` and ``B`` seeds, or
             clips ``(B, T, 1, H, W)`` for a video model; ``guidance_scale=None`` means the
             model's recommended one.
-        classifier: the digit classifier (:class:`toma.tools.builtin.DigitClassifier`);
+        classifier: the digit classifier (:class:`toma.tools.builtin.unet.DigitClassifier`);
             a video model's reads frames through :attr:`classify`.
         reference_mu: ``(64,)`` mean classifier feature on the real digits (None: no
             reference statistics, no Frechet distance to real digits).
@@ -63,7 +63,7 @@ def load_reference_stats(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _load_unet(path: Path | None) -> BuiltinSampler:
-    from toma.tools.builtin import load_builtin, sample
+    from toma.tools.builtin.unet import load_builtin, sample
 
     model = load_builtin() if path is None else load_builtin(path)
 
@@ -78,7 +78,7 @@ def _load_unet(path: Path | None) -> BuiltinSampler:
 
 
 def _load_dit(path: Path | None) -> BuiltinSampler:
-    from toma.tools.builtin import BUILTIN_DIR
+    from toma.tools.builtin.unet import BUILTIN_DIR
     from toma.tools.builtin.dit import DIT_DIR, load_dit, sample
 
     folder = DIT_DIR if path is None else Path(path)

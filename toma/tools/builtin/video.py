@@ -24,7 +24,7 @@ canvas, built from the same bundled scikit-learn digits as the other built-in mo
   predicts ``eps - x_0`` from ``x_t`` and the timestep ``1000 t`` (Wan's scale). Sampling
   integrates from ``t = 1`` to ``t = 0`` with Euler steps on a uniform grid.
 * Per-frame accuracy: the UNet's classifier expects digits filling a 32 x 32 frame, so
-  this model ships its own frame classifier (:class:`~toma.tools.builtin.DigitClassifier`
+  this model ships its own frame classifier (:class:`~toma.tools.builtin.unet.DigitClassifier`
   architecture, trained by the same script on frames of real-digit clips, seeded), which
   reads a 16 x 16 frame upsampled bilinearly to 32 x 32 (:func:`classify_frames`).
 
@@ -56,7 +56,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from toma.tools.builtin import (
+from toma.tools.builtin.unet import (
     BUILTIN_DIR,
     FEATURE_DIM,
     IMAGE_SIZE,

@@ -33,7 +33,7 @@ from toma.tools.eval.metrics import feature_stats, psnr, ssim
 
 def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[str, float]]) -> dict[str, Any]:
     """Generate with every variant on this process's share; returns per-variant records."""
-    from toma.tools.builtin import NUM_CLASSES, classify
+    from toma.tools.builtin.unet import NUM_CLASSES, classify
     from toma.tools.builtin.samplers import load_sampler
 
     model = load_sampler(getattr(args, "builtin", "builtin"), args.builtin_path)

@@ -287,7 +287,7 @@ def _check(setup: Setup, args: argparse.Namespace, harness: MethodPatcher, cands
 
     def output() -> torch.Tensor:
         if builtin_model is not None:
-            from toma.tools.builtin import NUM_CLASSES, sample
+            from toma.tools.builtin.unet import NUM_CLASSES, sample
 
             n = args.check_images
             return sample(builtin_model, [i % NUM_CLASSES for i in range(n)], list(range(args.seed, args.seed + n)),
@@ -503,7 +503,7 @@ def _tune(args: argparse.Namespace, setup: Setup) -> int:
     arch, b = setup.arch, setup.batch
     builtin_model = None
     if setup.builtin:
-        from toma.tools.builtin import load_builtin
+        from toma.tools.builtin.unet import load_builtin
 
         builtin_model = load_builtin() if args.builtin_path is None else load_builtin(args.builtin_path)
         model = builtin_model.unet

@@ -1,12 +1,12 @@
 """The built-in pretrained model: a tiny class-conditional pixel-space diffusion UNet.
 
-The model ships inside the package (``toma/builtin/``) so that ``toma generate`` and
+The model ships inside the package (``toma/tools/builtin/``) so that ``toma generate`` and
 ``toma eval`` work offline with no download. It was trained by
 ``scripts/train_builtin.py`` on scikit-learn's handwritten digits, upsampled to
 32 x 32 grey-scale images. Its first UNet level runs self-attention over
 32 x 32 = 1024 tokens, so token merging has something to remove.
 
-Files under ``toma/builtin/``:
+Files under ``toma/tools/builtin/``:
 
 - ``digits-unet/``: the :class:`diffusers.UNet2DConditionModel` (``save_pretrained`` layout);
 - ``scheduler/``: the DDIM scheduler config used for sampling;
