@@ -15,7 +15,7 @@ import torch
 from hot_path import median_ms  # benchmarks/ is on sys.path when this script runs
 
 from toma.config import ToMAConfig
-from toma.core.plan import PlanCache
+from toma.adapters.state import PlanCache
 
 
 def main() -> None:

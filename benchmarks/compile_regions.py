@@ -38,14 +38,14 @@ def regions(batch: int, side: int, channels: int, heads: int, ratio: float, tile
     x = torch.randn(batch, side * side, channels, generator=g)
     xt = tile_order(x, layout)
     tiles = xt.unflatten(1, (layout.num_tiles, layout.tile_area))
-    plan = build_plan(tiles, layout, config, x.dtype, None, index)
+    plan = build_plan(tiles, layout, x.dtype, selection=config.selection, temperature=config.temperature, generator=None, index=index)
     sim = cosine_similarity(tiles)
     merged = plan.merge(xt, tiled=True)
     bias = plan.log_mass[:, None, :].repeat_interleave(heads, dim=0)  # as the UNet adapter passes it
     attn = Attention(query_dim=channels, heads=heads, dim_head=channels // heads).eval()
 
     def plan_tensors() -> tuple[torch.Tensor, ...]:
-        p = build_plan(tiles, layout, config, x.dtype, None, index)
+        p = build_plan(tiles, layout, x.dtype, selection=config.selection, temperature=config.temperature, generator=None, index=index)
         return p.merge_w, p.unmerge_w, p.mass
 
     return {

@@ -19,7 +19,7 @@ import time
 import torch
 
 from toma.config import ToMAConfig
-from toma.core.plan import PlanCache
+from toma.adapters.state import PlanCache
 from toma.core.tiling import raster_order, tile_order
 
 # name: (grid side, channels, plans per forward, merged modules per forward, reorderings

@@ -27,7 +27,7 @@ from hot_path import SHAPES, sample_seconds  # benchmarks/ is on sys.path when t
 
 import toma
 from toma.config import ToMAConfig
-from toma.core.plan import PlanCache
+from toma.adapters.state import PlanCache
 from toma.kernels import KERNELS_ENV
 from toma.tools.archs import build_model, call_denoiser, get_arch, make_inputs
 

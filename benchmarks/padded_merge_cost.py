@@ -19,7 +19,7 @@ import time
 import torch
 
 from toma.config import ToMAConfig
-from toma.core.plan import PlanCache
+from toma.adapters.state import PlanCache
 from toma.core.tiling import tile_order
 
 CASES = (  # (t, h, w) token grid, frames per tile

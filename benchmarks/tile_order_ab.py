@@ -20,7 +20,7 @@ from hot_path import sample_seconds  # benchmarks/ is on sys.path when this scri
 
 import toma
 from toma.tools.archs import build_model, call_denoiser, get_arch, make_inputs
-from toma.core.plan import PlanCache
+from toma.adapters.state import PlanCache
 
 
 def median_min(fn: Callable[[], Any], repeats: int, device: torch.device) -> tuple[float, float]:

@@ -136,7 +136,7 @@ def test_inductor_plan_has_no_scalar_nan_loop():
     tiles = tile_order(x, layout).unflatten(1, (layout.num_tiles, layout.tile_area))
 
     def plan_tensors(t):
-        plan = build_plan(t, layout, config, t.dtype, None, index)
+        plan = build_plan(t, layout, t.dtype, selection=config.selection, temperature=config.temperature, generator=None, index=index)
         return plan.dest, plan.merge_w, plan.unmerge_w, plan.mass
 
     torch._dynamo.reset()

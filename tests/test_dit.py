@@ -112,7 +112,7 @@ def check_tile_order_matches_raster(model, kw, monkeypatch, forward) -> None:
     monkeypatch.setattr(engine, "tile_order", lambda x, lay: conversions.append(x.shape) or real(x, lay))
     tiled = forward(model, **kw)
     converted = len(conversions)
-    monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
+    monkeypatch.setattr(toma.adapters.state.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
     raster = forward(model, **kw)
     assert converted >= 1 and len(conversions) == converted  # the raster run converted nothing
     torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)

@@ -15,7 +15,7 @@ import toma
 from toma.adapters.base import HOOK_NAME, remove_hook
 from toma.adapters.engine import FamilySpec, Rotary, Site, attach, find_targets
 from toma.config import ToMAConfig
-from toma.core.plan import PlanCache
+from toma.adapters.state import PlanCache
 from tests.test_dit import check_tile_order_matches_raster
 
 
@@ -556,7 +556,7 @@ def _permutation_matches_unpatched(make, kw, blocks, monkeypatch, tiled):
     merging is a permutation: the output must equal the unpatched model's (in tile order,
     or raster order, as on the Triton path)."""
     if not tiled:
-        monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
+        monkeypatch.setattr(toma.adapters.state.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
     model = make()
     with torch.no_grad():
         ref = model(**kw).sample

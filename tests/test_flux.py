@@ -145,7 +145,7 @@ def test_tile_order_forward_matches_raster_order(flux, monkeypatch, proportional
         assert len(conversions) == 2  # the hidden states, once; the rotary row order, once per grid
         tiled_again = flux(**kw).sample
         assert len(conversions) == 3  # the rotary order is kept
-        monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
+        monkeypatch.setattr(toma.adapters.state.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
         raster = flux(**kw).sample
     assert len(conversions) == 3
     assert torch.equal(tiled, tiled_again)
@@ -179,7 +179,7 @@ def test_kontext_reference_tokens_pass_whole(monkeypatch, tiled, proportional):
     model = make_flux()
     blocks = dict(flux_double_blocks=(0, 1), flux_single_blocks=(0, 1), proportional_attention=proportional)
     if not tiled:
-        monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
+        monkeypatch.setattr(toma.adapters.state.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
     with torch.no_grad():
         ref = model(**kw).sample
         patch = toma.apply_toma(model, ratio=0.05, tile_size=2, temperature=0, **blocks)

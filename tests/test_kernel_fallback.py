@@ -122,14 +122,13 @@ def test_one_kernel_failing_leaves_the_others_running(monkeypatch, auto_on_cpu):
 def test_a_kernel_failing_mid_run_falls_back_in_that_call(monkeypatch, auto_on_cpu):
     # past the probe: a failure at a shape of its own (a compile error for one block
     # shape, out of resources) is caught at that launch, which then runs on torch
-    from toma.config import ToMAConfig
     from toma.core.plan import build_fused_plan
     from toma.core.tiling import kernel_index, layout_index, make_layout
 
     assert kernels.use_triton(torch.device("cpu"))  # probed: all three work
     layout = make_layout(8, 8, (4, 4), 0.5)
     x = torch.randn(1, 64, 16, generator=torch.Generator().manual_seed(0))
-    plan = build_fused_plan(x, False, layout, ToMAConfig(), x.dtype, layout_index(layout), kernel_index(layout))
+    plan = build_fused_plan(x, False, layout, x.dtype, layout_index(layout), kernel_index(layout), temperature=0.001)
     expected = plan.merge(x)
     monkeypatch.setitem(triton_ops.KERNEL_FNS, "merge", Broken())
     with pytest.warns(RuntimeWarning, match="Triton merge kernel failed"):
@@ -188,7 +187,7 @@ def fake_gpu_limits(monkeypatch, needed: dict[str, int], limit: int) -> list[str
 
 def test_a_launch_that_does_not_fit_takes_the_torch_path_decided_before_launching(monkeypatch, auto_on_cpu):
     from toma.config import ToMAConfig
-    from toma.core.plan import PlanCache
+    from toma.adapters.state import PlanCache
 
     # numbers as an sm_86 (99 KB a block) would give a plan kernel of large tiles; the
     # probe's 16-token tiles fit
@@ -244,7 +243,6 @@ def test_kernels_launch_on_their_tensors_device(monkeypatch):
 
 
 def test_every_launch_goes_through_the_device_guard(monkeypatch):
-    from toma.config import ToMAConfig
     from toma.core.plan import build_fused_plan
     from toma.core.tiling import kernel_index, layout_index, make_layout
 
@@ -254,6 +252,6 @@ def test_every_launch_goes_through_the_device_guard(monkeypatch):
     monkeypatch.setattr(triton_ops, "_device_guard", lambda device: guarded.append(device) or real(device))
     layout = make_layout(8, 8, (4, 4), 0.5)
     x = torch.randn(1, 64, 16)
-    plan = build_fused_plan(x, False, layout, ToMAConfig(), x.dtype, layout_index(layout), kernel_index(layout))
+    plan = build_fused_plan(x, False, layout, x.dtype, layout_index(layout), kernel_index(layout), temperature=0.001)
     plan.unmerge(plan.merge(x))
     assert guarded == [x.device] * 3

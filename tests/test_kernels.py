@@ -21,7 +21,8 @@ pytest.importorskip("triton")  # conftest.py has set TRITON_INTERPRET=1 before t
 
 from toma.config import ToMAConfig  # noqa: E402
 from toma.core.merge import assignment, cosine_similarity, destination_mass, merge_weights  # noqa: E402
-from toma.core.plan import PlanCache, build_fused_plan, build_plan  # noqa: E402
+from toma.core.plan import build_fused_plan, build_plan
+from toma.adapters.state import PlanCache  # noqa: E402
 from toma.core.selection import facility_location  # noqa: E402
 from toma.core.tiling import kernel_index, layout_index, make_layout, tile_order, to_tiles  # noqa: E402
 from toma.kernels import KERNELS_ENV, use_triton  # noqa: E402
@@ -96,7 +97,7 @@ def test_fused_merge_and_unmerge_match_the_torch_path(h, w, ratio, batch, share)
     x = tokens(batch, h * w, 40, seed=h * w)  # 40 channels: a partial channel block
     src = x[:1] if share else x
     index, kidx = layout_index(layout), kernel_index(layout)
-    fused = build_fused_plan(src, False, layout, ToMAConfig(ratio=ratio), x.dtype, index, kidx)
+    fused = build_fused_plan(src, False, layout, x.dtype, index, kidx, temperature=0.001)
     torch_path = dataclasses.replace(fused, kernels=None)  # the same weights, applied by torch
     merged = torch_path.merge(x)
     assert torch.allclose(fused.merge(x), merged, atol=1e-5, rtol=0)
@@ -117,7 +118,7 @@ def test_fused_merge_and_unmerge_match_the_torch_path(h, w, ratio, batch, share)
         assert torch.equal(fused.unmerge(merged, tiled=True, residual=res_t), tiled_sum)
         assert torch.allclose(torch_path.unmerge(merged, tiled=True, residual=res_t), tiled_sum, atol=1e-5, rtol=0)
     # the plan read from raster order is the plan read from tiles
-    from_tiles = build_plan(to_tiles(src, layout), layout, ToMAConfig(ratio=ratio), x.dtype, index=index, kernels=kidx)
+    from_tiles = build_plan(to_tiles(src, layout), layout, x.dtype, selection="facility", temperature=0.001, index=index, kernels=kidx)
     assert torch.equal(from_tiles.dest, fused.dest) and torch.equal(from_tiles.merge_w, fused.merge_w)
 
 
@@ -127,12 +128,12 @@ def test_fused_merge_reads_a_strided_slice_and_half_precision():
     full = tokens(2, 5 + 32, 16, seed=7)
     x = full[:, 5:]
     index, kidx = layout_index(layout), kernel_index(layout)
-    fused = build_fused_plan(x, False, layout, ToMAConfig(), x.dtype, index, kidx)
-    contiguous = build_fused_plan(x.contiguous(), False, layout, ToMAConfig(), x.dtype, index, kidx)
+    fused = build_fused_plan(x, False, layout, x.dtype, index, kidx, temperature=0.001)
+    contiguous = build_fused_plan(x.contiguous(), False, layout, x.dtype, index, kidx, temperature=0.001)
     assert torch.equal(fused.merge_w, contiguous.merge_w)
     assert torch.allclose(fused.merge(x), dataclasses.replace(fused, kernels=None).merge(x), atol=1e-5, rtol=0)
     half = x.half()
-    fused_h = build_fused_plan(half, False, layout, ToMAConfig(), half.dtype, index, kidx)
+    fused_h = build_fused_plan(half, False, layout, half.dtype, index, kidx, temperature=0.001)
     torch_h = dataclasses.replace(fused_h, kernels=None)
     assert fused_h.merge_w.dtype == torch.float16
     # fp16 outputs: each within one fp16 rounding (eps 2**-10) of unit-scale tokens, plus
@@ -210,7 +211,7 @@ def assert_kernels_match_torch_path(monkeypatch, model, kw, options):
 def test_merges_that_need_a_gradient_take_the_torch_path():
     layout = make_layout(8, 8, (4, 4), 0.5)
     x = tokens(1, 64, 16, seed=9)
-    plan = build_fused_plan(x, False, layout, ToMAConfig(), x.dtype, layout_index(layout), kernel_index(layout))
+    plan = build_fused_plan(x, False, layout, x.dtype, layout_index(layout), kernel_index(layout), temperature=0.001)
     leaf = x.clone().requires_grad_(True)
     out = plan.unmerge(plan.merge(leaf))
     out.sum().backward()

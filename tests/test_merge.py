@@ -97,7 +97,7 @@ def test_spatio_temporal_grid_selection_picks_real_distinct_slots():
 def hard_plan(x: torch.Tensor, h: int, w: int, tile=(4, 4), ratio=0.5):
     layout = make_layout(h, w, tile, ratio)
     cfg = ToMAConfig(ratio=ratio, tile_size=tile, temperature=0)
-    return build_plan(to_tiles(x, layout), layout, cfg, x.dtype)
+    return build_plan(to_tiles(x, layout), layout, x.dtype, selection=cfg.selection, temperature=cfg.temperature)
 
 
 @pytest.mark.parametrize("h,w", [(8, 8), (6, 10), (5, 7)])
@@ -132,7 +132,7 @@ def test_hard_assignment_exact_on_piecewise_constant_tokens():
 def test_merge_rows_and_unmerge_rows_sum_to_one():
     x = torch.randn(3, 6 * 10, 8)
     layout = make_layout(6, 10, (4, 4), 0.5)
-    plan = build_plan(to_tiles(x, layout), layout, ToMAConfig(), x.dtype)
+    plan = build_plan(to_tiles(x, layout), layout, x.dtype, selection="facility", temperature=0.001)
     valid = plan.merge_w.sum(-1)
     used = torch.tensor(layout.keep)[None, :, None] > torch.arange(layout.slots)[None, None, :]
     assert torch.allclose(valid[used.expand_as(valid)], torch.ones(1), atol=1e-5)
@@ -157,7 +157,7 @@ def test_soft_assignment_is_softmax_over_destinations():
 def test_half_precision_weights_finite(dtype):
     x = (torch.randn(1, 64, 8) * 300).to(dtype)  # large activations, tiny temperature
     layout = make_layout(8, 8, (4, 4), 0.5)
-    plan = build_plan(to_tiles(x, layout), layout, ToMAConfig(temperature=1e-4), dtype)
+    plan = build_plan(to_tiles(x, layout), layout, dtype, selection="facility", temperature=1e-4)
     out = plan.unmerge(plan.merge(x))
     assert plan.merge_w.dtype == dtype and out.dtype == dtype
     assert torch.isfinite(plan.merge_w).all() and torch.isfinite(out).all()
@@ -182,7 +182,7 @@ def test_padded_grids_move_by_one_gather_each_way(grid, tile):
     from dataclasses import replace
 
     from toma.config import ToMAConfig
-    from toma.core.plan import PlanCache
+    from toma.adapters.state import PlanCache
     from toma.core.tiling import from_tiles, layout_index, to_tiles
 
     t, h, w = grid
@@ -199,8 +199,8 @@ def test_padded_grids_move_by_one_gather_each_way(grid, tile):
     assert plan.index is not None and plan.index.gather_index is not None
     for selection in ("facility", "grid"):  # the padded slots' contents change no plan
         config = ToMAConfig(ratio=0.5, tile_size=tile[1:], tile_frames=tile[0], selection=selection)
-        zero_padded = build_plan(to_tiles(x, layout), layout, config, x.dtype)
-        gathered = build_plan(to_tiles(x, layout, index.gather_index), layout, config, x.dtype)
+        zero_padded = build_plan(to_tiles(x, layout), layout, x.dtype, selection=config.selection, temperature=config.temperature)
+        gathered = build_plan(to_tiles(x, layout, index.gather_index), layout, x.dtype, selection=config.selection, temperature=config.temperature)
         assert torch.equal(zero_padded.dest, gathered.dest) and torch.equal(zero_padded.merge_w, gathered.merge_w)
     slow = replace(plan, index=None)
     merged = plan.merge(x)

@@ -20,7 +20,8 @@ import torch
 
 from toma.config import ToMAConfig
 from toma.core.merge import assignment, cosine_similarity, destination_mass, merge, merge_weights, unmerge
-from toma.core.plan import PlanCache, build_plan
+from toma.core.plan import build_plan
+from toma.adapters.state import PlanCache
 from toma.core.selection import facility_location
 from toma.core.tiling import make_layout, to_tiles
 
@@ -95,7 +96,7 @@ def test_the_clusters_give_the_picks_they_were_built_for():
     # the reference itself: float32 tokens of norm 1
     x, picks = clustered_tokens()
     layout = make_layout(*GRID, (4, 4), 0.5)
-    plan = build_plan(to_tiles(x, layout), layout, ToMAConfig(ratio=0.5), torch.float32)
+    plan = build_plan(to_tiles(x, layout), layout, torch.float32, selection="facility", temperature=0.001)
     assert tile_picks(plan.dest) == picks
     assert sorted(plan.mass[0].tolist()) == [1.0] * 16 + [3.0] * 16  # each cluster into its centre
 
@@ -120,9 +121,9 @@ def test_plans_pick_what_the_float32_plan_picks(dtype, scale, temperature):
     x, picks = clustered_tokens()
     layout = make_layout(*GRID, (4, 4), 0.5)
     config = ToMAConfig(ratio=0.5, temperature=temperature)
-    ref = build_plan(to_tiles(x, layout), layout, config, torch.float32)
+    ref = build_plan(to_tiles(x, layout), layout, torch.float32, selection=config.selection, temperature=config.temperature)
     xs = at_scale(x, scale, dtype)
-    plan = build_plan(to_tiles(xs, layout), layout, config, dtype)
+    plan = build_plan(to_tiles(xs, layout), layout, dtype, selection=config.selection, temperature=config.temperature)
     assert tile_picks(plan.dest) == picks == tile_picks(ref.dest)
     for t in (plan.merge_w, plan.unmerge_w, plan.mass, plan.log_mass):
         assert torch.isfinite(t).all()

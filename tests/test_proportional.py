@@ -35,7 +35,7 @@ def test_bias_makes_merged_attention_exact_on_duplicate_tokens(temperature):
     tiles = 3
     x = clustered_tokens(tiles)
     layout = make_layout(4, 4 * tiles, (4, 4), 0.5)
-    plan = build_plan(to_tiles(x, layout), layout, ToMAConfig(temperature=temperature), x.dtype)
+    plan = build_plan(to_tiles(x, layout), layout, x.dtype, selection="facility", temperature=temperature)
     masses = plan.log_mass.exp().reshape(tiles, 8)
     for t in range(tiles):
         assert sorted(masses[t].tolist()) == pytest.approx([1.0] * 7 + [9.0], abs=1e-4)

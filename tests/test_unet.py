@@ -325,7 +325,7 @@ def test_tile_order_stacks_match_raster_order(sdxl_unet, monkeypatch, options, f
     # one conversion per merged stack of 2 blocks (down, mid, 2 up), not one per block
     stacks = {p.name.rsplit(".transformer_blocks.", 1)[0] for p in patch.patched}
     assert len(conversions) == len(stacks) == 4
-    monkeypatch.setattr(toma.core.plan.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
+    monkeypatch.setattr(toma.adapters.state.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
     raster = run(sdxl_unet, **kw)
     assert len(conversions) == 4  # the raster run converted nothing
     assert not torch.allclose(tiled, ref, rtol=1e-4, atol=1e-5)  # merging changed the output
@@ -360,7 +360,7 @@ def test_block_outside_a_transformer_stack_reorders_its_own_tokens(sd15_unet):
 
     from toma.adapters import unet as unet_adapter
     from toma.config import ToMAConfig
-    from toma.core.plan import PlanCache
+    from toma.adapters.state import PlanCache
 
     kw = unet_inputs(1, 16, 16, False)
     ref = run(sd15_unet, **kw)

@@ -12,7 +12,7 @@ import torch
 from toma.adapters import FAMILIES, adapter_for, check_placement, unsupported_reason
 from toma.adapters.base import HOOK_NAMES, Patched, Skipped, remove_hook
 from toma.config import ToMAConfig, make_config
-from toma.core.plan import PlanCache
+from toma.adapters.state import PlanCache
 from toma.tuned import warn_if_measured_slower
 
 _ATTR = "_toma_patch"

@@ -62,7 +62,8 @@ from toma.adapters.spec import (
     skip_first,
 )
 from toma.config import ToMAConfig
-from toma.core.plan import PlanCache, profiled
+from toma.core.plan import profiled
+from toma.adapters.state import PlanCache
 from toma.core.tiling import TileLayout, raster_order, slot_raster_index, tile_order
 
 # the names family specs take from here

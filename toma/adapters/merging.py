@@ -28,7 +28,8 @@ import torch
 
 from toma.adapters.base import Hook
 from toma.adapters.spec import Rotary, Site, head_mask
-from toma.core.plan import Plan, PlanCache
+from toma.core.plan import Plan
+from toma.adapters.state import PlanCache
 from toma.core.tiling import TileLayout
 
 if TYPE_CHECKING:  # the UNet adapter's; families on the engine do not import it

@@ -1,7 +1,7 @@
 """Checkpointed blocks recomputed in the backward pass merge as their forward did.
 
 Gradient checkpointing runs a block's forward again during backward. The block's merges
-read shared state: the plans of the model's :class:`~toma.core.plan.PlanCache` and the
+read shared state: the plans of the model's :class:`~toma.adapters.state.PlanCache` and the
 token order of its :class:`~toma.adapters.merging.TileState`. Both hold what the *latest*
 forward left there, so a forward between a forward and its backward (a teacher or target
 prediction under ``no_grad``, as distillation loops make) would hand the recomputed blocks
@@ -24,7 +24,7 @@ import torch
 
 from toma.adapters.base import REPLAY_HOOK_NAME, Hook, registry_of
 from toma.adapters.merging import TileState, hidden_states_of
-from toma.core.plan import PlanCache
+from toma.adapters.state import PlanCache
 
 __all__ = ["REPLAY_HOOK_NAME", "Replay", "ReplayHook", "attach_replay"]
 

@@ -27,7 +27,8 @@ from toma.adapters.engine import MergeHook, TileState, hidden_states_of, with_hi
 from toma.adapters.replay import attach_replay
 from toma.adapters.residual import RESIDUAL_HOOK_NAME, FusedResidualHook, ResidualSlot, fusable
 from toma.config import ToMAConfig
-from toma.core.plan import PlanCache, profiled
+from toma.core.plan import profiled
+from toma.adapters.state import PlanCache
 from toma.core.tiling import TileLayout, image_to_tile_order, raster_order, tile_order, tile_order_to_image
 
 _LEVEL = re.compile(r"^(down_blocks|up_blocks)\.(\d+)\.|^(mid_block)\.")

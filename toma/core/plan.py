@@ -1,23 +1,19 @@
-"""Merge plans and their reuse across blocks and denoising steps.
+"""Merge plans: how to merge the tokens of one grid and back.
 
 A :class:`Plan` holds everything needed to merge and unmerge the tokens of one token
 grid: the tile layout, the chosen destinations and the merge/unmerge weights. Computing
-one costs a selection; applying one is two batched matmuls. :class:`PlanCache` computes a
-plan at the first merged block of a group (blocks sharing a token grid) in a denoising
-step and hands the same plan to the rest of the group, recomputing every
-``recompute_every`` steps, and never across a change of grid, batch, dtype or device.
+one (:func:`build_plan`) costs a selection; applying one is two batched matmuls. Which
+plan a block uses, and for how long, is run policy: :class:`toma.adapters.state.PlanCache`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable
 
 import torch
 
-from toma.config import ToMAConfig
 from toma.core.merge import assignment, cosine_similarity, destination_mass, merge, merge_weights, unmerge
 from toma.core.selection import facility_location, grid_selection, random_selection
 from toma.core.tiling import (
@@ -25,13 +21,10 @@ from toma.core.tiling import (
     LayoutIndex,
     TileLayout,
     from_tiles,
-    kernel_index,
     layout_index,
-    make_layout,
     slot_raster_index,
     to_tiles,
 )
-from toma.kernels import merges_from_raster, use_triton
 
 
 class Memo:
@@ -191,8 +184,10 @@ class Plan(Memo):
 def build_plan(
     tiles: torch.Tensor,
     layout: TileLayout,
-    config: ToMAConfig,
     dtype: torch.dtype,
+    *,
+    selection: str,
+    temperature: float,
     generator: torch.Generator | None = None,
     index: LayoutIndex | None = None,
     kernels: KernelIndex | None = None,
@@ -202,8 +197,9 @@ def build_plan(
     Args:
         tiles: ``(Bp, T, n, C)`` tokens (from :func:`toma.core.tiling.to_tiles`).
         layout: their layout, with the per-tile keep counts.
-        config: selection method and temperature.
         dtype: dtype of the activations the plan will be applied to.
+        selection: ``"facility"`` (the greedy), ``"random"`` or ``"grid"``.
+        temperature: the soft assignment's softmax temperature (0: hard assignment).
         generator: random source for ``selection="random"``.
         index: the layout's :func:`toma.core.tiling.layout_index` on ``tiles.device``, if already built.
         kernels: the layout's :func:`toma.core.tiling.kernel_index` on ``tiles.device`` to
@@ -217,12 +213,12 @@ def build_plan(
     # count as zero vectors, so that one bad sample cannot turn a plan shared with the
     # rest of its batch into NaNs.
     with torch.no_grad():
-        if kernels is not None and config.selection == "facility":
-            plan = _fused_plan(tiles.detach().flatten(1, 2), kernels.src_tiled, layout, config, dtype, index, kernels)
+        if kernels is not None and selection == "facility":
+            plan = _fused_plan(tiles.detach().flatten(1, 2), kernels.src_tiled, layout, temperature, dtype, index, kernels)
             if plan is not None:
                 return plan
         clean = finite_or_zero(tiles.detach())
-        return _build_plan(clean, layout, config, dtype, generator, index, kernels)
+        return _build_plan(clean, layout, selection, temperature, dtype, generator, index, kernels)
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -244,29 +240,30 @@ def build_fused_plan(
     x: torch.Tensor,
     tiled: bool,
     layout: TileLayout,
-    config: ToMAConfig,
     dtype: torch.dtype,
     index: LayoutIndex,
     kernels: KernelIndex,
+    *,
+    temperature: float,
 ) -> Plan:
     """:func:`build_plan` for facility-location selection with the Triton kernels, straight
     from tokens ``x`` ``(Bp, N, C)`` in raster order (tile order when ``tiled``): one launch,
     no copy of the tokens into tiles. Where the plan kernel cannot run, the torch path
     builds the plan (which the merge kernels still apply)."""
     with torch.no_grad():
-        plan = _fused_plan(x.detach(), kernels.src_tiled if tiled else kernels.src_raster, layout, config, dtype, index,
-                           kernels)
+        plan = _fused_plan(x.detach(), kernels.src_tiled if tiled else kernels.src_raster, layout, temperature, dtype,
+                           index, kernels)
         if plan is not None:
             return plan
         tiles = x.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(x, layout, index.gather_index)
-        return _build_plan(finite_or_zero(tiles.detach()), layout, config, dtype, None, index, kernels)
+        return _build_plan(finite_or_zero(tiles.detach()), layout, "facility", temperature, dtype, None, index, kernels)
 
 
 def _fused_plan(
     x: torch.Tensor,
     src_rows: torch.Tensor,
     layout: TileLayout,
-    config: ToMAConfig,
+    temperature: float,
     dtype: torch.dtype,
     index: LayoutIndex | None,
     kernels: KernelIndex,
@@ -278,7 +275,7 @@ def _fused_plan(
     with profiled("toma::select"):
         # similarities, the greedy, the assignment and its weights; non-finite tokens
         # count as zero vectors inside the kernel
-        planned = plan_tiles(x, src_rows, layout.slots, config.temperature, dtype, kernels.token_mask, kernels.keep)
+        planned = plan_tiles(x, src_rows, layout.slots, temperature, dtype, kernels.token_mask, kernels.keep)
     if planned is None:
         return None
     dest, a, merge_w, mass, log_mass, _ = planned
@@ -296,7 +293,8 @@ def _fused_plan(
 def _build_plan(
     tiles: torch.Tensor,
     layout: TileLayout,
-    config: ToMAConfig,
+    selection: str,
+    temperature: float,
     dtype: torch.dtype,
     generator: torch.Generator | None,
     index: LayoutIndex | None,
@@ -308,15 +306,15 @@ def _build_plan(
     tmask = index.token_mask
     with profiled("toma::select"):
         sim = cosine_similarity(tiles)
-        if config.selection == "facility":
+        if selection == "facility":
             dest = facility_location(sim, k, tmask)
-        elif config.selection == "random":
+        elif selection == "random":
             mask = None if tmask is None else tmask.expand(sim.shape[:-1])
             dest = random_selection(sim.shape[:-1], k, mask, generator=generator, device=device)
         else:
             dest = grid_selection(layout, device).expand(tiles.shape[0], -1, -1)
     with profiled("toma::weights"):
-        a = assignment(sim, dest, config.temperature, tmask, index.slot_mask)
+        a = assignment(sim, dest, temperature, tmask, index.slot_mask)
         mass = destination_mass(a)
         flat_mass = mass.flatten(1)
         if index.keep_index is not None:
@@ -349,182 +347,6 @@ def profiled(name: str) -> contextlib.AbstractContextManager:
 
 
 _NO_RANGE = contextlib.nullcontext()  # stateless, so one instance serves every call
-
-
-class PlanCache:
-    """Computes plans at the first merged block of each group and reuses them.
-
-    One cache belongs to one patched model. The model's own forward calls
-    :meth:`begin_forward` (one call = one denoising step); merged blocks call :meth:`get`.
-
-    Grids are ``(h, w)`` for images or ``(t, h, w)`` for video.
-
-    Args:
-        config: the ToMA settings.
-        tile_frames: frames a tile spans on ``(t, h, w)`` grids (1: spatial tiles only).
-    """
-
-    def __init__(self, config: ToMAConfig, tile_frames: int = 1) -> None:
-        self.config = config
-        self.tile = (tile_frames, *config.tile)
-        self.step = -1
-        self.base_grid: tuple[int, ...] | None = None
-        self._last_timestep: float | None = None
-        self._plans: dict[Hashable, tuple[int, Plan]] = {}  # key -> (age in steps, plan)
-        self._layouts: dict[tuple[tuple[int, ...], float], TileLayout] = {}
-        self._indices: dict[tuple[tuple[int, ...], float, torch.device], LayoutIndex] = {}
-        self._kernel_indices: dict[tuple[tuple[int, ...], float, torch.device], KernelIndex] = {}
-        self._generator: torch.Generator | None = None
-        self._inference = False
-        self.active = True  # whether this step is inside the config's step window
-        # kept out of torch.compile graphs (it reads and writes Python state); wrapped here
-        # rather than with a decorator, which would import torch._dynamo (~2 s) with toma
-        self.begin_forward = torch.compiler.disable(self.begin_forward)  # type: ignore[method-assign]
-
-    def begin_forward(self, base_grid: tuple[int, ...], timestep: float | None) -> None:
-        """Start a denoiser forward on a token grid of ``base_grid`` (``(h, w)`` or ``(t, h, w)``) at downsample 1.
-
-        A timestep that rises starts a new denoising run: plans from the previous run are
-        dropped so that they never carry over to another image. The same timestep again is
-        another call of the same step (pipelines such as Wan's run the conditional and
-        unconditional passes as two calls): the step count stays, and plans are rebuilt
-        unless they are kept across steps anyway. No timestep (``None``) makes every call
-        a run of its own.
-        """
-        last = self._last_timestep
-        new_run = timestep is None or last is None or timestep > last
-        # plans made under inference_mode are inference tensors, which autograd cannot save
-        inference = torch.is_inference_mode_enabled()
-        if new_run or base_grid != self.base_grid or inference != self._inference:
-            self._plans.clear()
-            self.step = 0
-            if new_run:
-                # random selection draws the same destinations in every run, whatever ran before
-                self._generator = None
-        elif timestep == last:
-            if self.config.recompute_every == 1:
-                self._plans.clear()
-        else:
-            self.step += 1
-            # Plans age here rather than being compared with the step count in get(): under
-            # torch.compile, get() then never reads the step, so the merge path is not
-            # specialised on it and does not recompile every step.
-            every = self.config.recompute_every
-            self._plans = {k: (age + 1, p) for k, (age, p) in self._plans.items() if age + 1 < every}
-        # a bool, not the step, is what get() reads: under torch.compile a window costs
-        # one more graph, not one per step
-        self.active = self.config.merges_at(self.step)
-        self.base_grid = base_grid
-        self._last_timestep = timestep
-        self._inference = inference
-
-    def new_run(self) -> None:
-        """Make the next forward start a new denoising run, whatever its timestep.
-
-        The timestep rule in :meth:`begin_forward` cannot see a run that stopped early
-        followed by one that starts at a lower timestep (img2img, inpainting); pipelines
-        call this when they set their timesteps.
-        """
-        self._last_timestep = None
-
-    def reset(self) -> None:
-        """Forget every plan and the step count."""
-        self._plans.clear()
-        self.step = -1
-        self.active = True
-        self.base_grid = None
-        self._last_timestep = None
-
-    def snapshot(self) -> tuple:
-        """What :meth:`get`, :meth:`grid_at` and :meth:`tile_order_layout` read of the current
-        forward (its grid, step-window flag and plans), for :meth:`restore`."""
-        return self.base_grid, self.active, dict(self._plans)
-
-    def restore(self, state: tuple) -> tuple:
-        """Make a :meth:`snapshot` current (for a recomputation of an earlier forward's
-        block); returns the state it replaces, which this puts back."""
-        live = self.base_grid, self.active, self._plans
-        self.base_grid, self.active, self._plans = state
-        return live
-
-    def grid_at(self, downsample: int) -> tuple[int, ...] | None:
-        """Token grid at a spatial downsample factor of the base grid (conv strides round up)."""
-        if self.base_grid is None or downsample == 1:
-            return self.base_grid
-        *t, h, w = self.base_grid
-        return (*t, math.ceil(h / downsample), math.ceil(w / downsample))
-
-    def layout(self, *grid: int, ratio: float | None = None) -> TileLayout:
-        """Tile layout of an ``h x w`` or ``t x h x w`` grid under this cache's tile size and
-        ``ratio`` (default: the config's ``ratio``)."""
-        ratio = self.config.ratio if ratio is None else ratio
-        if (grid, ratio) not in self._layouts:
-            *t, h, w = grid
-            self._layouts[(grid, ratio)] = make_layout(h, w, self.tile, ratio, t=t[0] if t else 1)
-        return self._layouts[(grid, ratio)]
-
-    @property
-    def merging(self) -> bool:
-        """Whether this forward merges anything (a ratio above 0, a step inside the window):
-        where it does not, tokens must keep the model's own order, so that the output is
-        bitwise the unpatched one."""
-        return self.config.max_ratio > 0 and self.active
-
-    def tile_order_layout(self, grid: tuple[int, ...], device: torch.device | None = None) -> TileLayout | None:
-        """The layout whose tile order tokens on ``grid`` may be kept in between merges,
-        or None where they stay in raster order (nothing merged, a padded grid whose
-        tiles are not a permutation of the tokens, or tokens on a ``device`` where the
-        Triton kernels merge straight from raster order, which saves the two copies)."""
-        if not self.merging or (device is not None and merges_from_raster(device)):
-            return None
-        # the tile order is the same at every ratio; the largest ratio's layout carries it
-        layout = self.layout(*grid, ratio=self.config.max_ratio)
-        return None if layout.padded else layout
-
-    def get(self, x: torch.Tensor, grid: tuple[int, ...], group: Hashable, tiled: bool = False,
-            ratio: float | None = None) -> Plan | None:
-        """The plan for tokens ``x`` ``(B, N, C)`` on ``grid`` at ``ratio`` (default: the
-        config's ``ratio``), computed or reused.
-
-        ``x`` is in raster order, or in tile order when ``tiled``. Returns None when nothing
-        should be merged (ratio 0, a step outside the step window, or ``x`` not on ``grid``).
-        """
-        ratio = self.config.ratio if ratio is None else ratio
-        if ratio == 0 or not self.active or x.shape[1] != math.prod(grid) or not grid[-1]:
-            return None
-        share = self.config.share_batch_plan
-        key = (group, grid, ratio, 1 if share else x.shape[0], x.dtype, x.device)
-        cached = self._plans.get(key)
-        if cached is not None:
-            return cached[1]
-        layout = self.layout(*grid, ratio=ratio)
-        src = (x[:1] if share else x).detach()  # plans are constants for autograd: nothing saved here
-        index = self._indices.get((grid, ratio, x.device))
-        if index is None:
-            # kept for every later call: made as ordinary tensors even under inference_mode,
-            # so that a training call after an inference call may save them for backward
-            with torch.inference_mode(False):
-                index = self._indices[(grid, ratio, x.device)] = layout_index(layout, x.device)
-        kernels = None
-        if use_triton(x.device):
-            kernels = self._kernel_indices.get((grid, ratio, x.device))
-            if kernels is None:
-                with torch.inference_mode(False):
-                    kernels = self._kernel_indices[(grid, ratio, x.device)] = kernel_index(layout, x.device)
-        if kernels is not None and self.config.selection == "facility":
-            plan = build_fused_plan(src, tiled, layout, self.config, x.dtype, index, kernels)
-        else:
-            tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout, index.gather_index)
-            plan = build_plan(tiles, layout, self.config, x.dtype, self._random(x.device), index, kernels)
-        self._plans[key] = (0, plan)  # (age in steps, plan)
-        return plan
-
-    def _random(self, device: torch.device) -> torch.Generator | None:
-        if self.config.selection != "random":
-            return None
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
-        return self._generator
 
 
 def _as(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

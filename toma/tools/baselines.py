@@ -35,7 +35,8 @@ from toma.adapters.unet import UNetStepHook
 from toma.adapters.base import HOOK_NAMES, Patched, remove_hook
 from toma.api import get_toma
 from toma.config import ToMAConfig, make_config
-from toma.core.plan import Memo, PlanCache, profiled
+from toma.core.plan import Memo, profiled
+from toma.adapters.state import PlanCache
 
 _ATTR = "_toma_baseline"
 _TODO_HOOK = "toma_todo"

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from toma.config import ToMAConfig
-from toma.core.plan import Plan, PlanCache
+from toma.core.plan import Plan
+from toma.adapters.state import PlanCache
 from toma.tools.doctor import numerics as nm
 from toma.tools.doctor.inputs import smooth_tokens
 from toma.tools.doctor.merge_checks import strict_matmul

@@ -146,8 +146,7 @@ def torch_path_checks(report: Report, s: MergeSetup) -> None:
     for dtype in s.dtypes:
         name = nm.dtype_name(dtype)
         x = s.random(s.batch, s.tokens, s.channels, dtype=dtype, salt=1)
-        plan = _once(lambda: build_plan(to_tiles(x, s.layout, s.index.gather_index), s.layout, s.config, dtype,
-                                        index=s.index))
+        plan = _once(lambda: build_plan(to_tiles(x, s.layout, s.index.gather_index), s.layout, dtype, selection=s.config.selection, temperature=s.config.temperature, index=s.index))
         report.check(f"{name} plan on margin tokens", lambda: _torch_margin_plan(s, dtype))
         report.check(f"{name} plan weights", lambda: _weight_sums(s, plan(), dtype))
         report.check(f"{name} merge", lambda: _torch_merge(s, plan(), x, dtype))
@@ -176,7 +175,7 @@ def _torch_margin_plan(s: MergeSetup, dtype: torch.dtype) -> tuple[str, dict]:
     except NoMarginDesign as err:
         raise Outcome("skip", str(err)) from None
     x = x.to(dtype)
-    plan = build_plan(to_tiles(x, s.layout, s.index.gather_index), s.layout, s.config, dtype, index=s.index)
+    plan = build_plan(to_tiles(x, s.layout, s.index.gather_index), s.layout, dtype, selection=s.config.selection, temperature=s.config.temperature, index=s.index)
     return _destinations_as_designed(plan.dest, expected, margin, "torch greedy")
 
 
@@ -265,7 +264,7 @@ def kernel_checks(report: Report, s: MergeSetup, interpreter: bool) -> None:
         report.check(f"{name} plan kernel", lambda: _plan_kernel(s, kidx, x, dtype, triton_ops))
         report.check(f"{name} plan kernel on margin tokens", lambda: _plan_kernel_margin(s, kidx, dtype, triton_ops))
         # the API's plan (the plan kernel's, or the torch path's where that kernel cannot run)
-        plan = _once(lambda: build_fused_plan(x, False, s.layout, s.config, dtype, s.index, kidx))
+        plan = _once(lambda: build_fused_plan(x, False, s.layout, dtype, s.index, kidx, temperature=s.config.temperature))
         y = s.random(s.batch, s.layout.num_merged, s.channels, dtype=dtype, salt=12)
         res = s.random(s.batch, s.tokens, s.channels, dtype=dtype, salt=13)
         report.check(f"{name} merge kernel", lambda: _merge_kernel(s, kidx, plan(), x, dtype, triton_ops))
@@ -326,7 +325,7 @@ def _plan_kernel_margin(s: MergeSetup, kidx: KernelIndex, dtype: torch.dtype, op
     out = ops.plan_tiles(x, kidx.src_raster, lay.slots, s.config.temperature, dtype, kidx.token_mask, kidx.keep)
     if out is None:
         raise Outcome("fallback", fallback_reason("plan"))
-    torch_plan = build_plan(to_tiles(x, lay, s.index.gather_index), lay, s.config, dtype, index=s.index)
+    torch_plan = build_plan(to_tiles(x, lay, s.index.gather_index), lay, dtype, selection=s.config.selection, temperature=s.config.temperature, index=s.index)
     used = expected >= 0
     if not torch.equal(out[0][used], torch_plan.dest[used]):
         wrong = int(((out[0] != torch_plan.dest) & used).any(-1).sum())
