@@ -18,9 +18,9 @@ import torch
 from PIL import Image
 
 import toma
-from toma.tools.builtin.unet import classify
+from toma.tools.builtin import BUILTIN_MODELS, builtin_name, check_methods, load_sampler
 from toma.tools.builtin.dit import load_dit, sample
-from toma.tools.builtin.samplers import BUILTIN_MODELS, builtin_name, check_methods, load_sampler
+from toma.tools.builtin.unet import classify
 from toma.tools.cli import main
 from toma.tools.common.options import parse_blocks
 from toma.tools.eval.metrics import psnr, ssim

@@ -82,7 +82,8 @@ def test_command_packages_and_shared_helpers_import_without_torch():
     modules = ["toma.tools.cli", "toma.tools.archs", "toma.tools.generate", "toma.tools.bench",
                "toma.tools.bench.constants", "toma.tools.bench.report", "toma.tools.eval", "toma.tools.eval.constants",
                "toma.tools.tune", "toma.tools.tune.constants", "toma.tools.common", "toma.tools.common.options",
-               "toma.tools.common.pipelines", "toma.tools.common.images", "toma.tools.common.report"]
+               "toma.tools.common.pipelines", "toma.tools.common.images", "toma.tools.common.report",
+               "toma.tools.builtin", "toma.tools.builtin.samplers"]
     script = f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
     heavy = sorted(m for m in json.loads(out.stdout.strip().splitlines()[-1]) if m.split(".")[0] in HEAVY)

@@ -80,7 +80,7 @@ def parse_labels(text: str) -> list[int]:
 def run_builtin(args: argparse.Namespace) -> int:
     """Generate digits with a built-in model (``args.builtin``), unmerged and with ToMA."""
     from toma import apply_toma, remove_toma
-    from toma.tools.builtin.samplers import BUILTIN_MODELS, load_sampler
+    from toma.tools.builtin import BUILTIN_MODELS, load_sampler
 
     labels = parse_labels(args.labels)
     steps = args.steps or 20
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma generate``; returns the exit code."""
     import torch
 
-    from toma.tools.builtin.samplers import builtin_name, check_blocks
+    from toma.tools.builtin import builtin_name, check_blocks
 
     # a built-in model is named by args.builtin; args.model stays for pipelines only
     args.builtin = builtin_name(args.model)

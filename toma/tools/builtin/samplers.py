@@ -6,21 +6,21 @@ scored by the same digit classifier against the same reference statistics;
 ``--model builtin-video`` (the moving-digits Wan transformer) draws clips of 8 frames,
 scored frame by frame by its own frame classifier (it has no reference statistics). Each is wrapped
 in a :class:`BuiltinSampler`: the module that merging methods patch, a sampling function,
-and (in :data:`BUILTIN_MODELS`) the methods that apply to it. The eval and generate code only sees this interface, so
-a further built-in model is one more loader in :data:`BUILTIN_MODELS`.
+and (in :data:`toma.tools.builtin.BUILTIN_MODELS`) the methods that apply to it. The eval
+and generate code only sees this interface, so a further built-in model is one more
+loader here and one more entry in :data:`toma.tools.builtin.BUILTIN_MODELS`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-
-# what an eval of a UNet and of a transformer can run; tomesd patches UNet blocks only
-UNET_METHODS = ("none", "toma", "toma-random", "toma-grid", "tomesd")
-TRANSFORMER_METHODS = ("none", "toma", "toma-random", "toma-grid")
+if TYPE_CHECKING:
+    import torch
+# the models' modules, and torch with them, load in the loaders: the torch-free registry in
+# toma.tools.builtin imports this module to name them
 
 
 @dataclass
@@ -62,7 +62,8 @@ def load_reference_stats(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return stats["mu"].double(), stats["sigma"].double()
 
 
-def _load_unet(path: Path | None) -> BuiltinSampler:
+def unet_sampler(path: Path | None) -> BuiltinSampler:
+    """The digits UNet (``--model builtin``) from ``path``, or the package's copy when None."""
     from toma.tools.builtin.unet import load_builtin, sample
 
     model = load_builtin() if path is None else load_builtin(path)
@@ -77,7 +78,8 @@ def _load_unet(path: Path | None) -> BuiltinSampler:
     )
 
 
-def _load_dit(path: Path | None) -> BuiltinSampler:
+def dit_sampler(path: Path | None) -> BuiltinSampler:
+    """The digits Flux DiT (``--model builtin-dit``) from ``path``, or the package's copy when None."""
     from toma.tools.builtin.unet import BUILTIN_DIR
     from toma.tools.builtin.dit import DIT_DIR, load_dit, sample
 
@@ -97,7 +99,8 @@ def _load_dit(path: Path | None) -> BuiltinSampler:
     )
 
 
-def _load_video(path: Path | None) -> BuiltinSampler:
+def video_sampler(path: Path | None) -> BuiltinSampler:
+    """The moving-digits Wan video DiT (``--model builtin-video``) from ``path``, or the package's copy when None."""
     from toma.tools.builtin.video import VIDEO_DIR, classify_frames, load_video_dit, sample_video
 
     model = load_video_dit(VIDEO_DIR if path is None else Path(path))
@@ -109,63 +112,3 @@ def _load_video(path: Path | None) -> BuiltinSampler:
         name="builtin-video", denoiser=model.transformer, draw=draw, classifier=model.classifier,
         reference_mu=None, reference_sigma=None, guidance_scale=model.guidance_scale, classify=classify_frames,
     )
-
-
-@dataclass(frozen=True)
-class BuiltinEntry:
-    """How to load a built-in model and what applies to it, known before loading it."""
-
-    load: Callable[[Path | None], BuiltinSampler]
-    title: str  # what reports call the model
-    methods: tuple[str, ...]
-    why_not: str = ""  # why a method outside ``methods`` does not apply
-    transformer: bool = False  # whether ``--blocks`` chooses its merged blocks
-
-
-_NO_TOMESD = "tomesd merges the transformer blocks of UNets only; {name} is a {kind} transformer"
-
-# ``--model`` name -> entry; "builtin-unet" is an alias of the default. A new built-in model
-# adds a loader returning a BuiltinSampler and an entry here.
-BUILTIN_MODELS: dict[str, BuiltinEntry] = {
-    "builtin": BuiltinEntry(_load_unet, "built-in digits", UNET_METHODS),
-    "builtin-unet": BuiltinEntry(_load_unet, "built-in digits", UNET_METHODS),
-    "builtin-dit": BuiltinEntry(_load_dit, "built-in digits DiT (Flux)", TRANSFORMER_METHODS,
-                                _NO_TOMESD.format(name="the built-in DiT", kind="Flux"), transformer=True),
-    "builtin-video": BuiltinEntry(_load_video, "built-in moving-digits video DiT (Wan)", TRANSFORMER_METHODS,
-                                  _NO_TOMESD.format(name="the built-in video DiT", kind="Wan"), transformer=True),
-}
-
-
-def builtin_name(model: str | None) -> str | None:
-    """The built-in model a ``--model`` value names (``None`` -> ``"builtin"``), or None for a pipeline."""
-    if model is None:
-        return "builtin"
-    return model if model in BUILTIN_MODELS else None
-
-
-def check_blocks(name: str, blocks: Any) -> None:
-    """Raise ``ValueError`` naming ``--blocks`` when it is given for a built-in UNet (which would ignore it)."""
-    if blocks is not None and not BUILTIN_MODELS[name].transformer:
-        raise ValueError(f"--blocks chooses transformer blocks; --model {name} is a UNet, whose merged "
-                         "attention levels --levels chooses (or use --model builtin-dit or builtin-video)")
-
-
-def check_methods(name: str, methods: Sequence[str]) -> None:
-    """Raise ``ValueError`` naming ``--methods`` if a method does not apply to built-in model ``name``."""
-    entry = BUILTIN_MODELS[name]
-    bad = [m for m in methods if m not in entry.methods]
-    if bad:
-        raise ValueError(f"--methods {', '.join(bad)} cannot run on --model {name} ({entry.why_not}); "
-                         f"choose from {', '.join(entry.methods)}")
-
-
-def load_sampler(name: str, path: Path | None = None) -> BuiltinSampler:
-    """Load the built-in model ``name`` (a key of :data:`BUILTIN_MODELS`) from ``path`` or the package.
-
-    Raises:
-        ValueError: an unknown name.
-        FileNotFoundError: the model's files are missing.
-    """
-    if name not in BUILTIN_MODELS:
-        raise ValueError(f"--model must be a diffusers pipeline or one of {', '.join(BUILTIN_MODELS)}; got {name!r}")
-    return BUILTIN_MODELS[name].load(path)

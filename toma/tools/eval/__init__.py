@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma eval``; returns the exit code."""
     import torch
 
-    from toma.tools.builtin.samplers import BUILTIN_MODELS, builtin_name, check_blocks, check_methods
+    from toma.tools.builtin import BUILTIN_MODELS, builtin_name, check_blocks, check_methods
     from toma.tools.eval.builtin import eval_builtin, summarise_builtin
     from toma.tools.eval.harness import init_processes, tomesd_available, variants
     from toma.tools.eval.metrics import MissingWeightsError

@@ -1,7 +1,7 @@
 """``toma eval`` on the built-in digits models: generation, classifier accuracy and Frechet distances.
 
 The model (``--model builtin``, the default UNet, ``builtin-dit`` or the video model
-``builtin-video``) comes through :func:`toma.tools.builtin.samplers.load_sampler`, so this
+``builtin-video``) comes through :func:`toma.tools.builtin.load_sampler`, so this
 code is the same for all of them; clips are scored frame by frame, plus a temporal
 consistency figure.
 
@@ -33,8 +33,8 @@ from toma.tools.eval.metrics import feature_stats, psnr, ssim
 
 def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[str, float]]) -> dict[str, Any]:
     """Generate with every variant on this process's share; returns per-variant records."""
+    from toma.tools.builtin import load_sampler
     from toma.tools.builtin.unet import NUM_CLASSES, classify
-    from toma.tools.builtin.samplers import load_sampler
 
     model = load_sampler(getattr(args, "builtin", "builtin"), args.builtin_path)
     steps = args.steps or 20
