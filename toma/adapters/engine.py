@@ -132,7 +132,7 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
 def order_hooks(spec: FamilySpec, model: torch.nn.Module, cache: PlanCache) -> tuple[TileState, list[tuple[torch.nn.Module, Hook]]]:
     """The hooks every family needs: the step hook on the model, the reorderings where
     tokens enter and leave the blocks, and the rotary tables' reordering. Not registered."""
-    order = TileState()
+    order = TileState(cache)
     kind, path = spec.enter
     if kind == "block":
         entry = next(getattr(model, s) for s in spec.stacks if len(getattr(model, s)))[0]
@@ -177,7 +177,7 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
             hook = MergeHook(cache, 1, order, site=site)
         hooks.append((target.module, hook))
     blocks = [".".join(target.name.split(".")[:2]) for target in targets]  # "stack.index"
-    return register(hooks) + chunkers + attach_replay(model, blocks, cache, [order])
+    return register(hooks) + chunkers + attach_replay(model, blocks, cache)
 
 
 class EngineAdapter:

@@ -29,30 +29,10 @@ import torch
 from toma.adapters.base import Hook
 from toma.adapters.spec import Rotary, Site, head_mask
 from toma.core.plan import Plan
-from toma.adapters.state import PlanCache
-from toma.core.tiling import TileLayout
+from toma.adapters.state import PlanCache, TileState
 
 if TYPE_CHECKING:  # the UNet adapter's; families on the engine do not import it
     from toma.adapters.residual import ResidualSlot
-
-
-class TileState:
-    """The order of the tokens between two reorder points.
-
-    Attributes:
-        layout: the tile layout the image tokens are in, or None for raster order.
-        extra: conditioning tokens (of images other than the one generated) in the
-            sequence; between the reorder points they lead the image tokens.
-        enter: with ``extra``, the ``(N + extra,)`` index that takes the model's order (the
-            image's tokens, then the conditioning ones) to the blocks' order; ``leave`` is
-            its inverse.
-    """
-
-    def __init__(self) -> None:
-        self.layout: TileLayout | None = None
-        self.extra = 0
-        self.enter: torch.Tensor | None = None
-        self.leave: torch.Tensor | None = None
 
 
 class MergeHook(Hook):

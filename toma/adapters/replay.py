@@ -1,18 +1,18 @@
 """Checkpointed blocks recomputed in the backward pass merge as their forward did.
 
 Gradient checkpointing runs a block's forward again during backward. The block's merges
-read shared state: the plans of the model's :class:`~toma.adapters.state.PlanCache` and the
-token order of its :class:`~toma.adapters.merging.TileState`. Both hold what the *latest*
-forward left there, so a forward between a forward and its backward (a teacher or target
-prediction under ``no_grad``, as distillation loops make) would hand the recomputed blocks
-another call's plans: gradients silently off, by up to a few percent.
+read the forward's state: the plans, grid and token orders in the model's
+:class:`~toma.adapters.state.ForwardState`. It holds what the *latest* forward left there,
+so a forward between a forward and its backward (a teacher or target prediction under
+``no_grad``, as distillation loops make) would hand the recomputed blocks another call's
+plans: gradients silently off, by up to a few percent.
 
 A :class:`ReplayHook` on every block with merged sub-modules keeps, after each forward that
-autograd may recompute (gradients on, or an input that requires them), a snapshot of that
-state keyed by the block's input tensor. A recomputation reaches the block with the same
-input tensor (checkpointing keeps it), inside the backward pass; the hook then runs the
-block on the snapshot, and puts the live state back after. A snapshot lives as long as its
-input tensor, which autograd frees with the graph.
+autograd may recompute (gradients on, or an input that requires them), a copy of that
+forward state keyed by the block's input tensor. A recomputation reaches the block with the
+same input tensor (checkpointing keeps it), inside the backward pass; the hook then swaps
+the copy in as the cache's forward state, runs the block, and swaps the live one back. A
+copy lives as long as its input tensor, which autograd frees with the graph.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from toma.adapters.base import REPLAY_HOOK_NAME, Hook, registry_of
-from toma.adapters.merging import TileState, hidden_states_of
-from toma.adapters.state import PlanCache
+from toma.adapters.merging import hidden_states_of
+from toma.adapters.state import ForwardState, PlanCache
 
 __all__ = ["REPLAY_HOOK_NAME", "Replay", "ReplayHook", "attach_replay"]
 
@@ -33,30 +33,20 @@ class Replay:
     """The per-model record of the state each block's forward merged with (see the module docstring).
 
     Args:
-        cache: the patched model's plan cache.
-        states: every token-order state the model's merge hooks read.
+        cache: the patched model's plan cache, whose ``forward`` state is recorded.
     """
 
-    def __init__(self, cache: PlanCache, states: list[TileState]) -> None:
+    def __init__(self, cache: PlanCache) -> None:
         self.cache = cache
-        self.states = states
-        self._records: dict[tuple, tuple[weakref.ref, tuple]] = {}
+        self._records: dict[tuple, tuple[weakref.ref, ForwardState]] = {}
 
-    def _orders(self) -> tuple[dict, ...]:
-        return tuple(dict(vars(s)) for s in self.states)
-
-    def _state(self) -> tuple:
-        return self.cache.snapshot(), self._orders()
-
-    def _put(self, state: tuple) -> tuple:
-        live = self.cache.restore(state[0]), self._orders()
-        for s, fields in zip(self.states, state[1]):
-            vars(s).update(fields)
+    def _swap(self, state: ForwardState) -> ForwardState:
+        live, self.cache.forward = self.cache.forward, state
         return live
 
     def run(self, forward: Any, x: Any, args: tuple, kwargs: dict) -> Any:
         """``forward(*args, **kwargs)`` for a block whose input hidden states are ``x``: on
-        the snapshot of its forward if this is its recomputation, else recording one when
+        the forward state recorded for it if this is its recomputation, else recording it when
         gradients are on."""
         # a reentrant checkpoint runs the forward under no_grad, on inputs that require grad
         if not isinstance(x, torch.Tensor) or not (torch.is_grad_enabled() or x.requires_grad) or torch.compiler.is_compiling():
@@ -68,11 +58,11 @@ class Replay:
         # inside the backward pass, the same data again: checkpointing recomputes (a reentrant
         # checkpoint passes a detached view of it, still alive in the checkpoint's context)
         if found is not None and found[0]() is not None and _in_backward():
-            live = self._put(found[1])
+            live = self._swap(found[1])
             try:
                 return forward(*args, **kwargs)
             finally:
-                self._put(live)
+                self._swap(live)
         out = forward(*args, **kwargs)
         records = self._records
 
@@ -80,7 +70,7 @@ class Replay:
             if records.get(key, (None,))[0] is ref:
                 del records[key]
 
-        records[key] = (weakref.ref(x, drop), self._state())
+        records[key] = (weakref.ref(x, drop), self.cache.forward.copy())
         return out
 
 
@@ -110,10 +100,10 @@ class ReplayHook(Hook):
         return self.replay.run(self.fn_ref.original_forward, hidden_states_of(args, kwargs), args, kwargs)
 
 
-def attach_replay(model: torch.nn.Module, blocks: list[str], cache: PlanCache, states: list[TileState]) -> list[torch.nn.Module]:
+def attach_replay(model: torch.nn.Module, blocks: list[str], cache: PlanCache) -> list[torch.nn.Module]:
     """Register a :class:`ReplayHook` on each block named in ``blocks``, outermost (after
-    every other toma hook on it, so that its snapshot covers them all); returns the blocks."""
-    replay = Replay(cache, states)
+    every other toma hook on it, so that its recorded state covers them all); returns the blocks."""
+    replay = Replay(cache)
     hooked = []
     for name in dict.fromkeys(blocks):
         try:

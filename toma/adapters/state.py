@@ -1,4 +1,19 @@
-"""Run policy of a patched model: which plan each merged block uses, and for how long.
+"""Run policy of a patched model, and its state by lifetime.
+
+A patched model's state lives as long as one of three things, and each kind is one object
+with a ``reset()``, on the model's :class:`PlanCache`:
+
+* the patch: the tile layouts and their index tensors, built once per grid, ratio and
+  device (on the cache itself);
+* a denoising run (:class:`RunState`): the step count, the last timestep seen, the random
+  source of ``selection="random"``;
+* a forward (:class:`ForwardState`): the grid, whether this step merges, the plans, and
+  the token order of each stretch between two reorder points (:class:`TokenOrder`, read
+  and written through a :class:`TileState` handle).
+
+A checkpointed block recomputed in backward must see its own forward's state, whatever
+ran since (:mod:`toma.adapters.replay`): it swaps in a :meth:`ForwardState.copy` made after
+that forward, which is why everything a forward's merges read lives in that one object.
 
 :class:`PlanCache` computes a plan at the first merged block of a group (blocks sharing a
 token grid) in a denoising step and hands the same plan to the rest of the group,
@@ -20,6 +35,141 @@ from toma.core.tiling import KernelIndex, LayoutIndex, TileLayout, kernel_index,
 from toma.kernels import merges_from_raster, use_triton
 
 
+class RunState:
+    """What lives as long as a denoising run; :meth:`PlanCache.begin_forward` starts a new
+    one when a run starts (a timestep that rises, or after :meth:`PlanCache.new_run`).
+
+    Attributes:
+        step: the denoising step of the current forward (-1 before the first).
+        last_timestep: the previous forward's timestep, or None.
+        generator: the random source of ``selection="random"``, made at first use.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to before the first forward of a run."""
+        self.step = -1
+        self.last_timestep: float | None = None
+        self.generator: torch.Generator | None = None
+
+
+class TokenOrder:
+    """The order of the tokens between two reorder points, in one forward.
+
+    Attributes:
+        layout: the tile layout the image tokens are in, or None for raster order.
+        extra: conditioning tokens (of images other than the one generated) in the
+            sequence; between the reorder points they lead the image tokens.
+        enter: with ``extra``, the ``(N + extra,)`` index that takes the model's order (the
+            image's tokens, then the conditioning ones) to the blocks' order; ``leave`` is
+            its inverse.
+    """
+
+    __slots__ = ("layout", "extra", "enter", "leave")
+
+    def __init__(self) -> None:
+        self.layout: TileLayout | None = None
+        self.extra = 0
+        self.enter: torch.Tensor | None = None
+        self.leave: torch.Tensor | None = None
+
+    def copy(self) -> "TokenOrder":
+        new = TokenOrder()
+        new.layout, new.extra, new.enter, new.leave = self.layout, self.extra, self.enter, self.leave
+        return new
+
+
+class ForwardState:
+    """Everything one forward's merges read: its token grid, whether it merges (the step
+    window), its plans, whether they were made under ``inference_mode``, and the token
+    order of each stretch between reorder points (keyed by stack; the engine's one order
+    is ``"blocks"``).
+
+    :meth:`PlanCache.begin_forward` updates it in place at each forward (plans kept across
+    calls or steps stay); :meth:`copy` is what a checkpointed block's recomputation swaps
+    in (:mod:`toma.adapters.replay`).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No grid, no plans, raster order everywhere."""
+        self.grid: tuple[int, ...] | None = None
+        self.active = True
+        self.inference = False
+        self.plans: dict[Hashable, tuple[int, Plan]] = {}  # key -> (age in steps, plan)
+        self.orders: dict[Hashable, TokenOrder] = {}
+
+    def copy(self) -> "ForwardState":
+        """This forward's state as it is now, apart from later forwards' changes."""
+        new = ForwardState()
+        new.grid, new.active, new.inference = self.grid, self.active, self.inference
+        new.plans = dict(self.plans)
+        new.orders = {key: order.copy() for key, order in self.orders.items()}
+        return new
+
+    def order(self, key: Hashable) -> TokenOrder:
+        """The token order of stretch ``key`` in this forward (raster until set)."""
+        found = self.orders.get(key)
+        if found is None:
+            found = self.orders[key] = TokenOrder()
+        return found
+
+
+class TileState:
+    """A merge hook's handle on one stretch's token order: the :class:`TokenOrder` of
+    ``key`` in its cache's current :class:`ForwardState`, read and written through the
+    same attributes (``layout``, ``extra``, ``enter``, ``leave``)."""
+
+    __slots__ = ("_cache", "_key")
+
+    def __init__(self, cache: "PlanCache", key: Hashable = "blocks") -> None:
+        self._cache = cache
+        self._key = key
+
+    def _now(self) -> TokenOrder:
+        return self._cache.forward.order(self._key)
+
+    @property
+    def layout(self) -> TileLayout | None:
+        """The tile layout the image tokens are in, or None for raster order."""
+        return self._now().layout
+
+    @layout.setter
+    def layout(self, value: TileLayout | None) -> None:
+        self._now().layout = value
+
+    @property
+    def extra(self) -> int:
+        """Conditioning tokens in the sequence (see :class:`TokenOrder`)."""
+        return self._now().extra
+
+    @extra.setter
+    def extra(self, value: int) -> None:
+        self._now().extra = value
+
+    @property
+    def enter(self) -> torch.Tensor | None:
+        """The index into the blocks' order, with conditioning tokens (see :class:`TokenOrder`)."""
+        return self._now().enter
+
+    @enter.setter
+    def enter(self, value: torch.Tensor | None) -> None:
+        self._now().enter = value
+
+    @property
+    def leave(self) -> torch.Tensor | None:
+        """The inverse of :attr:`enter`."""
+        return self._now().leave
+
+    @leave.setter
+    def leave(self, value: torch.Tensor | None) -> None:
+        self._now().leave = value
+
+
 class PlanCache:
     """Computes plans at the first merged block of each group and reuses them.
 
@@ -36,19 +186,35 @@ class PlanCache:
     def __init__(self, config: ToMAConfig, tile_frames: int = 1) -> None:
         self.config = config
         self.tile = (tile_frames, *config.tile)
-        self.step = -1
-        self.base_grid: tuple[int, ...] | None = None
-        self._last_timestep: float | None = None
-        self._plans: dict[Hashable, tuple[int, Plan]] = {}  # key -> (age in steps, plan)
+        # the patch's lifetime: built once per grid, ratio and device
         self._layouts: dict[tuple[tuple[int, ...], float], TileLayout] = {}
         self._indices: dict[tuple[tuple[int, ...], float, torch.device], LayoutIndex] = {}
         self._kernel_indices: dict[tuple[tuple[int, ...], float, torch.device], KernelIndex] = {}
-        self._generator: torch.Generator | None = None
-        self._inference = False
-        self.active = True  # whether this step is inside the config's step window
+        self.run = RunState()
+        self.forward = ForwardState()
         # kept out of torch.compile graphs (it reads and writes Python state); wrapped here
         # rather than with a decorator, which would import torch._dynamo (~2 s) with toma
         self.begin_forward = torch.compiler.disable(self.begin_forward)  # type: ignore[method-assign]
+
+    # the current run's and forward's fields, under the names they have always had
+    @property
+    def step(self) -> int:
+        """The denoising step of the current forward (see :class:`RunState`)."""
+        return self.run.step
+
+    @property
+    def base_grid(self) -> tuple[int, ...] | None:
+        """The current forward's token grid at downsample 1."""
+        return self.forward.grid
+
+    @property
+    def active(self) -> bool:
+        """Whether the current forward's step is inside the config's step window."""
+        return self.forward.active
+
+    @property
+    def _plans(self) -> dict[Hashable, tuple[int, Plan]]:
+        return self.forward.plans
 
     def begin_forward(self, base_grid: tuple[int, ...], timestep: float | None) -> None:
         """Start a denoiser forward on a token grid of ``base_grid`` (``(h, w)`` or ``(t, h, w)``) at downsample 1.
@@ -60,32 +226,33 @@ class PlanCache:
         unless they are kept across steps anyway. No timestep (``None``) makes every call
         a run of its own.
         """
-        last = self._last_timestep
+        run, forward = self.run, self.forward
+        last = run.last_timestep
         new_run = timestep is None or last is None or timestep > last
         # plans made under inference_mode are inference tensors, which autograd cannot save
         inference = torch.is_inference_mode_enabled()
-        if new_run or base_grid != self.base_grid or inference != self._inference:
-            self._plans.clear()
-            self.step = 0
-            if new_run:
-                # random selection draws the same destinations in every run, whatever ran before
-                self._generator = None
+        if new_run:
+            # random selection draws the same destinations in every run, whatever ran before
+            run.reset()
+        if new_run or base_grid != forward.grid or inference != forward.inference:
+            forward.plans.clear()
+            run.step = 0
         elif timestep == last:
             if self.config.recompute_every == 1:
-                self._plans.clear()
+                forward.plans.clear()
         else:
-            self.step += 1
+            run.step += 1
             # Plans age here rather than being compared with the step count in get(): under
             # torch.compile, get() then never reads the step, so the merge path is not
             # specialised on it and does not recompile every step.
             every = self.config.recompute_every
-            self._plans = {k: (age + 1, p) for k, (age, p) in self._plans.items() if age + 1 < every}
+            forward.plans = {k: (age + 1, p) for k, (age, p) in forward.plans.items() if age + 1 < every}
         # a bool, not the step, is what get() reads: under torch.compile a window costs
         # one more graph, not one per step
-        self.active = self.config.merges_at(self.step)
-        self.base_grid = base_grid
-        self._last_timestep = timestep
-        self._inference = inference
+        forward.active = self.config.merges_at(run.step)
+        forward.grid = base_grid
+        forward.inference = inference
+        run.last_timestep = timestep
 
     def new_run(self) -> None:
         """Make the next forward start a new denoising run, whatever its timestep.
@@ -94,33 +261,19 @@ class PlanCache:
         followed by one that starts at a lower timestep (img2img, inpainting); pipelines
         call this when they set their timesteps.
         """
-        self._last_timestep = None
+        self.run.last_timestep = None
 
     def reset(self) -> None:
-        """Forget every plan and the step count."""
-        self._plans.clear()
-        self.step = -1
-        self.active = True
-        self.base_grid = None
-        self._last_timestep = None
-
-    def snapshot(self) -> tuple:
-        """What :meth:`get`, :meth:`grid_at` and :meth:`tile_order_layout` read of the current
-        forward (its grid, step-window flag and plans), for :meth:`restore`."""
-        return self.base_grid, self.active, dict(self._plans)
-
-    def restore(self, state: tuple) -> tuple:
-        """Make a :meth:`snapshot` current (for a recomputation of an earlier forward's
-        block); returns the state it replaces, which this puts back."""
-        live = self.base_grid, self.active, self._plans
-        self.base_grid, self.active, self._plans = state
-        return live
+        """Forget the run and the forward: every plan, the step count, the token orders."""
+        self.run.reset()
+        self.forward.reset()
 
     def grid_at(self, downsample: int) -> tuple[int, ...] | None:
         """Token grid at a spatial downsample factor of the base grid (conv strides round up)."""
-        if self.base_grid is None or downsample == 1:
-            return self.base_grid
-        *t, h, w = self.base_grid
+        grid = self.forward.grid
+        if grid is None or downsample == 1:
+            return grid
+        *t, h, w = grid
         return (*t, math.ceil(h / downsample), math.ceil(w / downsample))
 
     def layout(self, *grid: int, ratio: float | None = None) -> TileLayout:
@@ -137,7 +290,7 @@ class PlanCache:
         """Whether this forward merges anything (a ratio above 0, a step inside the window):
         where it does not, tokens must keep the model's own order, so that the output is
         bitwise the unpatched one."""
-        return self.config.max_ratio > 0 and self.active
+        return self.config.max_ratio > 0 and self.forward.active
 
     def tile_order_layout(self, grid: tuple[int, ...], device: torch.device | None = None) -> TileLayout | None:
         """The layout whose tile order tokens on ``grid`` may be kept in between merges,
@@ -159,11 +312,12 @@ class PlanCache:
         should be merged (ratio 0, a step outside the step window, or ``x`` not on ``grid``).
         """
         ratio = self.config.ratio if ratio is None else ratio
-        if ratio == 0 or not self.active or x.shape[1] != math.prod(grid) or not grid[-1]:
+        if ratio == 0 or not self.forward.active or x.shape[1] != math.prod(grid) or not grid[-1]:
             return None
         share = self.config.share_batch_plan
         key = (group, grid, ratio, 1 if share else x.shape[0], x.dtype, x.device)
-        cached = self._plans.get(key)
+        plans = self.forward.plans
+        cached = plans.get(key)
         if cached is not None:
             return cached[1]
         layout = self.layout(*grid, ratio=ratio)
@@ -186,12 +340,13 @@ class PlanCache:
             tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout, index.gather_index)
             plan = build_plan(tiles, layout, x.dtype, selection=self.config.selection, temperature=self.config.temperature,
                               generator=self._random(x.device), index=index, kernels=kernels)
-        self._plans[key] = (0, plan)  # (age in steps, plan)
+        plans[key] = (0, plan)  # (age in steps, plan)
         return plan
 
     def _random(self, device: torch.device) -> torch.Generator | None:
         if self.config.selection != "random":
             return None
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
-        return self._generator
+        run = self.run
+        if run.generator is None or run.generator.device != device:
+            run.generator = torch.Generator(device=device).manual_seed(self.config.seed)
+        return run.generator

@@ -107,9 +107,9 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
         stack, inside, _ = target.name.rpartition(".transformer_blocks.")
         if not inside:  # a block outside a transformer stack: it reorders its own tokens
             stack = target.name.rsplit(".", 1)[0]
-            states.setdefault(stack, TileState())
+            states.setdefault(stack, TileState(cache, stack))
         elif stack not in states:
-            states[stack] = TileState()
+            states[stack] = TileState(cache, stack)
             modules, blocks = _order_stack(model, stack, cache, target.downsample, states[stack])
             hooked += modules
             replayed += blocks
@@ -134,7 +134,7 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     for block, slot in filter(None, fused.values()):
         register_innermost(block, FusedResidualHook(slot), RESIDUAL_HOOK_NAME)
         hooked.append(block)
-    return hooked + attach_replay(model, [*fused, *replayed], cache, list(states.values()))
+    return hooked + attach_replay(model, [*fused, *replayed], cache)
 
 
 def _order_stack(model: torch.nn.Module, stack: str, cache: PlanCache, downsample: int,
