@@ -333,13 +333,14 @@ def _on_host(real):
 def test_a_host_index_in_the_merge_path_is_caught(monkeypatch, where):
     # toma with one index tensor deliberately made on the host: the check must fail there
     from toma.adapters import engine
+    from toma.adapters import state as state_module
     from toma.core import plan as plan_module
 
     if where == "rotary rows":  # Flux's rotary tables in tile order: index_select
         monkeypatch.setattr(engine, "rotary_rows", _on_host(engine.rotary_rows))
         name = "flux-tiled"
     elif where == "layout index":  # a padded grid's gathers into tiles: index_select
-        monkeypatch.setattr(plan_module, "layout_index", _on_host(plan_module.layout_index))
+        monkeypatch.setattr(state_module, "layout_index", _on_host(state_module.layout_index))
         name = "sd15-padded"
     else:  # each sample's rotary rows: advanced indexing, which CUDA would take (with a copy)
         real = plan_module.Plan._slot_dest

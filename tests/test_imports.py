@@ -37,7 +37,7 @@ def test_applying_to_one_family_imports_only_its_adapter():
     # the engine (its spec types, merge hooks, MLP-chunking and checkpoint-replay parts) and
     # SD3's spec; no other family's
     assert adapters == {"toma.adapters.base", "toma.adapters.engine", "toma.adapters.spec", "toma.adapters.merging",
-                        "toma.adapters.chunking", "toma.adapters.replay", "toma.adapters.sd3"}
+                        "toma.adapters.state", "toma.adapters.chunking", "toma.adapters.replay", "toma.adapters.sd3"}
 
 
 def loaded_by_cli(*argv: str) -> tuple[int, set[str]]:
@@ -176,6 +176,18 @@ def test_no_import_circle_among_toma_modules():
     assert not found, "\n".join(
         " <-> ".join(c) + ": " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c) for c in found
     )
+
+
+def test_core_and_the_kernels_are_leaves():
+    # core/ is pure tensor maths: it imports only core/ and the optional kernels, which
+    # import nothing of toma's outside themselves
+    graph = toma_import_graph()
+    for name, targets in graph.items():
+        if name == "toma.core" or name.startswith("toma.core."):
+            assert all(t.startswith(("toma.core", "toma.kernels")) for t in targets), (name, targets)
+        if name == "toma.kernels" or name.startswith("toma.kernels."):
+            assert all(t.startswith("toma.kernels") for t in targets), (name, targets)
+    assert "toma.kernels" in graph["toma.core.plan"] or "toma.kernels.triton_ops" in graph["toma.core.plan"]
 
 
 def test_lazy_public_names_resolve():
