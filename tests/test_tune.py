@@ -10,6 +10,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 import toma
 from toma import tuned
@@ -232,3 +233,19 @@ def test_bad_arguments_are_refused_in_one_line_before_any_work(argv, message, mo
     assert main(["tune", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("toma tune: error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,dtype", [([], "float32"), (["--dtype", "float32"], "float32"),
+                                        (["--arch", "tiny-unet", "--dtype", "fp32"], "float32"),
+                                        (["--arch", "tiny-unet", "--dtype", "bf16"], "bfloat16")])
+def test_dtype_spellings_give_torch_dtypes(argv, dtype):
+    # regression: --dtype gave the dtype's name (a str), which the built-in model refused as
+    # not float32 and .to() could not take
+    import argparse
+
+    from toma.tools.tune import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    setup = tune_run._options(parser.parse_args(["tune", *argv]))
+    assert setup.dtype is getattr(torch, dtype)

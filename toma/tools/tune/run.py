@@ -156,7 +156,7 @@ def _options(args: argparse.Namespace) -> Setup:
     if args.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     elif args.dtype in DTYPES:
-        dtype = DTYPES[args.dtype]
+        dtype = getattr(torch, DTYPES[args.dtype])  # DTYPES holds names: the CLI imports it without torch
     else:
         raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {args.dtype!r}")
     if builtin and dtype != torch.float32:
