@@ -390,13 +390,7 @@ def test_plans_merges_and_unmerges_stay_on_the_device(monkeypatch, selection, te
         assert tiled  # the second grid ran in tile order, the first did not
 
 
-@pytest.mark.parametrize("selection", [
-    "facility", "random",
-    pytest.param("grid", marks=pytest.mark.xfail(strict=True, reason=(
-        "grid_selection makes its picks from a Python list at every plan: a copy to the device per plan, which "
-        "waits for the host and which a captured CUDA graph could not replay; toma/core/plan.py's _build_plan "
-        "should keep them per layout and device"))),
-])
+@pytest.mark.parametrize("selection", ["facility", "random", "grid"])
 def test_a_later_plan_copies_nothing_to_the_device(monkeypatch, selection):
     from toma.config import ToMAConfig
     from toma.adapters.state import PlanCache

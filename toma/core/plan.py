@@ -10,40 +10,21 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
 from toma.core.merge import assignment, cosine_similarity, destination_mass, merge, merge_weights, unmerge
 from toma.core.selection import facility_location, grid_selection, random_selection
-from toma.core.tiling import (
+from toma.core.tiling import (  # noqa: F401  (Memo: plans' memo, kept importable from here)
     KernelIndex,
     LayoutIndex,
+    Memo,
     TileLayout,
     from_tiles,
     layout_index,
     slot_raster_index,
     to_tiles,
 )
-
-
-class Memo:
-    """Adds :meth:`memo`, a per-object cache of derived data, to plan classes."""
-
-    def memo(self, key: str, make: Callable[[], Any]) -> Any:
-        """``make()``, computed on the first call with ``key`` and kept with the plan.
-
-        For data derived from the plan that every block of its group would otherwise
-        rebuild (biases and position tables in the layout an attention processor wants).
-        """
-        # A hand-rolled cache rather than functools.cached_property, whose lock is a
-        # context manager torch.compile cannot trace (a graph break in the merge path).
-        slot = "_memo_" + key
-        known = self.__dict__.get(slot)
-        if known is None:
-            known = make()
-            object.__setattr__(self, slot, known)  # plans are frozen dataclasses
-        return known
 
 
 @dataclass(frozen=True)
@@ -312,7 +293,11 @@ def _build_plan(
             mask = None if tmask is None else tmask.expand(sim.shape[:-1])
             dest = random_selection(sim.shape[:-1], k, mask, generator=generator, device=device)
         else:
-            dest = grid_selection(layout, device).expand(tiles.shape[0], -1, -1)
+            # made once per layout and device: built from Python at every plan, the picks
+            # would be copied to the device each time (a wait for the host on a GPU)
+            with torch.inference_mode(False):
+                picks = index.memo("grid_dest", lambda: grid_selection(layout, device))
+            dest = picks.expand(tiles.shape[0], -1, -1)
     with profiled("toma::weights"):
         a = assignment(sim, dest, temperature, tmask, index.slot_mask)
         mass = destination_mass(a)

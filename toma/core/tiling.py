@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -134,8 +135,27 @@ def slot_mask(layout: TileLayout, device: torch.device | str | None = None) -> t
     return torch.arange(layout.slots, device=device)[None, :] < keep[:, None]
 
 
+class Memo:
+    """Adds :meth:`memo`, a per-object cache of derived data, to plan classes."""
+
+    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()``, computed on the first call with ``key`` and kept with the plan.
+
+        For data derived from the plan that every block of its group would otherwise
+        rebuild (biases and position tables in the layout an attention processor wants).
+        """
+        # A hand-rolled cache rather than functools.cached_property, whose lock is a
+        # context manager torch.compile cannot trace (a graph break in the merge path).
+        slot = "_memo_" + key
+        known = self.__dict__.get(slot)
+        if known is None:
+            known = make()
+            object.__setattr__(self, slot, known)  # plans are frozen dataclasses
+        return known
+
+
 @dataclass(frozen=True)
-class LayoutIndex:
+class LayoutIndex(Memo):
     """A layout's padding as device tensors; built once per layout and device and reused.
 
     Attributes:
