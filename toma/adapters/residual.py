@@ -56,7 +56,18 @@ def fusable(block: torch.nn.Module) -> bool:
 
 class FusedResidualHook(Hook):
     """Runs a ``BasicTransformerBlock`` with each residual add left to its sub-modules'
-    merge hooks (see the module docstring)."""
+    merge hooks (see the module docstring).
+
+    Copied from diffusers 0.42 ``BasicTransformerBlock.forward`` (``diffusers.models.attention``),
+    the ``norm_type="layer_norm"`` path only. Modifications:
+
+    - each of ``attn1``, ``attn2`` and ``ff`` is called through :meth:`_add`, which hands
+      the residual to the sub-module's merge hook and skips the block's own add when the
+      hook did it;
+    - calls the copy does not cover (4-D hidden states, GLIGEN, feed-forward chunking,
+      a LoRA ``scale``) run the block's own forward;
+    - :func:`fusable` refuses any block whose forward or signature is not diffusers' own.
+    """
 
     def __init__(self, slot: ResidualSlot) -> None:
         self.slot = slot

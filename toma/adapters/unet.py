@@ -291,6 +291,10 @@ class _ImageOrderHook(Hook):
         return args, kwargs
 
     def _flatten(self, module: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Copied from diffusers 0.42 ``Transformer2DModel._operate_on_continuous_inputs``.
+        Modifications: the ``(B, C, H, W)`` to ``(B, N, C)`` permute-and-reshape writes tile
+        order (:func:`~toma.core.tiling.image_to_tile_order`) instead of raster order;
+        without a layout this call, the model's own method runs."""
         layout, self._pending = self._pending, None
         # set on every call, and left set after it: blocks recomputed in backward read it
         self.state.layout = layout
@@ -306,6 +310,10 @@ class _ImageOrderHook(Hook):
 
     def _unflatten(self, module: torch.nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor,
                    batch_size: int, height: int, width: int, inner_dim: int) -> torch.Tensor:
+        """Copied from diffusers 0.42 ``Transformer2DModel._get_output_for_continuous_inputs``.
+        Modifications: the ``(B, N, C)`` to ``(B, C, H, W)`` reshape-and-permute reads tile
+        order (:func:`~toma.core.tiling.tile_order_to_image`); without a layout, the model's
+        own method runs."""
         layout = self.state.layout
         if layout is None:
             return type(module)._get_output_for_continuous_inputs(
