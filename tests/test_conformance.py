@@ -50,6 +50,24 @@ def test_ratio_zero_and_remove_are_bitwise_identical(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_odd_and_non_square_grids_and_frame_counts_merge(name):
+    # 5x7 tokens in 4x4 tiles: edge tiles padded on both sides (UNets: 4x12 and 10x14);
+    # video with 1 or 3 frames
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.odd(2)
+    ref = fam.output(model, kw)
+    patch = toma.apply_toma(model, ratio=0.5, **fam.options)
+    out = fam.output(model, kw)
+    assert out.shape == ref.shape and torch.isfinite(out).all() and not torch.equal(out, ref)
+    plans = [p for _, p in patch.cache._plans.values()]
+    assert plans and all(p.layout.num_tokens == fam.odd_tokens for p in plans)
+    # each tile keeps half its real tokens, rounded half up, so K is at least N/2
+    assert all(fam.odd_tokens / 2 <= p.num_merged < fam.odd_tokens for p in plans)
+    toma.remove_toma(model)
+    assert torch.equal(fam.output(model, kw), ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_step_window_runs_the_other_steps_bitwise_unmerged(name):
     fam = FAMILIES[name]
     model, kw = fam.make(), fam.inputs(2)

@@ -329,6 +329,11 @@ class Family:
     options: dict = field(default_factory=dict)
     proportional: bool = True  # whether apply_toma accepts proportional_attention=True here
     cross: bool = False  # whether it has a cross-attention to merge the queries of
+    # a call on an odd, non-square token grid (video: 1 or an odd number of frames; the
+    # UNets, whose convolutions halve the latent, a non-square one whose tiles pad), and
+    # the image tokens each merged block sees there
+    odd: Callable[[int], dict] | None = None
+    odd_tokens: int = 0
 
     def every_part(self) -> dict:
         """``options`` merging every part the family has: attention, MLP, cross-attention."""
@@ -344,23 +349,29 @@ FLUX_ALL = {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)}
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("sdxl", "unet", make_sdxl_unet, lambda b: unet_inputs(b, 16, 16, sdxl=True), {"levels": 2, "merge_mlp": True},
-           cross=True),
-    Family("sd15", "unet", make_sd15_unet, lambda b: unet_inputs(b, 10, 14, sdxl=False), {"merge_mlp": True}, cross=True),
-    Family("flux", "flux", make_flux, lambda b: flux_inputs(b, 8, 8), FLUX_ALL),
-    Family("flux-kontext", "flux", make_flux, lambda b: kontext_inputs(b, 8, 8, 4, 4), FLUX_ALL),
+           cross=True, odd=lambda b: unet_inputs(b, 8, 24, sdxl=True), odd_tokens=4 * 12),
+    Family("sd15", "unet", make_sd15_unet, lambda b: unet_inputs(b, 10, 14, sdxl=False), {"merge_mlp": True}, cross=True,
+           odd=lambda b: unet_inputs(b, 10, 14, sdxl=False), odd_tokens=10 * 14),
+    Family("flux", "flux", make_flux, lambda b: flux_inputs(b, 8, 8), FLUX_ALL, odd=lambda b: flux_inputs(b, 5, 7), odd_tokens=35),
+    Family("flux-kontext", "flux", make_flux, lambda b: kontext_inputs(b, 8, 8, 4, 4), FLUX_ALL,
+           odd=lambda b: kontext_inputs(b, 5, 7, 3, 3), odd_tokens=35),
     Family("sd3", "sd3", make_sd3, lambda b: sd3_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(4)}},
-           proportional=False),
+           proportional=False, odd=lambda b: sd3_inputs(b, 10, 14), odd_tokens=35),
     Family("pixart", "pixart", make_pixart, lambda b: pixart_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(3)}},
-           cross=True),
-    Family("wan", "wan", make_wan, lambda b: wan_inputs(b, 4, 12, 16), {"blocks": {"blocks": range(3)}}, cross=True),
+           cross=True, odd=lambda b: pixart_inputs(b, 10, 14), odd_tokens=35),
+    Family("wan", "wan", make_wan, lambda b: wan_inputs(b, 4, 12, 16), {"blocks": {"blocks": range(3)}}, cross=True,
+           odd=lambda b: wan_inputs(b, 3, 10, 14), odd_tokens=3 * 35),
     Family("ltx", "ltx", make_ltx, lambda b: ltx_inputs(b, 4, 6, 8), {"blocks": {"transformer_blocks": range(3)}},
-           proportional=False, cross=True),
+           proportional=False, cross=True, odd=lambda b: ltx_inputs(b, 3, 5, 7), odd_tokens=3 * 35),
     Family("qwenimage", "qwenimage", make_qwen, lambda b: qwen_inputs(b, 8, 10), {"blocks": {"transformer_blocks": range(3)}},
-           proportional=False),
+           proportional=False, odd=lambda b: qwen_inputs(b, 5, 7), odd_tokens=35),
     Family("flux2", "flux2", make_flux2, lambda b: flux2_inputs(b, 8, 10),
-           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=False),
+           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=False,
+           odd=lambda b: flux2_inputs(b, 5, 7), odd_tokens=35),
     Family("hunyuanvideo", "hunyuanvideo", make_hunyuan, lambda b: hunyuan_inputs(b, 3, 8, 8),
-           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=False),
+           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=False,
+           odd=lambda b: hunyuan_inputs(b, 1, 10, 14), odd_tokens=35),
     Family("cogvideox", "cogvideox", make_cogvideox, lambda b: cogvideox_inputs(b, 3, 8, 8),
-           {"blocks": {"transformer_blocks": range(3)}}, proportional=False),
+           {"blocks": {"transformer_blocks": range(3)}}, proportional=False, odd=lambda b: cogvideox_inputs(b, 3, 10, 14),
+           odd_tokens=3 * 35),
 )}
