@@ -11,7 +11,7 @@ toma, so that one process can run it against two versions of the library.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from diffusers import FluxTransformer2DModel, UNet2DConditionModel
