@@ -93,15 +93,6 @@ def test_wan_frames_and_grids_the_tiles_do_not_divide(frames, h, w, tile_frames)
     assert queries == [patch.cache.layout(frames, h // 2, w // 2).num_merged] * 3
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tile_order_matches_raster_order(family, monkeypatch):
-    # tokens reordered once per forward compute what per-site raster merging computes
-    make, inputs, blocks = FAMILIES[family]
-    model, kw = make(), inputs(2, 16, 16)
-    toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
-    check_tile_order_matches_raster(model, kw, monkeypatch, run)
-
-
 def check_tile_order_matches_raster(model, kw, monkeypatch, forward) -> None:
     """A patched model's output with tokens kept in tile order between merges equals its
     output with every site merging from raster order (``forward(model, **kw)`` runs it)."""

@@ -16,7 +16,6 @@ from toma.adapters.base import HOOK_NAME, remove_hook
 from toma.adapters.engine import FamilySpec, Rotary, Site, attach, find_targets
 from toma.config import ToMAConfig
 from toma.adapters.state import PlanCache
-from tests.test_dit import check_tile_order_matches_raster
 
 
 # ------------------------------------------------------------------ the engine, on a toy model
@@ -282,14 +281,6 @@ def test_grids_the_tiles_do_not_divide_and_non_square(family, h, w):
     kept = patch.cache.layout(1, h, w).num_merged
     assert out.shape == ref.shape and torch.isfinite(out).all()
     assert kept < h * w and {n for _, n in image} <= {kept, 5 + kept}
-
-
-@pytest.mark.parametrize("family", MMDITS)
-def test_tile_order_matches_raster_order(family, monkeypatch):
-    make, inputs, blocks = MMDITS[family]
-    model, kw = make(), inputs(2, 8, 16)
-    toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
-    check_tile_order_matches_raster(model, kw, monkeypatch, run)
 
 
 class _Recording:

@@ -334,6 +334,13 @@ class Family:
     # the image tokens each merged block sees there
     odd: Callable[[int], dict] | None = None
     odd_tokens: int = 0
+    # a call on a grid the default 4x4 tiles divide, where tokens stay in tile order
+    # between merges; None where ``inputs`` is one already
+    divided: Callable[[int], dict] | None = None
+
+    def divided_inputs(self, batch: int) -> dict:
+        """A call on a token grid the default tiles divide (see ``divided``)."""
+        return (self.divided or self.inputs)(batch)
 
     def every_part(self) -> dict:
         """``options`` merging every part the family has: attention, MLP, cross-attention."""
@@ -351,23 +358,25 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("sdxl", "unet", make_sdxl_unet, lambda b: unet_inputs(b, 16, 16, sdxl=True), {"levels": 2, "merge_mlp": True},
            cross=True, odd=lambda b: unet_inputs(b, 8, 24, sdxl=True), odd_tokens=4 * 12),
     Family("sd15", "unet", make_sd15_unet, lambda b: unet_inputs(b, 10, 14, sdxl=False), {"merge_mlp": True}, cross=True,
-           odd=lambda b: unet_inputs(b, 10, 14, sdxl=False), odd_tokens=10 * 14),
+           odd=lambda b: unet_inputs(b, 10, 14, sdxl=False), odd_tokens=10 * 14,
+           divided=lambda b: unet_inputs(b, 16, 16, sdxl=False)),
     Family("flux", "flux", make_flux, lambda b: flux_inputs(b, 8, 8), FLUX_ALL, odd=lambda b: flux_inputs(b, 5, 7), odd_tokens=35),
     Family("flux-kontext", "flux", make_flux, lambda b: kontext_inputs(b, 8, 8, 4, 4), FLUX_ALL,
            odd=lambda b: kontext_inputs(b, 5, 7, 3, 3), odd_tokens=35),
     Family("sd3", "sd3", make_sd3, lambda b: sd3_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(4)}},
-           proportional=False, odd=lambda b: sd3_inputs(b, 10, 14), odd_tokens=35),
+           proportional=False, odd=lambda b: sd3_inputs(b, 10, 14), odd_tokens=35, divided=lambda b: sd3_inputs(b, 16, 16)),
     Family("pixart", "pixart", make_pixart, lambda b: pixart_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(3)}},
-           cross=True, odd=lambda b: pixart_inputs(b, 10, 14), odd_tokens=35),
+           cross=True, odd=lambda b: pixart_inputs(b, 10, 14), odd_tokens=35, divided=lambda b: pixart_inputs(b, 16, 16)),
     Family("wan", "wan", make_wan, lambda b: wan_inputs(b, 4, 12, 16), {"blocks": {"blocks": range(3)}}, cross=True,
-           odd=lambda b: wan_inputs(b, 3, 10, 14), odd_tokens=3 * 35),
+           odd=lambda b: wan_inputs(b, 3, 10, 14), odd_tokens=3 * 35, divided=lambda b: wan_inputs(b, 4, 16, 16)),
     Family("ltx", "ltx", make_ltx, lambda b: ltx_inputs(b, 4, 6, 8), {"blocks": {"transformer_blocks": range(3)}},
-           proportional=False, cross=True, odd=lambda b: ltx_inputs(b, 3, 5, 7), odd_tokens=3 * 35),
+           proportional=False, cross=True, odd=lambda b: ltx_inputs(b, 3, 5, 7), odd_tokens=3 * 35,
+           divided=lambda b: ltx_inputs(b, 4, 8, 8)),
     Family("qwenimage", "qwenimage", make_qwen, lambda b: qwen_inputs(b, 8, 10), {"blocks": {"transformer_blocks": range(3)}},
-           proportional=False, odd=lambda b: qwen_inputs(b, 5, 7), odd_tokens=35),
+           proportional=False, odd=lambda b: qwen_inputs(b, 5, 7), odd_tokens=35, divided=lambda b: qwen_inputs(b, 8, 8)),
     Family("flux2", "flux2", make_flux2, lambda b: flux2_inputs(b, 8, 10),
            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=False,
-           odd=lambda b: flux2_inputs(b, 5, 7), odd_tokens=35),
+           odd=lambda b: flux2_inputs(b, 5, 7), odd_tokens=35, divided=lambda b: flux2_inputs(b, 8, 8)),
     Family("hunyuanvideo", "hunyuanvideo", make_hunyuan, lambda b: hunyuan_inputs(b, 3, 8, 8),
            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=False,
            odd=lambda b: hunyuan_inputs(b, 1, 10, 14), odd_tokens=35),
