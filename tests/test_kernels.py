@@ -230,3 +230,16 @@ def test_kontext_call_on_the_triton_path_matches_the_torch_path(monkeypatch):
 
     blocks = dict(flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
     assert_kernels_match_torch_path(monkeypatch, make_flux(), kontext_inputs(2, 8, 8, 4, 4), blocks)
+
+
+@pytest.mark.parametrize("power", [80, -90])
+def test_plan_kernel_is_exact_for_tokens_far_out_of_range(power):
+    # 2**80 and 2**-90 are exact scales in float32: squares past float32's range (2**160),
+    # or norms under normalize's 1e-12 floor, must not change the plan, since cosine
+    # similarity does not see a token's scale. The kernel divides each row by its power of
+    # two first, so its results are bitwise those of the unscaled tokens.
+    tiles = tokens(2, 4, 16, 24, seed=11)
+    ref = run_plan_kernel(tiles, 8, 0.05)
+    far = run_plan_kernel(tiles * 2.0**power, 8, 0.05)
+    for got, want in zip(far, ref):
+        assert torch.equal(got, want)

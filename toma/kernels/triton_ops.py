@@ -48,6 +48,7 @@ def _plan_kernel(
     T, n, k, C, sxb, sxn, sxc, scale, temperature,
     N: tl.constexpr, KB: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr,
     HAS_TMASK: tl.constexpr, HAS_KEEP: tl.constexpr, HARD: tl.constexpr, SAVE_SIM: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
     g = tl.program_id(0)  # one (batch element, tile) group per program
     b = g // T
@@ -61,12 +62,27 @@ def _plan_kernel(
     # of fp16/bf16 values are exact in the float32 accumulator); non-finite entries count
     # as 0, as in build_plan
     src = tl.load(src_ptr + t * n + rows, mask=real_r, other=-1)
+    if SCALE:
+        # bf16/fp32 tokens past ~1e17 have Gram entries that overflow float32, and tiny ones
+        # norms under the floor: each row is divided by the power of two at or below its
+        # largest magnitude (its exponent bits), which is exact, as cosine_similarity does
+        peak = tl.zeros([N], dtype=tl.float32)
+        for c0 in range(0, C, BC):
+            c = c0 + tl.arange(0, BC)
+            xb = tl.load(x_ptr + b * sxb + src[:, None] * sxn + c[None, :] * sxc,
+                         mask=(src[:, None] >= 0) & (c[None, :] < C), other=0.0).to(tl.float32)
+            xb = tl.where((xb == xb) & (tl.abs(xb) < float("inf")), xb, 0.0)
+            peak = tl.maximum(peak, tl.max(tl.abs(xb), axis=1))
+        power = (peak.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        power = tl.maximum(power, 1.1754943508222875e-38)  # float32 tiny: zero rows stay zero
     gram = tl.zeros([N, N], dtype=tl.float32)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         xb = tl.load(x_ptr + b * sxb + src[:, None] * sxn + c[None, :] * sxc,
                      mask=(src[:, None] >= 0) & (c[None, :] < C), other=0.0)
         xb = tl.where((xb == xb) & (tl.abs(xb) < float("inf")), xb, 0.0).to(xb.dtype)
+        if SCALE:
+            xb = (xb.to(tl.float32) / power[:, None]).to(xb.dtype)
         if IEEE:
             gram += tl.dot(xb, tl.trans(xb), input_precision="ieee")
         else:
@@ -189,7 +205,7 @@ def plan_tiles(
          tiles, n, k, c, x.stride(0), x.stride(1), x.stride(2), scale, float(temperature)),
         dict(N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=_block_c(c),
              IEEE=x.dtype == torch.float32, HAS_TMASK=token_mask is not None, HAS_KEEP=keep is not None,
-             HARD=temperature == 0, SAVE_SIM=save_sim),
+             HARD=temperature == 0, SAVE_SIM=save_sim, SCALE=x.dtype != torch.float16),
     )
     if not launched:
         return None
