@@ -29,6 +29,7 @@ from tiny_models import (  # noqa: E402,F401  (the makers, under the names the t
 )
 
 from toma.kernels import LAUNCH_OBSERVERS  # noqa: E402
+from toma.kernels.aot import recorder  # noqa: E402
 
 # Every Triton launch the tests make, by signature: tests/test_kernel_compile.py, which
 # runs last, compiles each one for real GPU targets (the interpreter checks what a kernel
@@ -36,16 +37,7 @@ from toma.kernels import LAUNCH_OBSERVERS  # noqa: E402
 LAUNCHES: dict[str, dict] = {}
 
 
-def _record_launch(name, kernel, args, meta) -> None:
-    from toma.kernels.aot import record, record_key
-
-    if not hasattr(kernel, "fn"):  # a stand-in kernel (tests/test_kernel_fallback.py)
-        return
-    rec = record(name, kernel, args, meta)
-    LAUNCHES.setdefault(record_key(rec), rec)
-
-
-LAUNCH_OBSERVERS.append(_record_launch)
+LAUNCH_OBSERVERS.append(recorder(LAUNCHES))
 
 
 def pytest_collection_modifyitems(config, items):

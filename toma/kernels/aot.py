@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from toma.kernels.targets import CI_TARGETS, TARGETS, target
 
@@ -80,11 +80,7 @@ def synthetic_launches(tiles: list[tuple[int, int]], channels: list[int], dtypes
 
     torch_dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     seen: dict[str, dict] = {}
-
-    def observe(name: str, kernel: Any, args: tuple, meta: dict) -> None:
-        rec = record(name, kernel, args, meta)
-        seen.setdefault(record_key(rec), rec)
-
+    observe = recorder(seen)
     meta_dev = torch.device("meta")
     LAUNCH_OBSERVERS.append(observe)
     try:
@@ -109,6 +105,19 @@ def synthetic_launches(tiles: list[tuple[int, int]], channels: list[int], dtypes
     finally:
         LAUNCH_OBSERVERS.remove(observe)
     return list(seen.values())
+
+
+def recorder(into: dict[str, dict]) -> Callable[[str, Any, tuple, dict], None]:
+    """A launch observer (for :data:`toma.kernels.LAUNCH_OBSERVERS`) that keeps the
+    :func:`record` of each distinct launch in ``into``, keyed by :func:`record_key`;
+    stand-ins that are not jitted kernels (as tests put in) are left out."""
+
+    def observe(name: str, kernel: Any, args: tuple, meta: dict) -> None:
+        if hasattr(kernel, "fn"):
+            rec = record(name, kernel, args, meta)
+            into.setdefault(record_key(rec), rec)
+
+    return observe
 
 
 def record_key(rec: dict) -> str:
