@@ -1,0 +1,224 @@
+"""Proportional attention on diffusers' dispatched attention: one exact form per backend.
+
+A merged call's key bias rides into the family's processor as its attention mask, as a
+:class:`KeyBias` (the log masses, not a float mask). The processor passes it unchanged
+to ``dispatch_attention_fn``, which :func:`install` wraps in the processor's module: the
+wrapper resolves the backend (the processor's, or diffusers' active one) and runs the form
+:data:`RULES` gives it (:mod:`toma.core.proportional`):
+
+* ``"mask"``: the float mask ``(Bp, 1, 1, Sk)``, on backends that fuse an additive mask;
+* ``"key_channel"``: one more q/k/v channel and the original softmax scale, on kernels that
+  take no mask (flash): exact on any kernel that takes an explicit scale;
+* ``"flex"``: FlexAttention with a ``score_mod`` (compiled: fused);
+* None: no exact form (SageAttention quantizes K per block to int8, where the bias channel
+  would set the scale; XLA's takes no scale). The call runs without the bias, said once.
+
+Any other mask goes to diffusers untouched, so the wrapper changes nothing outside merged
+calls. The CPU rules are measured (``benchmarks/proportional_cost.py``, BENCHMARKS.md); the
+CUDA ones are assumptions until a GPU measures them: with a float mask torch's SDPA leaves
+its flash kernel for the memory-efficient one, and the key channel's head dim 136 runs
+flash's 160 kernel (about +25%), which is taken to cost less.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from toma.core import proportional as P
+
+MASK, KEY_CHANNEL, FLEX = "mask", "key_channel", "flex"
+FORMS = (MASK, KEY_CHANNEL, FLEX)
+
+_FLASH = (KEY_CHANNEL, "takes no mask; head dim 136 runs its 160 kernel")
+
+# diffusers backend -> {device type (or "device dtype"), "*": the form}; first match of
+# "<device> <dtype>", "<device>", "*". A name not here is off, with a warning.
+RULES: dict[str, dict[str, tuple[str | None, str]]] = {
+    # CPU: SDPA's CPU kernel fuses the mask (measured cheaper than the key channel);
+    # CUDA: a float mask moves SDPA from flash to memory-efficient attention (assumed
+    # dearer than flash at 160); fp32 never runs flash, so the mask
+    "native": {"cpu": (MASK, "SDPA's CPU kernel fuses the mask"),
+               "cuda": (KEY_CHANNEL, "keeps SDPA on flash (assumed, unmeasured)"),
+               "cuda float32": (MASK, "fp32 SDPA runs no flash kernel: memory-efficient fuses the mask"),
+               "*": (MASK, "SDPA takes a float mask")},
+    "_native_math": {"*": (MASK, "unfused either way")},
+    "_native_efficient": {"*": (MASK, "fuses the mask")},
+    "_native_cudnn": {"*": (MASK, "fuses the mask")},
+    "_native_flash": {"*": _FLASH},
+    "_native_npu": {"*": (KEY_CHANNEL, "its mask is boolean")},
+    "_native_xla": {"*": (None, "takes no softmax scale, so the key channel's would follow its head dim")},
+    "flex": {"*": (FLEX, "score_mod, fused when compiled")},
+    "flash": {"*": _FLASH},
+    "flash_hub": {"*": _FLASH},
+    "flash_varlen": {"*": (KEY_CHANNEL, "its mask is a boolean key padding mask")},
+    "flash_varlen_hub": {"*": (KEY_CHANNEL, "its mask is a boolean key padding mask")},
+    "_flash_3": {"*": (KEY_CHANNEL, "takes no mask; head dim 136 runs a wider kernel")},
+    "_flash_3_hub": {"*": (KEY_CHANNEL, "takes no mask; head dim 136 runs a wider kernel")},
+    "_flash_varlen_3": {"*": (KEY_CHANNEL, "takes no mask; head dim 136 runs a wider kernel")},
+    "_flash_3_varlen_hub": {"*": (KEY_CHANNEL, "takes no mask; head dim 136 runs a wider kernel")},
+    "flash_4_hub": {"*": (KEY_CHANNEL, "takes no mask")},
+    "aiter_fa2_hub": {"*": (KEY_CHANNEL, "takes no mask")},
+    "xformers": {"*": (MASK, "fuses an additive bias (unmeasured)")},
+}
+_SAGE = (None, "quantizes K per block to int8, where the bias channel would set the scale; it takes no mask")
+
+
+def rule(backend: str, device: torch.device | str, dtype: torch.dtype) -> tuple[str | None, str]:
+    """The form of the key bias on ``backend`` for tensors on ``device`` in ``dtype``, and why.
+
+    ``(None, why)`` where no form is exact.
+    """
+    if backend.startswith("sage") or backend.startswith("_sage"):
+        return _SAGE
+    table = RULES.get(backend)
+    if table is None:
+        return None, f"toma has no rule for the attention backend {backend!r}"
+    kind = torch.device(device).type
+    name = str(dtype).removeprefix("torch.")
+    for key in (f"{kind} {name}", kind, "*"):
+        if key in table:
+            return table[key]
+    return None, f"no rule for {backend!r} on {kind}"
+
+
+@dataclass(frozen=True)
+class KeyBias:
+    """The key bias of a merged call: ``log_mass`` ``(Bp, Sk)`` over the call's keys (0 for
+    text keys), ``Bp`` 1 or the batch. Passed as the processor's attention mask."""
+
+    log_mass: torch.Tensor
+
+    def mask(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """As a float attention mask ``(Bp, 1, 1, Sk)``."""
+        return P.additive_mask(self.log_mass, dtype)
+
+    def batch_slice(self, b: int, batch: int) -> KeyBias:
+        """Sample ``b``'s bias, for a call on that sample alone."""
+        if self.log_mass.shape[0] != batch:
+            return self
+        return KeyBias(self.log_mass[b : b + 1])
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def _backend_name(backend: Any) -> str:
+    if backend is None:
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        backend = _AttentionBackendRegistry.get_active_backend()[0]
+    return getattr(backend, "value", backend)
+
+
+_compiled_flex: Callable | None = None
+
+
+def _flex() -> Callable:
+    """torch's flex_attention inside a compiled region (it fuses there), else a compiled one."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():
+        return flex_attention
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+# dispatch_attention_fn's positional parameters
+_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "attention_kwargs")
+_MASK_SLOT = _NAMES.index("attn_mask")
+
+
+def biased_dispatch(real: Callable) -> Callable:
+    """``real`` (diffusers' ``dispatch_attention_fn``), applying a :class:`KeyBias` mask by
+    the backend's rule and passing every other call through."""
+
+    @functools.wraps(real)
+    def dispatch(*args: Any, **kwargs: Any) -> torch.Tensor:
+        bias = args[_MASK_SLOT] if len(args) > _MASK_SLOT else kwargs.get("attn_mask")
+        if not isinstance(bias, KeyBias):
+            return real(*args, **kwargs)
+        kwargs = {**dict(zip(_NAMES, args)), **kwargs}  # by name, so that the mask and scale can be replaced
+        query, key, value = kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value")
+        del kwargs["attn_mask"]
+        return attend(real, bias, query, key, value, **kwargs)
+
+    dispatch._toma_real = real  # type: ignore[attr-defined]
+    return dispatch
+
+
+def attend(real: Callable, bias: KeyBias, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           **kwargs: Any) -> torch.Tensor:
+    """Dispatched attention over ``(B, S, H, D)`` tensors with ``bias`` in the backend's form."""
+    name = _backend_name(kwargs.get("backend"))
+    form, why = rule(name, query.device, query.dtype)
+    if kwargs.get("parallel_config") is not None and form is not None:
+        # context parallel: keys (and their channel) travel between ranks, a mask does not
+        form = KEY_CHANNEL
+    if form is None:
+        _warn_once(name, f"ToMA: proportional attention is off on the {name!r} attention backend: {why}; "
+                         "merged attention runs without the log-mass bias")
+        return real(query, key, value, **kwargs)
+    scale = kwargs.pop("scale", None)
+    try:
+        if form == MASK:
+            return real(query, key, value, attn_mask=bias.mask(query.dtype), scale=scale, **kwargs)
+        if form == KEY_CHANNEL:
+            q, k, v, wide_scale = P.key_channel(query, key, value, bias.log_mass, scale, layout="bshd")
+            return P.drop_key_channel(real(q, k, v, scale=wide_scale, **kwargs), value.shape[-1])
+        return P.flex_attention_with_bias(query, key, value, bias.log_mass, scale, "bshd", _flex())
+    except (RuntimeError, ValueError, NotImplementedError, TypeError) as err:
+        if torch.compiler.is_compiling():
+            raise
+        detail = str(err).splitlines()[0] if str(err) else ""
+        _warn_once(f"{name}:{form}", f"ToMA: proportional attention's {form} failed on the {name!r} backend "
+                                     f"({type(err).__name__}: {detail}); merged attention runs without the "
+                                     "log-mass bias there")
+        return real(query, key, value, scale=scale, **kwargs)
+
+
+_installed: dict[str, tuple[Callable, int]] = {}  # module -> (the dispatch toma replaced, patches using it)
+
+
+def install(module_name: str) -> bool:
+    """Wrap ``dispatch_attention_fn`` in the module ``module_name`` (a processor's), once
+    per module however many patches use it. False if the module calls no such function."""
+    module = sys.modules.get(module_name)
+    current = getattr(module, "dispatch_attention_fn", None) if module is not None else None
+    if current is None:
+        return False
+    if module_name in _installed:
+        real, count = _installed[module_name]
+        _installed[module_name] = (real, count + 1)
+        return True
+    _installed[module_name] = (current, 1)
+    module.dispatch_attention_fn = biased_dispatch(current)
+    return True
+
+
+def uninstall(module_name: str) -> None:
+    """Undo one :func:`install`; the last one puts the module's own function back (unless
+    something replaced toma's wrapper since, which then stays)."""
+    if module_name not in _installed:
+        return
+    real, count = _installed[module_name]
+    if count > 1:
+        _installed[module_name] = (real, count - 1)
+        return
+    del _installed[module_name]
+    module = sys.modules.get(module_name)
+    if module is not None and getattr(module.dispatch_attention_fn, "_toma_real", None) is real:
+        module.dispatch_attention_fn = real
