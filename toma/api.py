@@ -11,6 +11,7 @@ import torch
 
 from toma.adapters import FAMILIES, adapter_for, check_placement, unsupported_reason
 from toma.adapters.base import HOOK_NAMES, Patched, Skipped, remove_hook
+from toma.adapters.parallel import cp_config, refusal
 from toma.config import ToMAConfig, make_config
 from toma.adapters.state import PlanCache
 from toma.tuned import warn_if_measured_slower
@@ -116,6 +117,9 @@ def apply_toma(
             f"{', '.join(sorted(c for _, classes in FAMILIES.values() for c in classes))}"
         )
     name, adapter = found
+    refused = refusal(name, cp_config(model), cfg)
+    if refused is not None:
+        raise ValueError(refused)
     check_placement(name, adapter, cfg)
     targets, skipped = adapter.find_targets(model, cfg)
     if not targets:

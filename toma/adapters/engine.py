@@ -49,6 +49,7 @@ from toma.adapters.merging import (
     replace_arg,
     with_hidden_states,
 )
+from toma.adapters.parallel import cp_config, refusal, shard_of, splits_call, splits_output, unsplit_tokens, world_size
 from toma.adapters.replay import attach_replay
 from toma.adapters.spec import (
     FamilySpec,
@@ -232,24 +233,31 @@ class StepHook(Hook):
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         named = named_arguments(module, args, kwargs)
-        grid = self.grid(module, named)
+        x = hidden_states_of(args, kwargs)
+        cp = cp_config(module)
+        if cp is not None:  # context parallelism enabled, maybe after apply_toma
+            reason = refusal(self.spec.name, cp, self.cache.config)
+            if reason is not None:
+                raise ValueError(reason)
+            grid, shard = self._shard_grid(module, named, x, world_size(cp))
+        else:
+            grid, shard = self.grid(module, named), None
         if isinstance(grid, str):  # a reason why this call cannot merge: say it, once
-            if grid not in self._warned:
-                self._warned.add(grid)
-                warnings.warn(f"ToMA: {grid}; such calls run unmerged", stacklevel=4)
+            self._warn_once(grid)
             grid = None
         self.cache.begin_forward(grid if grid is not None else (0, 0, 0), step_timestep(self.cache, named.get("timestep")))
+        self.cache.forward.shard = shard
         raster = grid is None or any(named.get(k) is not None for k in self.spec.raster_kwargs)
         if not raster and self.spec.tile_order_ok is not None:
             raster = not self.spec.tile_order_ok(module, named)
-        x = hidden_states_of(args, kwargs)
         device = x.device if isinstance(x, torch.Tensor) else None  # the Triton path merges from raster order
         order = self.order
         order.layout = None if raster else self.cache.tile_order_layout(grid, device)
         order.extra = 0
         order.enter = order.leave = None
         # conditioning tokens lead only in forwards that merge: others keep the model's order
-        lead = grid is not None and self.spec.conditioning_tokens and self.cache.merging
+        # (under context parallelism a shard's tokens are all the generated image's)
+        lead = grid is not None and self.spec.conditioning_tokens and self.cache.merging and shard is None
         if lead and isinstance(x, torch.Tensor) and x.ndim == 3:
             order.extra = x.shape[1] - math.prod(grid)
             if order.extra:
@@ -258,6 +266,35 @@ class StepHook(Hook):
             for name in self.spec.position_inputs:
                 args, kwargs = _positions_to_block_order(module, name, named.get(name), order, args, kwargs)
         return args, kwargs
+
+    def _warn_once(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"ToMA: {reason}; such calls run unmerged", stacklevel=5)
+
+    def _shard_grid(self, module: torch.nn.Module, named: dict, x: Any,
+                    world: int) -> tuple[Grid | str | None, tuple[int, int] | None]:
+        """Under context parallelism over ``world`` ranks: the grid of this rank's shard
+        (see :mod:`toma.adapters.parallel`) or why the call cannot merge, and ``(world,
+        tokens per rank)``."""
+        split = splits_call(module) and isinstance(x, torch.Tensor) and x.ndim == 3
+        # a reader that checks a grid against the call's tokens must count all ranks' tokens
+        grid = self.grid(module, {**named, "hidden_states": unsplit_tokens(x, world)} if split else named)
+        if grid is None or isinstance(grid, str):
+            return grid, None
+        if split:
+            tokens = x.shape[1]
+        else:
+            sequence = x.shape[1] if isinstance(x, torch.Tensor) and x.ndim == 3 else math.prod(grid)
+            if sequence != math.prod(grid):
+                return ("under context parallelism, a sequence with tokens other than the generated image's "
+                        "(conditioning images) is split across ranks regardless of the image's grid"), None
+            tokens = sequence // world
+        shard = shard_of(grid, tokens, world, read_from_shard=split)
+        if shard is None:
+            return (f"under context parallelism over {world} ranks, each rank's {tokens} tokens are not whole "
+                    f"frames or two or more whole rows of the token grid"), None
+        return shard, (world, tokens)
 
     def _lead_index(self, tokens: int, extra: int, layout: TileLayout | None,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,7 +348,17 @@ class Reorder(Hook):
             with profiled("toma::merge" if self.enter else "toma::unmerge"):
                 return x.index_select(1, index)
         layout = order.layout
-        if layout is None or x.ndim != 3 or x.shape[1] != layout.num_tokens:
+        if layout is None or x.ndim != 3:
+            return x
+        shard = order.shard
+        if shard is not None and x.shape[1] == shard[0] * layout.num_tokens:
+            # before diffusers splits the sequence (Qwen-Image's img_in): every shard's run
+            # to its tile order, so that the split hands each rank its shard in tile order
+            with profiled("toma::merge" if self.enter else "toma::unmerge"):
+                runs = x.reshape(x.shape[0] * shard[0], layout.num_tokens, x.shape[2])
+                runs = tile_order(runs, layout) if self.enter else raster_order(runs, layout)
+                return runs.reshape(x.shape)
+        if x.shape[1] != layout.num_tokens:
             return x
         with profiled("toma::merge" if self.enter else "toma::unmerge"):  # reordering is part of merging's cost
             return tile_order(x, layout) if self.enter else raster_order(x, layout)
@@ -352,23 +399,29 @@ class RotaryToTileOrder(Hook):
                     rows = torch.cat([torch.arange(text, device=table.device), order.enter.to(table.device) + text])
                 self._rows[key] = rows
         else:
-            text = table.shape[self.seq_dim] - layout.num_tokens
-            key = (text, layout, table.device)
+            # diffusers splits the output of some rotary modules (Wan's, LTX's, Qwen-Image's)
+            # after this hook: their tables then hold every shard's rows
+            runs = order.shard[0] if order.shard is not None and splits_output(module) else 1
+            text = table.shape[self.seq_dim] - runs * layout.num_tokens
+            key = (text, layout, runs, table.device)
             rows = self._rows.get(key)
             if rows is None:  # built on the device once per grid: no host-to-device copy per step
-                rows = self._rows[key] = rotary_rows(layout, text, table.device)
+                rows = self._rows[key] = rotary_rows(layout, text, table.device, runs)
         with profiled("toma::merge"):
             return tuple(t.index_select(self.seq_dim, rows) if i in items else t for i, t in enumerate(output))
 
 
-def rotary_rows(layout: TileLayout, text: int, device: torch.device) -> torch.Tensor:
-    """Row order that puts the image rows of a ``(text + N, ...)`` table in tile order, text first.
+def rotary_rows(layout: TileLayout, text: int, device: torch.device, runs: int = 1) -> torch.Tensor:
+    """Row order that puts the image rows of a ``(text + N, ...)`` table in tile order, text first;
+    with ``runs`` > 1, ``runs`` consecutive runs of ``N`` image rows (every context-parallel
+    shard's), each in its own tile order.
 
     Made as an ordinary tensor even under inference_mode: it is kept for later calls, which
     may train and save it for backward.
     """
     with torch.inference_mode(False):
         image = tile_order(torch.arange(layout.num_tokens, device=device)[None, :, None], layout).flatten()
+        image = torch.cat([image + r * layout.num_tokens for r in range(runs)])
         return torch.cat([torch.arange(text, device=device), image + text])
 
 

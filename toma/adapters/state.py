@@ -85,7 +85,8 @@ class ForwardState:
     """Everything one forward's merges read: its token grid, whether it merges (the step
     window), its plans, whether they were made under ``inference_mode``, and the token
     order of each stretch between reorder points (keyed by stack; the engine's one order
-    is ``"blocks"``).
+    is ``"blocks"``), and under context parallelism which shard of the sequence this rank
+    holds (:mod:`toma.adapters.parallel`).
 
     :meth:`PlanCache.begin_forward` updates it in place at each forward (plans kept across
     calls or steps stay); :meth:`copy` is what a checkpointed block's recomputation swaps
@@ -102,12 +103,15 @@ class ForwardState:
         self.inference = False
         self.plans: dict[Hashable, tuple[int, Plan]] = {}  # key -> (age in steps, plan)
         self.orders: dict[Hashable, TokenOrder] = {}
+        # under context parallelism: (ranks, tokens per rank); grid is then the shard's
+        self.shard: tuple[int, int] | None = None
 
     def copy(self) -> "ForwardState":
         """This forward's state as it is now, apart from later forwards' changes."""
         new = ForwardState()
         new.grid, new.active, new.inference = self.grid, self.active, self.inference
         new.plans = dict(self.plans)
+        new.shard = self.shard
         new.orders = {key: order.copy() for key, order in self.orders.items()}
         return new
 
@@ -141,6 +145,11 @@ class TileState:
     @layout.setter
     def layout(self, value: TileLayout | None) -> None:
         self._now().layout = value
+
+    @property
+    def shard(self) -> tuple[int, int] | None:
+        """``(ranks, tokens per rank)`` under context parallelism, else None (read only)."""
+        return self._cache.forward.shard
 
     @property
     def extra(self) -> int:

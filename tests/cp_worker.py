@@ -1,0 +1,292 @@
+"""Context-parallel cases on CPU processes: what tests/test_context_parallel.py reads.
+
+Run as ``torchrun --nproc_per_node=P tests/cp_worker.py OUT_DIR [CASE ...]``: every rank
+runs every case of world size P in the same order (each under a time limit), and writes
+``OUT_DIR/rank{r}.json`` with one record per case. One spawn per world size keeps the
+start-up cost (gloo, imports) to one per size.
+
+Two things stand between diffusers' context parallelism and a CPU:
+
+* diffusers picks the device ``rank % torch.accelerator.device_count()``, which is 0 on a
+  CPU: the count is patched to 1 (every rank on ``cpu``);
+* ring attention merges each key/value chunk's partial result with its log-sum-exp, which
+  none of diffusers' CPU backends returns: a small math backend, which does, is
+  registered in diffusers' dispatch registry under ``native`` (the backend the tiny
+  models use), for the single-process references too, so that a reference and a CP run
+  differ only in how CP splits and exchanges the work.
+
+Each backend call records its local query and key counts, which is how a case sees what
+attention ran on.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+torch.set_num_threads(1)
+torch.accelerator.device_count = lambda: 1  # see the module docstring
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from diffusers import ContextParallelConfig  # noqa: E402
+from diffusers.models import attention_dispatch as dispatch  # noqa: E402
+from tiny_models import (  # noqa: E402
+    flux2_inputs,
+    flux_inputs,
+    ltx_inputs,
+    make_flux,
+    make_flux2,
+    make_ltx,
+    make_qwen,
+    make_wan,
+    qwen_inputs,
+    wan_inputs,
+)
+
+import toma  # noqa: E402
+
+CASE_SECONDS = 20  # one case's limit; a hang in a collective ends there, not at the spawn's
+CALLS: list[tuple[int, int, bool]] = []  # (local queries, local keys, under CP) per attention call
+
+
+def _math_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
+    """Attention on ``(B, S, H, D)`` tensors by its definition, with the log-sum-exp
+    ``(B, S, H)`` of each query's scores when ``return_lse`` (ring attention's need)."""
+    if dropout_p or is_causal or enable_gqa:
+        raise ValueError("the test backend does attention without dropout, causal masks or GQA")
+    q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    lse = scores.logsumexp(-1)
+    out = (torch.softmax(scores, -1) @ v).permute(0, 2, 1, 3)
+    return (out, lse.permute(0, 2, 1)) if return_lse else out
+
+
+def math_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False, return_lse=False, _parallel_config=None):
+    """The test's ``native`` backend: the math above, through diffusers' Ulysses and ring
+    templates under CP."""
+    CALLS.append((query.shape[1], key.shape[1], _parallel_config is not None))
+    if attn_mask is not None and attn_mask.ndim == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
+        attn_mask = attn_mask[:, None, None, :]
+    if _parallel_config is None:
+        return _math_forward_op(None, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
+    return dispatch._templated_context_parallel_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+        forward_op=_math_forward_op, backward_op=dispatch._native_attention_backward_op,
+        _parallel_config=_parallel_config,
+    )
+
+
+dispatch._AttentionBackendRegistry.register(
+    dispatch.AttentionBackendName.NATIVE, supports_context_parallel=True)(math_backend)
+
+
+# ---- the families, at sizes whose shards (P ranks) are tile-aligned runs of whole rows ----
+
+ALL_BLOCKS = {
+    "flux": {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)},
+    "flux2": {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+    "wan": {"blocks": {"blocks": range(2)}},
+    "qwenimage": {"blocks": {"transformer_blocks": range(2)}},
+    "ltx": {"blocks": {"transformer_blocks": range(2)}},
+}
+MAKERS = {"flux": make_flux, "flux2": make_flux2, "wan": lambda: make_wan(layers=2),
+          "qwenimage": lambda: make_qwen(layers=2), "ltx": lambda: make_ltx(layers=2)}
+# merged self-attention calls per forward with ALL_BLOCKS (double and single blocks alike)
+MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2}
+
+
+def inputs(family: str, world: int, rows: int | None = None, cols: int = 8, frames: int | None = None) -> dict:
+    """A call whose token grid splits into ``world`` tile-aligned shards (4 rows of 8 per
+    rank for images; whole frames or 4-row bands for video), or ``rows x cols`` (``frames``)."""
+    rows = 4 * world if rows is None else rows
+    if family == "flux":
+        return flux_inputs(1, rows, cols, text=4)  # CP splits Flux's text too: 4 tokens
+    if family == "flux2":
+        return flux2_inputs(1, rows, cols, text=4)
+    if family == "qwenimage":
+        # without a text mask (one of ones): under Ulysses x ring, diffusers' unified
+        # attention fails on Qwen-Image's joint mask
+        return {**qwen_inputs(1, rows, cols, text=4), "encoder_hidden_states_mask": None}
+    if family == "wan":  # 3 frames of 8x8 at P=2 (1.5 frames, 12 rows, per rank), 4 at P=4
+        frames = (3 if world == 2 else world) if frames is None else frames
+        return wan_inputs(1, frames, 2 * (8 if rows == 4 * world else rows), 2 * cols)
+    if family == "ltx":
+        # without a text mask: diffusers' ring attention applies a rank's mask to every
+        # rank's keys, and its Ulysses path fails on LTX's (B, 1, S) text bias
+        frames = 2 if frames is None else frames
+        return {**ltx_inputs(1, frames, 8 if rows == 4 * world else rows, cols, text=4), "encoder_attention_mask": None}
+    raise KeyError(family)
+
+
+MODES = {"ulysses": lambda p: {"ulysses_degree": p}, "ring": lambda p: {"ring_degree": p},
+         "both": lambda p: {"ulysses_degree": 2, "ring_degree": p // 2}}
+
+
+def _sample(model: torch.nn.Module, kw: dict) -> torch.Tensor:
+    # diffusers' CP hook on the model itself takes tensors only, not an output dataclass
+    with torch.no_grad():
+        return model(**kw, return_dict=False)[0]
+
+
+def _run(model: torch.nn.Module, kw: dict) -> tuple[torch.Tensor, list[tuple[int, int, bool]]]:
+    """The model's output for ``kw`` and the attention calls it made."""
+    CALLS.clear()
+    out = _sample(model, kw)
+    return out, list(CALLS)
+
+
+def _cp(model: torch.nn.Module, mode: str, world: int, **extra: Any) -> torch.nn.Module:
+    model.enable_parallelism(config=ContextParallelConfig(**MODES[mode](world), **extra))
+    return model
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference as a share of ``b``'s range."""
+    return float((a - b).abs().max() / (b.max() - b.min()))
+
+
+def _enable(model: torch.nn.Module, mode: str, world: int, order: str, options: dict) -> Any:
+    if order == "cp_first":
+        _cp(model, mode, world)
+        return toma.apply_toma(model, 0.5, **options)
+    patch = toma.apply_toma(model, 0.5, **options)
+    _cp(model, mode, world)
+    return patch
+
+
+def compare(family: str, mode: str, world: int, order: str = "cp_first", kw: dict | None = None,
+            **toma_options: Any) -> dict:
+    """CP + ToMA against single-process ToMA, unmerged CP and the plain model, in ``order``
+    of enabling; with the local query counts of the CP attention calls."""
+    make, options = MAKERS[family], {**ALL_BLOCKS[family], **toma_options}
+    kw = inputs(family, world) if kw is None else kw
+    plain = _sample(make(), kw)
+    reference = make()
+    toma.apply_toma(reference, 0.5, **options)
+    ref = _sample(reference, kw)
+    unmerged, plain_calls = _run(_cp(make(), mode, world), kw)
+    model = make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patch = _enable(model, mode, world, order, options)
+        out, calls = _run(model, kw)
+        shard = patch.cache.forward.shard
+        grid = patch.cache.forward.grid
+        toma.remove_toma(model)
+        removed = _sample(model, kw)
+    return {
+        "gap_to_single": _gap(out, ref),
+        "gap_to_unmerged_cp": _gap(out, unmerged),
+        "unmerged_cp_gap": _gap(unmerged, plain),  # diffusers' own CP against one process
+        "equals_unmerged_cp": bool(torch.equal(out, unmerged)),
+        "removed_equals_unmerged_cp": bool(torch.equal(removed, unmerged)),
+        "cp_queries": sum(q for q, _, cp in calls if cp),
+        "cp_queries_unmerged": sum(q for q, _, cp in plain_calls if cp),
+        "shard": shard,
+        "grid": grid,
+        "warnings": sorted({str(w.message) for w in caught if "ToMA" in str(w.message)}),
+    }
+
+
+def refused(family: str, mode: str, world: int, order: str, cp_extra: dict | None = None, **toma_options: Any) -> dict:
+    """The error CP + ToMA raises (at apply_toma with ``order="cp_first"``, else at the first
+    forward), or None."""
+    make, options = MAKERS[family], {**ALL_BLOCKS[family], **toma_options}
+    model = make()
+    where = "apply_toma"
+    try:
+        if order == "cp_first":
+            _cp(model, mode, world, **(cp_extra or {}))
+            toma.apply_toma(model, 0.5, **options)
+        else:
+            toma.apply_toma(model, 0.5, **options)
+            _cp(model, mode, world, **(cp_extra or {}))
+        where = "forward"
+        _sample(model, inputs(family, world))
+    except ValueError as e:
+        return {"raised": where, "error": str(e)}
+    return {"raised": None}
+
+
+def table(world: int) -> dict[str, Callable[[], dict]]:
+    """The cases of world size ``world``, by name."""
+    cases: dict[str, Callable[[], dict]] = {}
+    modes = ("ulysses", "ring") if world == 2 else ("both",)
+    for family in MAKERS:
+        for mode in modes:
+            # both orders of enabling at P=2; at P=4 (4 processes on the CI's 2 cores) one
+            for order in ("cp_first", "toma_first") if world == 2 or family == "wan" else ("cp_first",):
+                cases[f"aligned/{family}/{mode}/{order}"] = functools.partial(compare, family, mode, world, order)
+    for mode in modes:
+        # shards off the tile grid: Wan's 9-row bands of 6-row frames, Flux's 3-row bands;
+        # and mid-row cuts (2.5 rows per rank at P=2, 1.25 at P=4)
+        cases[f"unaligned/wan/{mode}"] = functools.partial(
+            compare, "wan", mode, world, kw=inputs("wan", world, rows=6, frames=3 if world == 2 else 6))
+        cases[f"midrow/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=5, cols=2 * world))
+        if world == 2:
+            cases[f"unaligned/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=6))
+            cases[f"midrow/wan/{mode}"] = functools.partial(
+                compare, "wan", mode, world, kw=inputs("wan", world, rows=5, cols=2, frames=1))
+        if mode == "ulysses":  # Ulysses gathers a mask over the local keys with the keys
+            cases["proportional/wan/ulysses/compare"] = functools.partial(
+                compare, "wan", mode, world, proportional_attention=True)
+        cases[f"proportional/wan/{mode}/cp_first"] = functools.partial(
+            refused, "wan", mode, world, "cp_first", proportional_attention=True)
+        cases[f"proportional/wan/{mode}/toma_first"] = functools.partial(
+            refused, "wan", mode, world, "toma_first", proportional_attention=True)
+    uneven = ("ulysses", {"ulysses_anything": True}) if world == 2 else ("ring", {"ring_anything": True})
+    cases["anything/wan/cp_first"] = functools.partial(refused, "wan", uneven[0], world, "cp_first", cp_extra=uneven[1])
+    return cases
+
+
+class CaseTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise CaseTimeout(f"over {CASE_SECONDS} s")
+
+
+def main() -> None:
+    out_dir, wanted = sys.argv[1], set(sys.argv[2:])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    signal.signal(signal.SIGALRM, _alarm)
+    results: dict[str, Any] = {}
+    for name, case in table(world).items():
+        if wanted and name not in wanted:
+            continue
+        start = time.perf_counter()
+        signal.alarm(CASE_SECONDS)
+        try:
+            results[name] = {"ok": True, **case()}
+        except Exception as e:  # recorded for the test to report; the next case still runs
+            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        finally:
+            signal.alarm(0)
+        results[name]["seconds"] = round(time.perf_counter() - start, 3)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

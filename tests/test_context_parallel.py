@@ -1,0 +1,228 @@
+"""ToMA under diffusers' context parallelism (Ulysses, ring, both), on CPU processes.
+
+The cases run in tests/cp_worker.py under ``torchrun`` with gloo at ``OMP_NUM_THREADS=1``:
+one spawn of 2 processes (Ulysses 2, ring 2) and one of 4 (Ulysses 2 x ring 2), each
+running every case of its size; the tests here read what each rank recorded. The rules
+themselves (which shards merge, what is refused) are also tested in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import toma
+from toma.adapters.parallel import refusal, shard_grid
+from toma.config import ToMAConfig
+from toma.core.tiling import make_layout
+
+WORKER = Path(__file__).with_name("cp_worker.py")
+SPAWN_SECONDS = 240  # about 35 s (2 processes) and 50 s (4) on the 2-core CI machine; the rest is load
+FAMILIES = ("flux", "flux2", "wan", "qwenimage", "ltx")
+MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2}  # merged self-attention calls per forward
+# Tiles are local, so on tile-aligned shards CP + ToMA computes single-process ToMA's
+# maths: only the order of float sums differs (attention split by heads or by key chunks,
+# whose partial results ring attention recombines through their log-sum-exps).
+REORDERING = 1e-5
+# the shard grids of the cases' calls (tests/cp_worker.py ``inputs``): 4-row bands of 8
+# columns; Wan's 3 frames of 8x8 over 2 ranks are 12-row bands across a frame boundary,
+# its 4 frames over 4 ranks one frame each; LTX's 2 frames of 8x8, one frame or 4 rows
+SHARDS = {
+    2: {"flux": (1, 4, 8), "flux2": (1, 4, 8), "qwenimage": (1, 4, 8), "wan": (1, 12, 8), "ltx": (1, 8, 8)},
+    4: {"flux": (1, 4, 8), "flux2": (1, 4, 8), "qwenimage": (1, 4, 8), "wan": (1, 8, 8), "ltx": (1, 4, 8)},
+}
+GRIDS = {  # the whole token grids of those calls
+    2: {"flux": (1, 8, 8), "flux2": (1, 8, 8), "qwenimage": (1, 8, 8), "wan": (3, 8, 8), "ltx": (2, 8, 8)},
+    4: {"flux": (1, 16, 8), "flux2": (1, 16, 8), "qwenimage": (1, 16, 8), "wan": (4, 8, 8), "ltx": (2, 8, 8)},
+}
+MODES = {2: ("ulysses", "ring"), 4: ("both",)}
+
+
+def spawn(world: int, out: Path) -> dict[int, dict]:
+    """Every rank's records of one ``torchrun`` of the worker over ``world`` processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(WORKER), str(out)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SPAWN_SECONDS)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun over {world} processes ran past {SPAWN_SECONDS} s:\n{(e.stderr or '')[-4000:]}")
+    if proc.returncode:
+        pytest.fail(f"torchrun over {world} processes failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """World size -> rank -> case -> record; each world size spawned once, when first needed."""
+    cache: dict[int, dict[int, dict]] = {}
+
+    def get(world: int) -> dict[int, dict]:
+        if world not in cache:
+            cache[world] = spawn(world, tmp_path_factory.mktemp(f"cp{world}"))
+        return cache[world]
+
+    return get
+
+
+def records(runs, world: int, name: str) -> list[dict]:
+    """Case ``name``'s record on every rank, each checked to have run."""
+    ranks = runs(world)
+    found = [ranks[r].get(name) for r in sorted(ranks)]
+    assert all(found), f"case {name} missing from a rank's records"
+    for rank, record in enumerate(found):
+        assert record["ok"], f"rank {rank}: {record['error']}\n{record.get('trace', '')}"
+    return found
+
+
+def merged_length(grid: list[int]) -> int:
+    """Tokens left from one shard of ``grid`` at ratio 0.5 with the default tiles."""
+    t, h, w = grid
+    return make_layout(h, w, (1, *ToMAConfig().tile), 0.5, t=t).num_merged
+
+
+def check_lengths(family: str, recs: list[dict]) -> None:
+    """Every rank's self-attention ran on the same merged length, the one its shard's
+    layout keeps, in every merged call."""
+    queries = {r["cp_queries"] for r in recs}
+    assert len(queries) == 1, f"ranks saw different query counts: {[r['cp_queries'] for r in recs]}"
+    world, tokens = recs[0]["shard"]
+    kept = merged_length(recs[0]["grid"])
+    assert recs[0]["cp_queries_unmerged"] - recs[0]["cp_queries"] == MERGED_CALLS[family] * (tokens - kept)
+
+
+CASES = [(world, family, mode, order) for world in (2, 4) for family in FAMILIES for mode in MODES[world]
+         for order in (("cp_first", "toma_first") if world == 2 or family == "wan" else ("cp_first",))]
+
+
+@pytest.mark.parametrize("world,family,mode,order", CASES)
+def test_aligned_shards_merge_as_one_process(runs, world, family, mode, order):
+    recs = records(runs, world, f"aligned/{family}/{mode}/{order}")
+    for rank, r in enumerate(recs):
+        assert r["unmerged_cp_gap"] <= REORDERING, "diffusers' own CP differs from one process here"
+        assert r["shard"] == [world, r["shard"][1]] and r["grid"] == list(SHARDS[world][family])
+        assert r["gap_to_single"] <= REORDERING, f"rank {rank}"
+        assert r["gap_to_unmerged_cp"] > 1e-3, "nothing merged"
+        assert r["removed_equals_unmerged_cp"], "remove_toma under CP is not unmerged CP"
+        assert r["warnings"] == []
+    check_lengths(family, recs)
+    # the shards' merged lengths add up to single-process ToMA's
+    assert world * merged_length(recs[0]["grid"]) == merged_length(list(GRIDS[world][family]))
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
+def test_unaligned_shards_merge_to_equal_lengths(runs, world, mode):
+    # Wan's 6-row frames in 9-row bands: a tile spans a frame boundary
+    recs = records(runs, world, f"unaligned/wan/{mode}")
+    assert recs[0]["grid"] == [1, 9, 8]
+    for r in recs:
+        assert r["gap_to_unmerged_cp"] > 1e-3 and r["removed_equals_unmerged_cp"] and r["warnings"] == []
+    check_lengths("wan", recs)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_unaligned_flux_bands_merge_to_equal_lengths(runs, mode):
+    recs = records(runs, 2, f"unaligned/flux/{mode}")  # 3-row bands of a 6x8 grid
+    assert recs[0]["grid"] == [1, 3, 8]
+    for r in recs:
+        assert r["gap_to_unmerged_cp"] > 1e-3 and r["removed_equals_unmerged_cp"]
+    check_lengths("flux", recs)
+
+
+@pytest.mark.parametrize("world,family,mode", [(2, "flux", "ulysses"), (2, "flux", "ring"), (2, "wan", "ulysses"),
+                                               (2, "wan", "ring"), (4, "flux", "both")])
+def test_mid_row_shards_run_unmerged_and_say_so(runs, world, family, mode):
+    for r in records(runs, world, f"midrow/{family}/{mode}"):
+        assert r["equals_unmerged_cp"], "a forward that merges nothing must be unmerged CP's, bitwise"
+        assert any("context parallelism" in w and "unmerged" in w for w in r["warnings"]), r["warnings"]
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ring"), (4, "both")])
+@pytest.mark.parametrize("order,where", [("cp_first", "apply_toma"), ("toma_first", "forward")])
+def test_proportional_attention_under_ring_is_refused(runs, world, mode, order, where):
+    for r in records(runs, world, f"proportional/wan/{mode}/{order}"):
+        assert r["raised"] == where
+        assert "ring attention" in r["error"] and "context parallelism" in r["error"] and "proportional_attention" in r["error"]
+
+
+def test_proportional_attention_under_ulysses_merges_as_one_process(runs):
+    # Ulysses gathers a mask over the local keys along with the keys: the bias stays right
+    assert [r["raised"] for r in records(runs, 2, "proportional/wan/ulysses/cp_first")] == [None, None]
+    for r in records(runs, 2, "proportional/wan/ulysses/compare"):
+        assert r["gap_to_single"] <= REORDERING and r["gap_to_unmerged_cp"] > 1e-3
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_uneven_shard_modes_are_refused(runs, world):
+    for r in records(runs, world, "anything/wan/cp_first"):
+        assert r["raised"] == "apply_toma" and "context parallelism" in r["error"] and "_anything" in r["error"]
+
+
+# ---- the rules, in this process ----
+
+def _runs_of(grid: tuple[int, int, int], world: int) -> list[list[tuple[int, int, int]]]:
+    t, h, w = grid
+    tokens = [(f, r, c) for f in range(t) for r in range(h) for c in range(w)]
+    n = len(tokens) // world
+    return [tokens[i * n:(i + 1) * n] for i in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_grid_against_enumerated_shards(world):
+    for t in (1, 2, 3, 5):
+        for h in (1, 2, 3, 4, 6):
+            for w in (1, 2, 3, 5, 8):
+                grid = shard_grid((t, h, w), world)
+                if t * h * w % world:
+                    assert grid is None
+                    continue
+                shards = _runs_of((t, h, w), world)
+                n = len(shards[0])
+                whole_frames = all(len({f for f, _, _ in s}) * h * w == n for s in shards)
+                rows = [sorted({(f, r) for f, r, _ in s}) for s in shards]
+                whole_rows = all(len(rs) * w == n for rs in rows) and len(rows[0]) >= 2
+                if whole_frames:
+                    assert grid == (n // (h * w), h, w)
+                elif whole_rows:
+                    assert grid == (1, n // w, w)
+                else:
+                    assert grid is None, (t, h, w, world)
+
+
+def _cp(ring: int = 1, ulysses: int = 1, **extra):
+    return SimpleNamespace(ring_degree=ring, ulysses_degree=ulysses, ulysses_anything=False, ring_anything=False, **extra)
+
+
+def test_refusals_name_context_parallelism():
+    plain, proportional = ToMAConfig(), ToMAConfig(proportional_attention=True)
+    assert refusal("wan", None, proportional) is None
+    assert refusal("wan", _cp(ulysses=2), proportional) is None
+    assert refusal("wan", _cp(ring=2), plain) is None
+    uneven = SimpleNamespace(ring_degree=2, ulysses_degree=1, ulysses_anything=False, ring_anything=True)
+    for reason in (refusal("wan", _cp(ring=2), proportional), refusal("wan", _cp(ring=2, ulysses=2), proportional),
+                   refusal("sd3", _cp(ulysses=2), plain), refusal("unet", _cp(ring=2), plain),
+                   refusal("flux", uneven, plain)):
+        assert reason is not None and "context parallelism" in reason
+
+
+def test_apply_toma_and_forward_refuse_a_family_without_cp_support():
+    # diffusers' SD3 has no _cp_plan; a user could pass one to enable_parallelism. The
+    # parallel config is what toma reads, so it is set by hand here (no process group).
+    from tiny_models import make_sd3, sd3_inputs
+
+    model = make_sd3()
+    model._parallel_config = SimpleNamespace(context_parallel_config=_cp(ulysses=2))
+    with pytest.raises(ValueError, match="context parallelism"):
+        toma.apply_toma(model, 0.5)
+    model = make_sd3()
+    toma.apply_toma(model, 0.5, blocks={"transformer_blocks": range(4)})
+    model._parallel_config = SimpleNamespace(context_parallel_config=_cp(ulysses=2))
+    with pytest.raises(ValueError, match="context parallelism"), torch.no_grad():
+        model(**sd3_inputs(1, 16, 16))

@@ -1,0 +1,144 @@
+"""ToMA under diffusers' context parallelism (``model.enable_parallelism``, Ulysses and ring).
+
+Context parallelism splits the token sequence across ``P`` ranks: each rank holds a
+contiguous run of ``n = N / P`` raster tokens (its shard) from where the model's
+``_cp_plan`` splits them until its output is gathered. toma merges each rank's shard on
+its own, with no communication of its own: tiles are local, and a shard that is a grid of
+its own has tiles of its own.
+
+Where a shard is a grid (the rule of :func:`shard_grid`):
+
+* whole frames (``n`` a multiple of ``h * w``): the shard is a ``n / (h w) x h x w`` grid;
+* else whole rows (``n`` a multiple of ``w``, at least two rows): a ``1 x n / w x w`` band,
+  whose rows may run on across a frame boundary (a tile then spans two frames' rows where
+  the frame height is not a multiple of the tile's);
+* else (a shard that starts or ends mid-row): no merging, with a warning once.
+
+Every rank's shard has the same grid, hence the same tile layout and the same merged
+length ``K`` (Ulysses' all-to-all and ring attention's exchanges need equal lengths).
+Where the shard boundaries fall on tile boundaries, the tiles are the single-process
+tiles, and CP + ToMA computes what single-process ToMA does (the plans of a tile read
+its own tokens only). Elsewhere tiles start at the shard's first row, so the merged total
+``P * K`` may differ from single-process ToMA's.
+
+The token grid of a forward is the shard's (:attr:`ForwardState.grid`), and
+:attr:`ForwardState.shard` says ``(P, n)``: toma's reorder points that run before diffusers
+splits the sequence (Qwen-Image's ``img_in``, the rotary modules whose output diffusers
+splits) see all ``P * n`` tokens and put each shard's run in its tile order, so that the
+split hands every rank its shard in tile order.
+
+Combinations that cannot work are refused with a message naming context parallelism
+(:func:`refusal`): families toma has no CP support for, diffusers' ``ulysses_anything`` /
+``ring_anything`` (uneven shards, hence different layouts and merged lengths), and
+proportional attention under ring attention (ring attention applies a rank's mask to
+every rank's key/value chunk, so a bias over the local merged keys is wrong there).
+
+Nothing here imports diffusers: the model's parallel config and hooks are read as
+attributes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+Grid = tuple[int, int, int]
+
+# the families whose token grid and rotary tables toma follows through diffusers' _cp_plan
+SUPPORTED = ("flux", "flux2", "wan", "qwenimage", "ltx")
+
+
+def cp_config(model: torch.nn.Module) -> Any:
+    """The model's diffusers ``ContextParallelConfig`` once ``enable_parallelism`` ran, else None."""
+    parallel = getattr(model, "_parallel_config", None)
+    return getattr(parallel, "context_parallel_config", None)
+
+
+def world_size(cp: Any) -> int:
+    """Ranks the sequence is split across: ``ring_degree * ulysses_degree``."""
+    return int(cp.ring_degree) * int(cp.ulysses_degree)
+
+
+def refusal(family: str | None, cp: Any, config: Any) -> str | None:
+    """Why toma cannot merge ``family`` under context parallelism ``cp`` with ``config``, or None."""
+    if cp is None:
+        return None
+    if family not in SUPPORTED:
+        return (f"ToMA does not merge {family or 'this model'} under context parallelism (enable_parallelism); "
+                f"the families it merges under it are {', '.join(SUPPORTED)}")
+    if getattr(cp, "ulysses_anything", False) or getattr(cp, "ring_anything", False):
+        return ("ToMA does not merge under context parallelism with ulysses_anything or ring_anything: their shards "
+                "differ in length, so ranks would merge to different lengths; use equal shards")
+    if bool(getattr(config, "proportional_attention", False)) and int(cp.ring_degree) > 1:
+        return ("proportional_attention=True is wrong under ring attention (context parallelism with ring_degree > 1): "
+                "ring attention applies each rank's mask to every rank's keys; use proportional_attention=False, or "
+                "ulysses_degree alone")
+    return None
+
+
+def shard_grid(grid: Grid, world: int) -> Grid | None:
+    """The grid of each rank's shard when a ``(t, h, w)`` grid's raster tokens are split into
+    ``world`` equal runs, or None where the runs are not whole frames or at least two whole
+    rows (see the module docstring)."""
+    t, h, w = grid
+    tokens = t * h * w
+    if world < 1 or tokens % world:
+        return None
+    n = tokens // world
+    if n % (h * w) == 0:
+        return (n // (h * w), h, w)
+    if n % w == 0 and n // w >= 2:
+        return (1, n // w, w)
+    return None
+
+
+def splits_call(model: torch.nn.Module) -> bool:
+    """Whether diffusers splits the model's own ``hidden_states`` argument (Flux, Flux.2, LTX),
+    so that the model's hooks see each rank's shard; otherwise (Wan, Qwen-Image) the split
+    comes inside the model and its call has every token."""
+    for metadata in _split_plans(model):
+        if "hidden_states" in metadata:
+            return True
+    return False
+
+
+def splits_output(module: torch.nn.Module) -> bool:
+    """Whether diffusers splits ``module``'s output (the rotary modules of Wan, LTX and
+    Qwen-Image): toma's hook on it then sees every rank's rows."""
+    return any(getattr(m, "split_output", False) for plan in _split_plans(module) for m in _flat(plan.values()))
+
+
+def _split_plans(module: torch.nn.Module) -> list[dict]:
+    """The input plans of diffusers' CP split hooks on ``module`` (``cp_input---*``)."""
+    registry = getattr(module, "_diffusers_hook", None)
+    hooks = getattr(registry, "hooks", None) or {}
+    return [getattr(hook, "metadata", {}) for name, hook in hooks.items() if str(name).startswith("cp_input---")]
+
+
+def _flat(values: Any) -> list:
+    out = []
+    for v in values:
+        out.extend(v if isinstance(v, (list, tuple)) else [v])
+    return out
+
+
+def unsplit_tokens(x: torch.Tensor, world: int) -> torch.Tensor:
+    """A stand-in for the unsplit ``(B, P * n, C)`` tokens of a shard ``x`` ``(B, n, C)``, for
+    grid readers that check a grid against the token count: shaped, on the meta device."""
+    return torch.empty((x.shape[0], x.shape[1] * world, *x.shape[2:]), device="meta", dtype=x.dtype)
+
+
+def shard_of(grid: Grid, tokens: int, world: int, read_from_shard: bool) -> Grid | None:
+    """The shard grid of a forward whose grid reader gave ``grid`` while each rank holds
+    ``tokens`` tokens: ``grid`` is the whole grid (Wan, Qwen-Image, LTX read it from the
+    call's sizes) or, where the reader saw the shard's call (``read_from_shard``), may be
+    the shard's already (Flux reads it from the shard's position ids)."""
+    if math.prod(grid) == tokens * world:
+        return shard_grid(grid, world)
+    if read_from_shard and math.prod(grid) == tokens and grid[0] == 1 and grid[1] >= 2:
+        # read from the shard's own ids: a rectangle of two or more rows is a band of whole
+        # rows (a run of raster tokens that is not whole rows has no rectangle of ids)
+        return grid
+    return None
