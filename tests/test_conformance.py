@@ -10,6 +10,7 @@ masks) stay in the family's own test module.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -166,3 +167,128 @@ def test_checkpointed_gradients_equal_plain_ones(name):
     assert len(plain) == len(checkpointed) > 0
     for a, b in zip(plain, checkpointed):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ what attention sees
+def kept_tokens(grid: tuple[int, int, int], ratio: float, tile: int = 4) -> int:
+    """Tokens left after merging ``grid`` at ``ratio``, counted tile by tile: 2-D tiles of
+    ``tile x tile`` tokens (cut by the grid's edges, shrunk to a smaller grid), each keeping
+    ``round(p * (1 - ratio))`` of its ``p`` tokens, rounded half up, at least one."""
+    t, h, w = grid
+    th, tw = min(tile, h), min(tile, w)
+    kept = 0
+    for top in range(0, h, th):
+        for left in range(0, w, tw):
+            p = min(th, h - top) * min(tw, w - left)
+            kept += max(1, min(p, math.floor(p * (1 - ratio) + 0.5)))
+    return t * kept
+
+
+def level_grid(fam, downsample: int) -> tuple[int, int, int]:
+    """The family's token grid at a UNet level's downsample (strided convolutions round up)."""
+    t, h, w = fam.grid
+    return (t, -(-h // downsample), -(-w // downsample))
+
+
+def attention_targets(patch) -> list[tuple[str, torch.nn.Module, int]]:
+    """The merged attention and cross-attention modules: ``(name, module, downsample)``;
+    a spanning site's is the module in between that computes attention."""
+    found = []
+    for target in patch.patched:
+        site = target.site
+        part = site.part if site is not None else {"attn1": "attn", "attn2": "cross"}.get(target.name.rsplit(".", 1)[-1])
+        if part in ("attn", "cross"):
+            module = target.module.get_submodule(site.call) if site is not None and site.until else target.module
+            found.append((target.name, module, target.downsample))
+    return found
+
+
+def record_projections(targets, keep: bool = False):
+    """Per linear layer of each module in ``targets``: the token count (and, with ``keep``, a
+    copy) of its input at each call, keyed ``module name:layer name``. Linear layers run
+    inside the merge hooks, so they see the tokens attention computes on."""
+    seen: dict[str, list] = {}
+    handles = []
+    for name, module, _ in targets:
+        for sub, layer in module.named_modules():
+            if isinstance(layer, torch.nn.Linear):
+                key = f"{name}:{sub}"
+
+                def hook(mod, args, key=key):
+                    x = args[0]
+                    seen.setdefault(key, []).append(x.detach().clone() if keep else x.shape[-2])
+
+                handles.append(layer.register_forward_pre_hook(hook))
+    return seen, handles
+
+
+def projections(fam, model, kw, options: dict | None, keep: bool = False):
+    """:func:`record_projections` of one call of ``model`` patched with ``options`` (None:
+    unpatched, hooks on the modules that ``options=fam.every_part()`` would merge)."""
+    patch = toma.apply_toma(model, **{"ratio": 0.5, **(options or fam.every_part())})
+    targets = attention_targets(patch)
+    if options is None:
+        toma.remove_toma(model)
+    seen, handles = record_projections(targets, keep)
+    try:
+        fam.output(model, kw)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return patch, targets, seen
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5])
+@pytest.mark.parametrize("name", NAMES)
+def test_attention_sees_the_token_counts_the_ratio_implies(name, ratio):
+    # every projection of a merged attention that takes the image tokens takes K of them
+    # in place of N (K counted from the grid, the 4x4 tiles and the ratio), whatever text
+    # or conditioning tokens join them; a projection of text alone takes all of it
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(1)  # batch 1: one call per module, also where samples would run one each
+    _, targets, before = projections(fam, model, kw, None)
+    patch, _, after = projections(fam, model, kw, {**fam.every_part(), "ratio": ratio})
+    downsample = {name: ds for name, _, ds in targets}
+    assert before and before.keys() == after.keys()
+    merged = 0
+    for key, counts in before.items():
+        grid = level_grid(fam, downsample[key.split(":")[0]])
+        n, k = math.prod(grid), kept_tokens(grid, ratio)
+        assert k == patch.cache.layout(*grid, ratio=ratio).num_merged  # the engine's layout counts alike
+        expected = [c - n + k if c >= n else c for c in counts]  # text alone is fewer tokens than any grid here
+        assert after[key] == expected, key
+        merged += sum(c >= n for c in counts)
+    assert merged >= len(targets)  # every merged module projects image tokens
+
+
+def with_other_image(kw: dict) -> dict:
+    """The call with other image latents (and reference images'), the same text."""
+    key = "sample" if "sample" in kw else "hidden_states"
+    return {**kw, key: torch.randn(kw[key].shape, generator=torch.Generator().manual_seed(11))}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_text_is_never_merged(name):
+    # in the first merged block, nothing merged has reached the text yet: the rows its
+    # attentions' projections take that do not depend on the image (the text's) are
+    # bitwise the unmerged model's, all of them and in their place at the start or end of
+    # the sequence; later blocks' text counts are the test above's
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(1)
+    _, targets, plain = projections(fam, model, kw, None, keep=True)
+    _, _, other = projections(fam, model, with_other_image(kw), None, keep=True)
+    _, _, merged = projections(fam, model, kw, fam.every_part(), keep=True)
+    block = targets[0][0].rsplit(".", 1)[0]
+    checked = 0
+    for key in (k for k in plain if k.split(":")[0].rsplit(".", 1)[0] == block):
+        a, b, m = plain[key][0][0], other[key][0][0], merged[key][0][0]  # first call, sample 0: (S, C)
+        text = (a == b).all(-1)
+        count = int(text.sum())
+        if count == 0:  # image tokens, or text after attending to them
+            continue
+        lead = bool(text[:count].all())
+        assert lead or text[-count:].all(), f"{key}: the text rows are not one block at an end of the sequence"
+        rows = slice(0, count) if lead else slice(m.shape[0] - count, m.shape[0])
+        assert torch.equal(m[rows], a[:count] if lead else a[-count:]), key
+        checked += 1
+    assert checked  # every family has text in its first merged block (joint or cross-attention)

@@ -337,6 +337,14 @@ class Family:
     # a call on a grid the default 4x4 tiles divide, where tokens stay in tile order
     # between merges; None where ``inputs`` is one already
     divided: Callable[[int], dict] | None = None
+    # the token grid (t, h, w) of an ``inputs`` call: the latent grid for the UNets, whose
+    # deeper levels halve it (rounding up, as their strided convolutions do)
+    grid: tuple[int, int, int] | None = None
+    # the forward keyword of a (B, T) text padding mask, where the model takes one
+    text_mask: str | None = None
+    # whether the forward takes an attention mask over its joint [text; image] sequence in
+    # joint_attention_kwargs (Flux.1, FLUX.2)
+    joint_mask: bool = False
 
     def divided_inputs(self, batch: int) -> dict:
         """A call on a token grid the default tiles divide (see ``divided``)."""
@@ -356,31 +364,39 @@ FLUX_ALL = {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)}
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("sdxl", "unet", make_sdxl_unet, lambda b: unet_inputs(b, 16, 16, sdxl=True), {"levels": 2, "merge_mlp": True},
-           cross=True, odd=lambda b: unet_inputs(b, 8, 24, sdxl=True), odd_tokens=4 * 12),
+           cross=True, odd=lambda b: unet_inputs(b, 8, 24, sdxl=True), odd_tokens=4 * 12, grid=(1, 16, 16),
+           text_mask="encoder_attention_mask"),
     Family("sd15", "unet", make_sd15_unet, lambda b: unet_inputs(b, 10, 14, sdxl=False), {"merge_mlp": True}, cross=True,
            odd=lambda b: unet_inputs(b, 10, 14, sdxl=False), odd_tokens=10 * 14,
-           divided=lambda b: unet_inputs(b, 16, 16, sdxl=False)),
-    Family("flux", "flux", make_flux, lambda b: flux_inputs(b, 8, 8), FLUX_ALL, odd=lambda b: flux_inputs(b, 5, 7), odd_tokens=35),
+           divided=lambda b: unet_inputs(b, 16, 16, sdxl=False), grid=(1, 10, 14), text_mask="encoder_attention_mask"),
+    Family("flux", "flux", make_flux, lambda b: flux_inputs(b, 8, 8), FLUX_ALL, odd=lambda b: flux_inputs(b, 5, 7), odd_tokens=35,
+           grid=(1, 8, 8), joint_mask=True),
     Family("flux-kontext", "flux", make_flux, lambda b: kontext_inputs(b, 8, 8, 4, 4), FLUX_ALL,
-           odd=lambda b: kontext_inputs(b, 5, 7, 3, 3), odd_tokens=35),
+           odd=lambda b: kontext_inputs(b, 5, 7, 3, 3), odd_tokens=35, grid=(1, 8, 8), joint_mask=True),
     Family("sd3", "sd3", make_sd3, lambda b: sd3_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(4)}},
-           proportional=False, odd=lambda b: sd3_inputs(b, 10, 14), odd_tokens=35, divided=lambda b: sd3_inputs(b, 16, 16)),
+           proportional=False, odd=lambda b: sd3_inputs(b, 10, 14), odd_tokens=35, divided=lambda b: sd3_inputs(b, 16, 16),
+           grid=(1, 8, 10)),
     Family("pixart", "pixart", make_pixart, lambda b: pixart_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(3)}},
-           cross=True, odd=lambda b: pixart_inputs(b, 10, 14), odd_tokens=35, divided=lambda b: pixart_inputs(b, 16, 16)),
+           cross=True, odd=lambda b: pixart_inputs(b, 10, 14), odd_tokens=35, divided=lambda b: pixart_inputs(b, 16, 16),
+           grid=(1, 8, 10), text_mask="encoder_attention_mask"),
     Family("wan", "wan", make_wan, lambda b: wan_inputs(b, 4, 12, 16), {"blocks": {"blocks": range(3)}}, cross=True,
-           odd=lambda b: wan_inputs(b, 3, 10, 14), odd_tokens=3 * 35, divided=lambda b: wan_inputs(b, 4, 16, 16)),
+           odd=lambda b: wan_inputs(b, 3, 10, 14), odd_tokens=3 * 35, divided=lambda b: wan_inputs(b, 4, 16, 16),
+           grid=(4, 6, 8)),
     Family("ltx", "ltx", make_ltx, lambda b: ltx_inputs(b, 4, 6, 8), {"blocks": {"transformer_blocks": range(3)}},
            proportional=False, cross=True, odd=lambda b: ltx_inputs(b, 3, 5, 7), odd_tokens=3 * 35,
-           divided=lambda b: ltx_inputs(b, 4, 8, 8)),
+           divided=lambda b: ltx_inputs(b, 4, 8, 8), grid=(4, 6, 8), text_mask="encoder_attention_mask"),
     Family("qwenimage", "qwenimage", make_qwen, lambda b: qwen_inputs(b, 8, 10), {"blocks": {"transformer_blocks": range(3)}},
-           proportional=False, odd=lambda b: qwen_inputs(b, 5, 7), odd_tokens=35, divided=lambda b: qwen_inputs(b, 8, 8)),
+           proportional=False, odd=lambda b: qwen_inputs(b, 5, 7), odd_tokens=35, divided=lambda b: qwen_inputs(b, 8, 8),
+           grid=(1, 8, 10), text_mask="encoder_hidden_states_mask"),
     Family("flux2", "flux2", make_flux2, lambda b: flux2_inputs(b, 8, 10),
            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=False,
-           odd=lambda b: flux2_inputs(b, 5, 7), odd_tokens=35, divided=lambda b: flux2_inputs(b, 8, 8)),
+           odd=lambda b: flux2_inputs(b, 5, 7), odd_tokens=35, divided=lambda b: flux2_inputs(b, 8, 8), grid=(1, 8, 10),
+           joint_mask=True),
     Family("hunyuanvideo", "hunyuanvideo", make_hunyuan, lambda b: hunyuan_inputs(b, 3, 8, 8),
            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=False,
-           odd=lambda b: hunyuan_inputs(b, 1, 10, 14), odd_tokens=35),
+           odd=lambda b: hunyuan_inputs(b, 1, 10, 14), odd_tokens=35, grid=(3, 4, 4),
+           text_mask="encoder_attention_mask"),
     Family("cogvideox", "cogvideox", make_cogvideox, lambda b: cogvideox_inputs(b, 3, 8, 8),
            {"blocks": {"transformer_blocks": range(3)}}, proportional=False, odd=lambda b: cogvideox_inputs(b, 3, 10, 14),
-           odd_tokens=3 * 35),
+           odd_tokens=3 * 35, grid=(3, 4, 4)),
 )}
