@@ -17,6 +17,8 @@ import torch
 
 import toma
 from tests.tiny_models import FAMILIES
+from toma.adapters.base import Hook, register_innermost, remove_hook
+from toma.adapters.merging import plan_group
 
 NAMES = list(FAMILIES)
 
@@ -292,3 +294,83 @@ def test_text_is_never_merged(name):
         assert torch.equal(m[rows], a[:count] if lead else a[-count:]), key
         checked += 1
     assert checked  # every family has text in its first merged block (joint or cross-attention)
+
+
+# ------------------------------------------------------------------ rotary tables
+class CallSpy(Hook):
+    """Records the arguments of each call of the module it is registered on."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return args, kwargs
+
+
+def tables_of(rotary, args: tuple, kwargs: dict) -> tuple:
+    """The rotary tables a call got, as a tuple."""
+    tables = args[rotary.index] if rotary.index is not None and len(args) > rotary.index else kwargs[rotary.name]
+    return (tables,) if isinstance(tables, torch.Tensor) else tuple(tables)
+
+
+def rotary_calls(fam, model, kw, patch) -> dict[str, list]:
+    """The calls of every merged site that takes rotary tables, recorded inside toma's hooks
+    (what the family's processor receives) when ``model`` is patched, else as the model makes them."""
+    calls: dict[str, list] = {}
+    spied = []
+    for target in patch.patched:
+        site = target.site
+        if site is not None and site.rotary is not None:
+            module = target.module.get_submodule(site.call) if site.until else target.module
+            register_innermost(module, CallSpy(calls.setdefault(target.name, [])), "spy")
+            spied.append(module)
+    fam.output(model, kw)
+    for module in spied:
+        remove_hook(module, "spy")
+    return calls
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rotary_rows_are_the_destinations(name):
+    # a merged token takes the position of its destination: the image rows of the tables a
+    # merged attention receives are the unmerged tables' rows at the plan's destination
+    # tokens (raster index), in the order of the merged tokens; the text's and conditioning
+    # tokens' rows pass whole, before them. Batch 2, each sample with its own plan
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(2)
+    patch = toma.apply_toma(model, ratio=0.5, **fam.options)
+    sites = {t.name: t.site for t in patch.patched if t.site is not None and t.site.rotary is not None}
+    if not sites:  # positions from convolutions (UNets) or added to the tokens before the blocks (SD3, PixArt)
+        pytest.skip(f"no merged site of {name} takes rotary tables")
+    toma.remove_toma(model)
+    full = rotary_calls(fam, model, kw, toma.apply_toma(model, ratio=0.0, **fam.options))  # ratio 0: the model's own
+    toma.remove_toma(model)
+    patch = toma.apply_toma(model, ratio=0.5, **fam.options)
+    merged = rotary_calls(fam, model, kw, patch)
+    n = math.prod(fam.grid)
+    tokens = kw["hidden_states"]
+    extra = tokens.shape[1] - n if tokens.ndim == 3 else 0  # conditioning tokens after the image's
+    for target, site in sites.items():
+        rotary = site.rotary
+        [plan] = [p for key, (_, p) in patch.cache._plans.items() if key[0] == plan_group(site, fam.grid)]
+        dest = plan.dest_tokens
+        assert dest.shape[0] == 2 and not torch.equal(dest[0], dest[1])
+        [(args, kwargs)] = full[target]  # one unmerged call
+        whole = tables_of(rotary, args, kwargs)
+        wanted = range(len(whole)) if rotary.items is None else rotary.items
+        # the shared tables' processors run once per sample; the others' once per batch
+        calls = merged[target]
+        assert len(calls) == (2 if rotary.shared else 1), target
+        for b in range(2):
+            got = tables_of(rotary, *calls[b if rotary.shared else 0])
+            for i, (f, g) in enumerate(zip(whole, got)):
+                if i not in wanted:
+                    assert torch.equal(g, f)  # e.g. Qwen-Image's text table
+                elif rotary.shared:  # (lead + N + extra, ...) -> (lead + extra + K, ...)
+                    lead = f.shape[0] - n - extra
+                    image = f[lead : lead + n]
+                    assert torch.equal(g, torch.cat([f[:lead], f[lead + n :], image[dest[b]]])), (target, i)
+                else:  # (1 or B, N, ...) -> (B, K, ...)
+                    assert f.shape[1] == n
+                    assert torch.equal(g[b], f[0 if f.shape[0] == 1 else b][dest[b]]), (target, i)
