@@ -10,7 +10,9 @@ masks) stay in the family's own test module.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
+import warnings
 
 import pytest
 import torch
@@ -374,3 +376,67 @@ def test_rotary_rows_are_the_destinations(name):
                 else:  # (1 or B, N, ...) -> (B, K, ...)
                     assert f.shape[1] == n
                     assert torch.equal(g[b], f[0 if f.shape[0] == 1 else b][dest[b]]), (target, i)
+
+
+# ------------------------------------------------------------------ text masks
+MASK_KEYWORDS = ("encoder_attention_mask", "encoder_hidden_states_mask")
+
+
+def toma_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "ToMA" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_text_masks(name):
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(2)
+    params = inspect.signature(type(model).forward).parameters
+    assert fam.text_mask is None or fam.text_mask in params  # the table says what the forward takes
+    if fam.text_mask is None:
+        assert not set(MASK_KEYWORDS) & set(params)
+        if not fam.joint_mask:
+            pytest.skip(f"{name}'s forward takes no text mask")
+        joint_mask_runs_unmerged(fam, model, kw)
+        return
+    key, text = fam.text_mask, kw["encoder_hidden_states"].shape[1]
+    ones = {**kw, key: torch.ones(2, text)}
+    padded = {**kw, key: torch.ones(2, text)}
+    padded[key][1, -2:] = 0  # the second sample's last two text tokens are padding
+    reference = fam.output(model, ones)
+    toma.apply_toma(model, ratio=0.5, **fam.every_part())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merged = fam.output(model, ones)
+        if params[key].default is None:  # a mask of ones hides nothing: as without one
+            # a mask adds 0 to every score, but SDPA takes another CPU kernel with a mask
+            # than without, whose sums differ by float32 ulps (~1e-7 a op, under 1e-5
+            # through these blocks); merging moves the outputs by more than 1e-3
+            unmasked = fam.output(model, {k: v for k, v in kw.items() if k != key})
+            torch.testing.assert_close(merged, unmasked, rtol=1e-5, atol=1e-5)
+        out = fam.output(model, padded)
+        # padded tokens are hidden from every attention, merged or not: exp of a score
+        # biased by -1e4 or -inf underflows to exactly 0, so their values change nothing
+        changed = {**padded, "encoder_hidden_states": kw["encoder_hidden_states"].clone()}
+        changed["encoder_hidden_states"][1, -2:] = 100.0
+        torch.testing.assert_close(fam.output(model, changed), out, rtol=0, atol=1e-6)
+    assert toma_warnings(caught) == []  # it merged, mask and all: no fallback
+    assert (merged - reference).abs().max() > 1e-3
+    unhidden = {**changed, key: ones[key]}
+    assert not torch.allclose(fam.output(model, unhidden)[1], fam.output(model, ones)[1], atol=1e-3)  # they matter unmasked
+
+
+def joint_mask_runs_unmerged(fam, model, kw) -> None:
+    # a mask over the joint [text; image] sequence is laid out over the unmerged tokens:
+    # such calls run unmerged, bitwise, with one warning
+    text, tokens = kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
+    mask = torch.ones(2, 1, 1, text + tokens, dtype=torch.bool)
+    mask[:, :, :, text - 2 : text] = False
+    kw = {**kw, "joint_attention_kwargs": {"attention_mask": mask}}
+    reference = fam.output(model, kw)
+    toma.apply_toma(model, ratio=0.5, **fam.every_part())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fam.output(model, kw)
+        fam.output(model, kw)
+    assert len(toma_warnings(caught)) == 1 and "attention_mask" in toma_warnings(caught)[0]
+    assert torch.equal(out, reference)
