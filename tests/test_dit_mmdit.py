@@ -357,21 +357,6 @@ def test_qwen_text_mask_applies_to_merged_attention():
     assert not torch.allclose(run(model, **unmasked["changed"]), run(model, **unmasked["kw"]), atol=1e-3)  # the tokens matter unmasked
 
 
-def test_flux2_attention_mask_runs_unmerged_with_one_warning():
-    model = make_flux2()
-    kw = flux2_inputs(2, 8, 8, text=5)
-    mask = torch.ones(2, 1, 1, 5 + 64, dtype=torch.bool)
-    mask[:, :, :, 3:5] = False
-    kw["joint_attention_kwargs"] = {"attention_mask": mask}
-    ref = run(model, **kw)
-    toma.apply_toma(model, ratio=0.5, **ALL_FLUX2)
-    with pytest.warns(UserWarning, match="attention_mask") as caught:
-        out = run(model, **kw)
-        run(model, **kw)
-    assert len([w for w in caught if "attention_mask" in str(w.message)]) == 1
-    assert torch.equal(out, ref)
-
-
 @pytest.mark.parametrize("family", MMDITS)
 def test_set_attention_backend_reaches_merged_attention(family, monkeypatch):
     import importlib
