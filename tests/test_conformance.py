@@ -440,3 +440,51 @@ def joint_mask_runs_unmerged(fam, model, kw) -> None:
         fam.output(model, kw)
     assert len(toma_warnings(caught)) == 1 and "attention_mask" in toma_warnings(caught)[0]
     assert torch.equal(out, reference)
+
+
+# ------------------------------------------------------------------ attention backends
+def counting_backend(monkeypatch, backend: str) -> list[int]:
+    """Query lengths of the calls diffusers' dispatcher makes to ``backend``'s function."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    calls: list[int] = []
+    name = AttentionBackendName(backend)
+    real = _AttentionBackendRegistry._backends[name]
+    monkeypatch.setitem(_AttentionBackendRegistry._backends, name,
+                        lambda query, *a, **k: calls.append(query.shape[1]) or real(query, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_set_attention_backend_computes_what_the_default_does(name, monkeypatch):
+    # merged attention runs the family's own processor, so diffusers' dispatcher sends it to
+    # the backend the user set: "native" is the default's function (bitwise), and
+    # "_native_math" torch's math kernel in place of the fused CPU one, which sums in
+    # another order (a few float32 ulps an op, under 1e-5 through these blocks; merging
+    # moves outputs by more than 1e-3). Processors that call SDPA themselves (the UNets',
+    # PixArt's, CogVideoX's) keep doing so, and dispatch nothing
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    # set_attention_backend also sets the process-wide backend, which reset_attention_backend
+    # leaves: start from the default and put back what was there
+    monkeypatch.setattr(_AttentionBackendRegistry, "_active_backend", AttentionBackendName.NATIVE)
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(2)
+    math_calls = counting_backend(monkeypatch, "_native_math")
+    model.set_attention_backend("_native_math")
+    fam.output(model, kw)
+    dispatched = len(math_calls)
+    model.reset_attention_backend()
+    _AttentionBackendRegistry._active_backend = AttentionBackendName.NATIVE
+    reference = fam.output(model, kw)
+    toma.apply_toma(model, ratio=0.5, **fam.options)
+    default = fam.output(model, kw)
+    assert (default - reference).abs().max() > 1e-3
+    model.set_attention_backend("native")
+    assert torch.equal(fam.output(model, kw), default)
+    math_calls.clear()
+    model.set_attention_backend("_native_math")
+    torch.testing.assert_close(fam.output(model, kw), default, rtol=1e-5, atol=1e-5)
+    # the unmerged model's dispatched calls all still reach the backend (once per sample
+    # where a processor takes one rotary table for the batch)
+    assert len(math_calls) >= dispatched > 0 or len(math_calls) == dispatched == 0
