@@ -121,7 +121,7 @@ def test_sage_runs_without_the_bias_and_says_so_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dispatch(q, k, v, attn_mask=bias, backend="sage")
-    assert seen == [{"backend": "sage"}] * 2  # no mask, no widened tensors
+    assert seen == [{"attn_mask": None, "backend": "sage"}] * 2  # no bias, no widened tensors
     assert A.rule("_sage_qk_int8_pv_fp16_triton", "cuda", torch.float16)[0] is None
     assert A.rule("some_future_backend", "cuda", torch.float16)[0] is None
 
@@ -161,4 +161,40 @@ def test_key_bias_slices_per_sample():
     bias = A.KeyBias(torch.arange(6.0).reshape(2, 3))
     assert torch.equal(bias.batch_slice(1, 2).log_mass, torch.tensor([[3.0, 4.0, 5.0]]))
     shared = A.KeyBias(torch.zeros(1, 3))
-    assert shared.batch_slice(1, 2) is shared
+    assert torch.equal(shared.batch_slice(1, 2).log_mass, shared.log_mass)
+    keep = torch.tensor([True, False])[:, None, None, None].expand(2, 1, 1, 3)
+    folded = shared.with_model_mask(keep).batch_slice(1, 2)
+    assert torch.equal(folded.model_mask, keep[1:]) and torch.equal(folded.log_mass, torch.full((1, 3), -torch.inf))
+
+
+def test_model_mask_folds_into_the_bias_and_text_after_pads():
+    # HunyuanVideo: [video; text] keys, the text after the merged video keys with its padding
+    # masked by the model; the folded bias equals the float mask of both, on every form
+    q, k, v, _ = inputs(text=0)
+    video = 12
+    log_mass = torch.rand(2, video, generator=torch.Generator().manual_seed(7))
+    keep = torch.ones(2, 1, 1, k.shape[1], dtype=torch.bool)
+    keep[1, ..., -3:] = False
+    bias = A.key_bias_text_after(log_mass, 2, 2).with_model_mask(keep)
+    want_mask = torch.cat([log_mass, torch.zeros(2, k.shape[1] - video)], 1)
+    want_mask = want_mask.masked_fill(~keep[:, 0, 0], float("-inf"))[:, None, None, :]
+    assert torch.equal(bias.mask(), want_mask)
+    want = ad.dispatch_attention_fn(q.double(), k.double(), v.double(), attn_mask=want_mask.double(),
+                                    backend="_native_math")
+    for backend in ("native", "_native_flash"):
+        got = A.biased_dispatch(ad.dispatch_attention_fn)(q, k, v, attn_mask=bias, backend=backend)
+        torch.testing.assert_close(got.double(), want, **FP32)
+    # no model mask: the text keys are padded with log mass 0 at the call
+    plain = A.key_bias_text_after(log_mass, 2, 2)
+    assert torch.equal(plain.mask(keys=k.shape[1]), torch.cat([log_mass, torch.zeros(2, 7)], 1)[:, None, None, :])
+    with pytest.raises(ValueError, match="a key bias over 12 keys met an attention call over 19 keys"):
+        A.biased_dispatch(ad.dispatch_attention_fn)(q, k, v, attn_mask=A.key_bias(log_mass, 2, 2), backend="native")
+    # where no form is exact the call keeps the model's own mask
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # said once: test_sage_runs_without_the_bias_and_says_so_once
+        A.biased_dispatch(lambda q_, k_, v_, **kw: seen.append(kw["attn_mask"]) or q_)(q, k, v, attn_mask=bias,
+                                                                                       backend="sage")
+    assert seen[0] is keep
+    with pytest.raises(ValueError, match=r"only key masks \(B, 1, 1, S\) fold"):
+        plain.with_model_mask(torch.ones(2, 1, 19, 19, dtype=torch.bool))

@@ -205,3 +205,24 @@ def test_bad_inputs_are_named():
         P.with_text_keys(torch.zeros(1, 10), before=-1)
     with pytest.raises(ValueError, match=r"log_mass must be \(Bp, Sk\)"):
         P.bias_score_mod(torch.zeros(10))
+
+
+@pytest.mark.parametrize("layout", P.LAYOUTS)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_masked_out_keys_get_no_weight(layout, path):
+    # text padding folded into the bias as -inf: every form then equals attention over the
+    # kept keys alone (float64, as the duplicate-key test), with no NaN from the -inf
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 2, 12, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(3))
+    log_mass = P.with_text_keys(torch.rand(2, 8, generator=g, dtype=torch.float64), after=4)
+    keep = torch.ones(2, 12, dtype=torch.bool)
+    keep[0, -2:] = False  # sample 0 pads its last two text keys
+    biased = P.masked_out(log_mass, keep)
+    qs, ks, vs = (to_layout(t, layout) for t in (q, k, v))
+    got = PATHS[path](qs, ks, vs, biased, layout)
+    for b, kept in ((0, 10), (1, 12)):
+        one = lambda t: to_layout(t[b : b + 1, :, :kept], layout)  # noqa: E731
+        want = with_mask(to_layout(q[b : b + 1], layout), one(k), one(v), log_mass[b : b + 1, :kept], layout)
+        torch.testing.assert_close(got[b : b + 1], want, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match=r"keep must be a bool \(Bk, 12\) mask"):
+        P.masked_out(log_mass, keep.float())

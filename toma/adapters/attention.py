@@ -89,20 +89,62 @@ def rule(backend: str, device: torch.device | str, dtype: torch.dtype) -> tuple[
 
 @dataclass(frozen=True)
 class KeyBias:
-    """The key bias of a merged call: ``log_mass`` ``(Bp, Sk)`` over the call's keys (0 for
-    text keys), ``Bp`` 1 or the batch. Passed as the processor's attention mask."""
+    """The key bias of a merged call, passed as the processor's attention mask.
+
+    Attributes:
+        log_mass: ``(Bp, S)`` over the call's first keys (0 for text, ``-inf`` for keys the
+            model masks out), ``Bp`` 1 or the batch.
+        pad_after: the call's keys after those ``S`` are unmerged (text after the image
+            tokens, as in HunyuanVideo): log mass 0.
+        model_mask: the model's own mask folded into ``log_mass`` (:meth:`with_model_mask`),
+            which a call without the bias still takes.
+    """
 
     log_mass: torch.Tensor
+    pad_after: bool = False
+    model_mask: torch.Tensor | None = None
 
-    def mask(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """As a float attention mask ``(Bp, 1, 1, Sk)``."""
-        return P.additive_mask(self.log_mass, dtype)
+    def over(self, keys: int) -> torch.Tensor:
+        """The log masses over a call's ``keys`` keys, ``(Bp, keys)``."""
+        have = self.log_mass.shape[1]
+        if have == keys:
+            return self.log_mass
+        if have > keys or not self.pad_after:
+            raise ValueError(f"ToMA: a key bias over {have} keys met an attention call over {keys} keys")
+        return P.with_text_keys(self.log_mass, after=keys - have)
+
+    def mask(self, dtype: torch.dtype | None = None, keys: int | None = None) -> torch.Tensor:
+        """As a float attention mask ``(Bp, 1, 1, keys)``."""
+        return P.additive_mask(self.log_mass if keys is None else self.over(keys), dtype)
+
+    def with_model_mask(self, mask: torch.Tensor) -> KeyBias:
+        """This bias and the model's own key mask ``(B, 1, 1, S)`` (bool: True keeps a key;
+        or additive) over the same keys, in one bias over the ``S`` keys."""
+        if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+            raise ValueError(f"ToMA: cannot fold an attention mask of shape {tuple(mask.shape)} into the key bias; "
+                             "only key masks (B, 1, 1, S) fold")
+        rows = mask[:, 0, 0, :]
+        log_mass = self.over(rows.shape[1])
+        folded = P.masked_out(log_mass, rows) if rows.dtype == torch.bool else log_mass + rows.to(log_mass.dtype)
+        return KeyBias(folded, model_mask=mask)
 
     def batch_slice(self, b: int, batch: int) -> KeyBias:
         """Sample ``b``'s bias, for a call on that sample alone."""
-        if self.log_mass.shape[0] != batch:
-            return self
-        return KeyBias(self.log_mass[b : b + 1])
+        def one(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t[b : b + 1] if t is not None and t.shape[0] == batch else t
+
+        return KeyBias(one(self.log_mass), self.pad_after, one(self.model_mask))
+
+
+def key_bias(log_mass: torch.Tensor, batch: int, heads: int) -> KeyBias:
+    """A site's ``mask_layout`` for processors that hand their mask to diffusers' dispatch:
+    the log masses as a :class:`KeyBias` (:func:`install` applies it)."""
+    return KeyBias(log_mass)
+
+
+def key_bias_text_after(log_mass: torch.Tensor, batch: int, heads: int) -> KeyBias:
+    """:func:`key_bias` for calls whose text keys follow the image keys (HunyuanVideo)."""
+    return KeyBias(log_mass, pad_after=True)
 
 
 _warned: set[str] = set()
@@ -171,15 +213,16 @@ def attend(real: Callable, bias: KeyBias, query: torch.Tensor, key: torch.Tensor
     if form is None:
         _warn_once(name, f"ToMA: proportional attention is off on the {name!r} attention backend: {why}; "
                          "merged attention runs without the log-mass bias")
-        return real(query, key, value, **kwargs)
+        return real(query, key, value, attn_mask=bias.model_mask, **kwargs)
     scale = kwargs.pop("scale", None)
+    log_mass = bias.over(key.shape[1])  # a mismatch is toma's bug: raised, not fallen back from
     try:
         if form == MASK:
-            return real(query, key, value, attn_mask=bias.mask(query.dtype), scale=scale, **kwargs)
+            return real(query, key, value, attn_mask=P.additive_mask(log_mass, query.dtype), scale=scale, **kwargs)
         if form == KEY_CHANNEL:
-            q, k, v, wide_scale = P.key_channel(query, key, value, bias.log_mass, scale, layout="bshd")
+            q, k, v, wide_scale = P.key_channel(query, key, value, log_mass, scale, layout="bshd")
             return P.drop_key_channel(real(q, k, v, scale=wide_scale, **kwargs), value.shape[-1])
-        return P.flex_attention_with_bias(query, key, value, bias.log_mass, scale, "bshd", _flex())
+        return P.flex_attention_with_bias(query, key, value, log_mass, scale, "bshd", _flex())
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as err:
         if torch.compiler.is_compiling():
             raise
@@ -187,7 +230,7 @@ def attend(real: Callable, bias: KeyBias, query: torch.Tensor, key: torch.Tensor
         _warn_once(f"{name}:{form}", f"ToMA: proportional attention's {form} failed on the {name!r} backend "
                                      f"({type(err).__name__}: {detail}); merged attention runs without the "
                                      "log-mass bias there")
-        return real(query, key, value, scale=scale, **kwargs)
+        return real(query, key, value, attn_mask=bias.model_mask, scale=scale, **kwargs)
 
 
 _installed: dict[str, tuple[Callable, int]] = {}  # module -> (the dispatch toma replaced, patches using it)

@@ -15,7 +15,8 @@ would. The bias depends on the key only, which allows three exact forms of it:
   which torch compiles into the fused kernel.
 
 ``log_mass`` is ``(Bp, Sk)`` over the call's keys, ``Bp`` 1 (one plan for the batch) or the
-batch; keys that are not merged (text) have log mass 0 (:func:`with_text_keys`). Attention
+batch; keys that are not merged (text) have log mass 0 (:func:`with_text_keys`), and keys
+a model masks out (text padding) ``-inf`` (:func:`masked_out`), in every form. Attention
 tensors are ``(B, H, S, D)`` (``layout="bhsd"``, torch's) or ``(B, S, H, D)``
 (``"bshd"``, diffusers' dispatch).
 """
@@ -44,6 +45,17 @@ def with_text_keys(log_mass: torch.Tensor, before: int = 0, after: int = 0) -> t
         return log_mass
     parts = [log_mass.new_zeros(log_mass.shape[0], before), log_mass, log_mass.new_zeros(log_mass.shape[0], after)]
     return torch.cat(parts, dim=1)
+
+
+def masked_out(log_mass: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Log masses ``(Bp, Sk)`` with ``-inf`` where ``keep`` ``(Bk, Sk)`` (bool, ``Bk`` 1 or
+    the batch) is False: a key padding mask folded into the bias, ``(max(Bp, Bk), Sk)``."""
+    if keep is None:
+        return log_mass
+    if keep.dtype != torch.bool or keep.ndim != 2 or keep.shape[1] != log_mass.shape[1]:
+        raise ValueError(f"keep must be a bool (Bk, {log_mass.shape[1]}) mask over the keys "
+                         f"(got {keep.dtype}, {tuple(keep.shape)})")
+    return torch.where(keep, log_mass, torch.tensor(float("-inf"), dtype=log_mass.dtype, device=log_mass.device))
 
 
 def _check_log_mass(log_mass: torch.Tensor, batch: int, keys: int) -> None:
