@@ -488,3 +488,74 @@ def test_set_attention_backend_computes_what_the_default_does(name, monkeypatch)
     # the unmerged model's dispatched calls all still reach the backend (once per sample
     # where a processor takes one rotary table for the batch)
     assert len(math_calls) >= dispatched > 0 or len(math_calls) == dispatched == 0
+
+
+# ------------------------------------------------------------------ torch.compile
+def first_blocks(patch) -> list[str]:
+    """The first merged block of each stack: a UNet's transformer (its ``Transformer2DModel``),
+    a transformer family's block."""
+    owners: dict[str, str] = {}
+    for target in patch.patched:
+        if patch.adapter == "unet":
+            owner = target.name.rpartition(".transformer_blocks.")[0]
+            stack = "unet"  # one is enough: every level's transformers are alike
+        else:
+            stack, index = target.name.split(".")[:2]
+            owner = f"{stack}.{index}"
+        owners.setdefault(stack, owner)
+    return list(owners.values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_merged_blocks_compile_without_graph_breaks(name):
+    # Dynamo's graph capture does not depend on the backend, and tracing a whole tiny model
+    # costs 5-30 s here; the merge path's hooks sit on the blocks' sub-modules, so the first
+    # merged block of each stack is traced, from its recorded call, building its plan (the
+    # step hook on the model reads the grid and timestep into Python on purpose, outside
+    # the merge path: tests/test_compile.py). The forward before builds what lives as long
+    # as the patch (tile layouts' index tensors); a plan is built at every step
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(1)
+    patch = toma.apply_toma(model, ratio=0.5, **fam.every_part())
+    calls, handles = {}, []
+    for owner in first_blocks(patch):
+        handles.append(model.get_submodule(owner).register_forward_pre_hook(
+            lambda mod, a, k, owner=owner: calls.setdefault(owner, (a, k)), with_kwargs=True))
+    fam.output(model, kw)
+    for handle in handles:
+        handle.remove()
+    assert calls.keys() == set(first_blocks(patch))
+    breaks = {}
+    for owner, (args, kwargs) in calls.items():
+        patch.cache.forward.plans.clear()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            explained = torch._dynamo.explain(model.get_submodule(owner))(*args, **kwargs)
+        assert explained.graph_count >= 1
+        breaks[owner] = [r.reason.splitlines()[0] for r in explained.break_reasons]
+        assert patch.cache.forward.plans  # the traced call built a plan
+    torch._dynamo.reset()
+    assert breaks == {owner: [] for owner in calls}
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the first call on a padded grid builds the layout's index tensors inside the "
+                   "compiled region, with boolean selections (nonzero) that Dynamo cannot trace: graph breaks in "
+                   "toma.core.tiling.layout_index, once per grid")
+def test_a_new_padded_grid_compiles_without_graph_breaks():
+    fam = FAMILIES["sd3"]  # 8 x 10 tokens: the 4x4 tiles pad the last column of tiles
+    model, kw = fam.make(), fam.inputs(1)
+    patch = toma.apply_toma(model, ratio=0.5, **fam.options)
+    assert patch.cache.layout(*fam.grid).padded
+    calls = []
+    handle = model.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k: calls.append((a, k)), with_kwargs=True)
+    fam.output(model, kw)
+    handle.remove()
+    patch.cache.forward.plans.clear()
+    patch.cache._indices.clear()  # as at the first call on this grid
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model.transformer_blocks[0])(*calls[0][0], **calls[0][1])
+    torch._dynamo.reset()
+    if not all(any(f.name == "layout_index" for f in r.user_stack) for r in explained.break_reasons):
+        pytest.fail("a graph break outside layout_index")  # not the known one: a failure, not the xfail
+    assert [r.reason.splitlines()[0] for r in explained.break_reasons] == []
