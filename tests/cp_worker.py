@@ -190,6 +190,7 @@ def compare(family: str, mode: str, world: int, order: str = "cp_first", kw: dic
         out, calls = _run(model, kw)
         shard = patch.cache.forward.shard
         grid = patch.cache.forward.grid
+        kept = patch.cache.layout(*grid).num_merged if grid[-1] else None  # the shard's merged length
         toma.remove_toma(model)
         removed = _sample(model, kw)
     return {
@@ -202,6 +203,7 @@ def compare(family: str, mode: str, world: int, order: str = "cp_first", kw: dic
         "cp_queries_unmerged": sum(q for q, _, cp in plain_calls if cp),
         "shard": shard,
         "grid": grid,
+        "kept": kept,
         "warnings": sorted({str(w.message) for w in caught if "ToMA" in str(w.message)}),
     }
 
@@ -236,15 +238,19 @@ def table(world: int) -> dict[str, Callable[[], dict]]:
             for order in ("cp_first", "toma_first") if world == 2 or family == "wan" else ("cp_first",):
                 cases[f"aligned/{family}/{mode}/{order}"] = functools.partial(compare, family, mode, world, order)
     for mode in modes:
-        # shards off the tile grid: Wan's 9-row bands of 6-row frames, Flux's 3-row bands;
-        # and mid-row cuts (2.5 rows per rank at P=2, 1.25 at P=4)
+        # shards off the tile grid: Wan's 9-row bands of 6-row frames, Flux's 3-row bands
         cases[f"unaligned/wan/{mode}"] = functools.partial(
             compare, "wan", mode, world, kw=inputs("wan", world, rows=6, frames=3 if world == 2 else 6))
-        cases[f"midrow/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=5, cols=2 * world))
+        # a 9x8 grid: 4.5 rows per rank at P=2, 2.25 at P=4
+        cases[f"midrow/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=9))
+        cases[f"midrow/wan/{mode}"] = functools.partial(compare, "wan", mode, world, kw=inputs("wan", world, rows=9, frames=1))
+        # shards shorter than a row: Flux cannot tell their grid from their ids alone
+        cases[f"subrow/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=1, cols=4 * world))
         if world == 2:
             cases[f"unaligned/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=6))
-            cases[f"midrow/wan/{mode}"] = functools.partial(
-                compare, "wan", mode, world, kw=inputs("wan", world, rows=5, cols=2, frames=1))
+            for family in ("flux2", "qwenimage", "ltx"):
+                cases[f"midrow/{family}/{mode}"] = functools.partial(
+                    compare, family, mode, world, kw=inputs(family, world, rows=9, frames=1))
         if mode == "ulysses":  # Ulysses gathers a mask over the local keys with the keys
             cases["proportional/wan/ulysses/compare"] = functools.partial(
                 compare, "wan", mode, world, proportional_attention=True)

@@ -9,6 +9,7 @@ themselves (which shards merge, what is refused) are also tested in this process
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +22,17 @@ import torch
 import toma
 from toma.adapters.parallel import refusal, shard_grid
 from toma.config import ToMAConfig
-from toma.core.tiling import make_layout
+from toma.core.plan import build_plan
+from toma.core.tiling import (
+    from_tiles,
+    layout_index,
+    make_layout,
+    make_span_layout,
+    shard_target,
+    slot_raster_index,
+    to_tiles,
+    token_mask,
+)
 
 WORKER = Path(__file__).with_name("cp_worker.py")
 SPAWN_SECONDS = 240  # about 35 s (2 processes) and 50 s (4) on the 2-core CI machine; the rest is load
@@ -93,8 +104,13 @@ def check_lengths(family: str, recs: list[dict]) -> None:
     layout keeps, in every merged call."""
     queries = {r["cp_queries"] for r in recs}
     assert len(queries) == 1, f"ranks saw different query counts: {[r['cp_queries'] for r in recs]}"
-    world, tokens = recs[0]["shard"]
-    kept = merged_length(recs[0]["grid"])
+    assert len({r["kept"] for r in recs}) == 1
+    world, tokens, span, whole = recs[0]["shard"]
+    kept = recs[0]["kept"]
+    if span is None:  # a grid of its own: its layout's
+        assert kept == merged_length(recs[0]["grid"])
+    else:  # the documented rule: together, within P - 1 of what one process keeps of the whole grid
+        assert merged_length(whole) - (world - 1) <= world * kept <= merged_length(whole)
     assert recs[0]["cp_queries_unmerged"] - recs[0]["cp_queries"] == MERGED_CALLS[family] * (tokens - kept)
 
 
@@ -107,7 +123,7 @@ def test_aligned_shards_merge_as_one_process(runs, world, family, mode, order):
     recs = records(runs, world, f"aligned/{family}/{mode}/{order}")
     for rank, r in enumerate(recs):
         assert r["unmerged_cp_gap"] <= REORDERING, "diffusers' own CP differs from one process here"
-        assert r["shard"] == [world, r["shard"][1]] and r["grid"] == list(SHARDS[world][family])
+        assert r["shard"][0] == world and r["shard"][2] is None and r["grid"] == list(SHARDS[world][family])
         assert r["gap_to_single"] <= REORDERING, f"rank {rank}"
         assert r["gap_to_unmerged_cp"] > 1e-3, "nothing merged"
         assert r["removed_equals_unmerged_cp"], "remove_toma under CP is not unmerged CP"
@@ -136,10 +152,23 @@ def test_unaligned_flux_bands_merge_to_equal_lengths(runs, mode):
     check_lengths("flux", recs)
 
 
-@pytest.mark.parametrize("world,family,mode", [(2, "flux", "ulysses"), (2, "flux", "ring"), (2, "wan", "ulysses"),
-                                               (2, "wan", "ring"), (4, "flux", "both")])
-def test_mid_row_shards_run_unmerged_and_say_so(runs, world, family, mode):
-    for r in records(runs, world, f"midrow/{family}/{mode}"):
+MIDROW = [(2, family, mode) for family in FAMILIES for mode in MODES[2]] + [(4, "flux", "both"), (4, "wan", "both")]
+
+
+@pytest.mark.parametrize("world,family,mode", MIDROW)
+def test_mid_row_shards_merge_to_equal_lengths(runs, world, family, mode):
+    # a 9x8 grid: 4.5 rows per rank at P=2, 2.25 at P=4; tiles the cuts go through are masked
+    recs = records(runs, world, f"midrow/{family}/{mode}")
+    assert [r["shard"][2] for r in recs] == [[i * recs[0]["shard"][1], (i + 1) * recs[0]["shard"][1]] for i in range(world)]
+    assert recs[0]["shard"][3] == [1, 9, 8]
+    for r in recs:
+        assert r["gap_to_unmerged_cp"] > 1e-3 and r["removed_equals_unmerged_cp"] and r["warnings"] == []
+    check_lengths(family, recs)
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
+def test_flux_shards_within_a_row_run_unmerged_and_say_so(runs, world, mode):
+    for r in records(runs, world, f"subrow/flux/{mode}"):
         assert r["equals_unmerged_cp"], "a forward that merges nothing must be unmerged CP's, bitwise"
         assert any("context parallelism" in w and "unmerged" in w for w in r["warnings"]), r["warnings"]
 
@@ -226,3 +255,69 @@ def test_apply_toma_and_forward_refuse_a_family_without_cp_support():
     model._parallel_config = SimpleNamespace(context_parallel_config=_cp(ulysses=2))
     with pytest.raises(ValueError, match="context parallelism"), torch.no_grad():
         model(**sd3_inputs(1, 16, 16))
+
+
+# ---- span layouts (shards cut inside a row), against enumeration ----
+
+SPAN_GRIDS = [(1, 5, 4), (1, 9, 8), (2, 5, 7), (3, 6, 8)]
+
+
+def _spans(tokens: int) -> list[tuple[int, int]]:
+    return [(a, b) for a in range(0, tokens, 3) for b in range(a + 1, tokens + 1, 5)]
+
+
+@pytest.mark.parametrize("grid", SPAN_GRIDS)
+def test_span_layout_tiles_and_slots_against_enumeration(grid):
+    t, h, w = grid
+    tile = (1, 4, 4)
+    whole = make_layout(h, w, tile, 0.5, t=t)
+    tile_of = {(f * h + r) * w + c: (f * whole.gh + r // 4) * whole.gw + c // 4
+               for f in range(t) for r in range(h) for c in range(w)}
+    for start, stop in _spans(t * h * w):
+        layout = make_span_layout(h, w, tile, 0.5, (start, stop), t=t)
+        counts: dict[int, int] = {}
+        for token in range(start, stop):
+            counts[tile_of[token]] = counts.get(tile_of[token], 0) + 1
+        assert layout.tiles == tuple(sorted(counts)) and layout.num_tokens == stop - start
+        assert layout.keep == tuple(max(1, min(p, math.floor(p * 0.5 + 0.5))) for p in (counts[i] for i in layout.tiles))
+        mask = token_mask(layout)
+        slots = slot_raster_index(layout).view(layout.num_tiles, layout.tile_area)
+        assert mask.sum(1).tolist() == [counts[i] for i in layout.tiles]
+        seen = sorted(int(v) for v in slots[mask])
+        assert seen == list(range(stop - start)), "every token of the span in exactly one real slot"
+        for row, number in enumerate(layout.tiles):
+            assert all(tile_of[int(v) + start] == number for v in slots[row][mask[row]])
+        x = torch.randn(2, stop - start, 3)
+        assert torch.equal(from_tiles(to_tiles(x, layout), layout), x)
+
+
+@pytest.mark.parametrize("grid", SPAN_GRIDS)
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_span_shards_keep_equal_lengths_within_the_rule(grid, world):
+    t, h, w = grid
+    if t * h * w % world:
+        return
+    n = t * h * w // world
+    for ratio in (0.25, 0.5, 0.75):
+        target = shard_target(h, w, (1, 4, 4), ratio, world, t=t)
+        layouts = [make_span_layout(h, w, (1, 4, 4), ratio, (r * n, (r + 1) * n), t=t, target=target) for r in range(world)]
+        assert {lay.num_merged for lay in layouts} == {target}
+        for lay in layouts:
+            real = token_mask(lay).sum(1).tolist()
+            assert all(1 <= k <= p for k, p in zip(lay.keep, real))
+        whole = make_layout(h, w, (1, 4, 4), ratio, t=t).num_merged
+        touched = max(lay.num_tiles for lay in layouts)
+        if touched <= whole // world:  # else every tile keeping one is more than the rule allows
+            assert whole - (world - 1) <= world * target <= whole
+
+
+def test_a_span_of_whole_tiles_merges_as_its_own_grid():
+    # rows 4..11 of a 12x8 grid with 4x4 tiles: the span layout's tiles are the 8x8 grid's
+    x = torch.randn(2, 64, 8)
+    span = make_span_layout(12, 8, (4, 4), 0.5, (32, 96))
+    own = make_layout(8, 8, (4, 4), 0.5)
+    assert span.keep == own.keep
+    plans = [build_plan(to_tiles(x, lay, layout_index(lay).gather_index), lay, x.dtype, selection="facility",
+                        temperature=0.1, index=layout_index(lay)) for lay in (span, own)]
+    torch.testing.assert_close(plans[0].merge(x), plans[1].merge(x), rtol=0, atol=1e-6)  # gather vs view: same sums
+    assert torch.equal(plans[0].dest_tokens, plans[1].dest_tokens)

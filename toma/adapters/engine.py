@@ -49,7 +49,17 @@ from toma.adapters.merging import (
     replace_arg,
     with_hidden_states,
 )
-from toma.adapters.parallel import cp_config, refusal, shard_of, splits_call, splits_output, unsplit_tokens, world_size
+from toma.adapters.parallel import (
+    Shard,
+    cp_config,
+    refusal,
+    shard_index,
+    shard_of,
+    splits_call,
+    splits_output,
+    unsplit_tokens,
+    world_size,
+)
 from toma.adapters.replay import attach_replay
 from toma.adapters.spec import (
     FamilySpec,
@@ -239,7 +249,7 @@ class StepHook(Hook):
             reason = refusal(self.spec.name, cp, self.cache.config)
             if reason is not None:
                 raise ValueError(reason)
-            grid, shard = self._shard_grid(module, named, x, world_size(cp))
+            grid, shard = self._shard_grid(module, named, x, cp)
         else:
             grid, shard = self.grid(module, named), None
         if isinstance(grid, str):  # a reason why this call cannot merge: say it, once
@@ -272,13 +282,13 @@ class StepHook(Hook):
             self._warned.add(reason)
             warnings.warn(f"ToMA: {reason}; such calls run unmerged", stacklevel=5)
 
-    def _shard_grid(self, module: torch.nn.Module, named: dict, x: Any,
-                    world: int) -> tuple[Grid | str | None, tuple[int, int] | None]:
-        """Under context parallelism over ``world`` ranks: the grid of this rank's shard
-        (see :mod:`toma.adapters.parallel`) or why the call cannot merge, and ``(world,
-        tokens per rank)``."""
+    def _shard_grid(self, module: torch.nn.Module, named: dict, x: Any, cp: Any) -> tuple[Grid | str | None, Shard | None]:
+        """Under context parallelism ``cp``: the grid of this rank's shard (see
+        :mod:`toma.adapters.parallel`) or why the call cannot merge, and the :class:`Shard`."""
+        world = world_size(cp)
         split = splits_call(module) and isinstance(x, torch.Tensor) and x.ndim == 3
-        # a reader that checks a grid against the call's tokens must count all ranks' tokens
+        # readers give the whole grid; one that checks it against the call's tokens must
+        # count every rank's
         grid = self.grid(module, {**named, "hidden_states": unsplit_tokens(x, world)} if split else named)
         if grid is None or isinstance(grid, str):
             return grid, None
@@ -286,15 +296,12 @@ class StepHook(Hook):
             tokens = x.shape[1]
         else:
             sequence = x.shape[1] if isinstance(x, torch.Tensor) and x.ndim == 3 else math.prod(grid)
-            if sequence != math.prod(grid):
-                return ("under context parallelism, a sequence with tokens other than the generated image's "
-                        "(conditioning images) is split across ranks regardless of the image's grid"), None
             tokens = sequence // world
-        shard = shard_of(grid, tokens, world, read_from_shard=split)
-        if shard is None:
-            return (f"under context parallelism over {world} ranks, each rank's {tokens} tokens are not whole "
-                    f"frames or two or more whole rows of the token grid"), None
-        return shard, (world, tokens)
+        found = shard_of(grid, tokens, world, shard_index(cp))
+        if found is None:
+            return ("under context parallelism, a sequence with tokens other than the generated image's "
+                    "(conditioning images) is split across ranks regardless of the image's grid"), None
+        return found
 
     def _lead_index(self, tokens: int, extra: int, layout: TileLayout | None,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,11 +358,11 @@ class Reorder(Hook):
         if layout is None or x.ndim != 3:
             return x
         shard = order.shard
-        if shard is not None and x.shape[1] == shard[0] * layout.num_tokens:
+        if shard is not None and x.shape[1] == shard.world * layout.num_tokens:
             # before diffusers splits the sequence (Qwen-Image's img_in): every shard's run
             # to its tile order, so that the split hands each rank its shard in tile order
             with profiled("toma::merge" if self.enter else "toma::unmerge"):
-                runs = x.reshape(x.shape[0] * shard[0], layout.num_tokens, x.shape[2])
+                runs = x.reshape(x.shape[0] * shard.world, layout.num_tokens, x.shape[2])
                 runs = tile_order(runs, layout) if self.enter else raster_order(runs, layout)
                 return runs.reshape(x.shape)
         if x.shape[1] != layout.num_tokens:
@@ -401,7 +408,7 @@ class RotaryToTileOrder(Hook):
         else:
             # diffusers splits the output of some rotary modules (Wan's, LTX's, Qwen-Image's)
             # after this hook: their tables then hold every shard's rows
-            runs = order.shard[0] if order.shard is not None and splits_output(module) else 1
+            runs = order.shard.world if order.shard is not None and splits_output(module) else 1
             text = table.shape[self.seq_dim] - runs * layout.num_tokens
             key = (text, layout, runs, table.device)
             rows = self._rows.get(key)

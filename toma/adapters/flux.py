@@ -25,6 +25,7 @@ import torch
 
 from toma.adapters.base import Patched, Skipped
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.parallel import cp_config
 from toma.config import ToMAConfig
 
 DEFAULT_SKIP = 5  # the authors leave the first 5 double and 5 single blocks unmerged
@@ -86,6 +87,9 @@ class IdsGrid:
             return "a Flux call without img_ids gives no token grid"
         if (call.get("joint_attention_kwargs") or {}).get("attention_mask") is not None:
             return "joint_attention_kwargs has an attention_mask, laid out over the unmerged sequence"
+        cp = cp_config(model)
+        if cp is not None:  # the ids are this rank's shard's; hidden_states count every rank's tokens
+            return whole_grid(img_ids, hidden.shape[1])
         known = self._known
         if known is not None and known[0] is img_ids and known[1] == _version(img_ids):
             grid = known[2]
@@ -96,6 +100,26 @@ class IdsGrid:
             return f"img_ids span a {grid[0]}x{grid[1]} grid but the call has {hidden.shape[1]} image tokens"
         # any tokens after the grid's are conditioning images' (Kontext, FLUX.2 references)
         return (1, *grid)
+
+
+def whole_grid(img_ids: torch.Tensor, tokens: int) -> Grid | str:
+    """Under context parallelism, the whole ``(1, h, w)`` grid of ``tokens`` image tokens
+    from one shard's raster ids: ``w`` is the number of columns they take, which is every
+    column where the shard spans at least two rows. Shards within one row run unmerged
+    (whether such a shard is a whole row cannot be told from it, and every rank must
+    decide alike)."""
+    ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+    rows = ids[:, :3].tolist()  # one read of the ids: one host sync per forward
+    if len({row[0] for row in rows}) > 1:
+        return "under context parallelism, conditioning images' tokens (Kontext, references) are split with the image's"
+    lines = {row[1] for row in rows}
+    columns = {row[2] for row in rows}
+    if len(lines) < 2 or len(columns) != max(columns) - min(columns) + 1:
+        return "under context parallelism, a rank's shard spans less than two rows of the image"
+    width = len(columns)
+    if tokens % width:
+        return f"under context parallelism, {tokens} image tokens are no whole rows of {width}"
+    return (1, tokens // width, width)
 
 
 def _version(t: torch.Tensor) -> int:

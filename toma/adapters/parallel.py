@@ -12,17 +12,28 @@ Where a shard is a grid (the rule of :func:`shard_grid`):
 * else whole rows (``n`` a multiple of ``w``, at least two rows): a ``1 x n / w x w`` band,
   whose rows may run on across a frame boundary (a tile then spans two frames' rows where
   the frame height is not a multiple of the tile's);
-* else (a shard that starts or ends mid-row): no merging, with a warning once.
+* else (a shard that starts or ends inside a row): a span of the whole grid, whose tiles
+  are the whole grid's tiles that the span touches; the slots of a tile that a shard
+  boundary cuts which lie outside the span are masked, as padding is at a grid's edges
+  (:func:`toma.core.tiling.make_span_layout`).
 
-Every rank's shard has the same grid, hence the same tile layout and the same merged
-length ``K`` (Ulysses' all-to-all and ring attention's exchanges need equal lengths).
+Every rank keeps the same number of tokens ``K`` (Ulysses' all-to-all and ring
+attention's exchanges need equal lengths). A shard that is a grid of its own has the
+same grid on every rank, hence the same layout. Span shards keep ``floor(K1 / P)`` each,
+``K1`` being what single-process ToMA keeps of the whole grid: each tile keeps in
+proportion to its tokens in the span, and keeps are then moved one at a time between
+tiles to reach that count (:func:`toma.core.tiling.shard_target`). **The rule: the ranks
+together keep between ``K1 - (P - 1)`` and ``K1`` tokens** (more only where a shard touches
+more tiles than that count, as every tile keeps one).
+
 Where the shard boundaries fall on tile boundaries, the tiles are the single-process
-tiles, and CP + ToMA computes what single-process ToMA does (the plans of a tile read
-its own tokens only). Elsewhere tiles start at the shard's first row, so the merged total
-``P * K`` may differ from single-process ToMA's.
+tiles, and CP + ToMA computes what single-process ToMA does (the plans of a tile read its
+own tokens only). Bands of whole rows that do not fall on tile boundaries have tiles that
+start at the band's first row (so a tile may take rows of two frames), and span shards
+have the cut tiles masked: both merge, with equal lengths, but not exactly as one process.
 
 The token grid of a forward is the shard's (:attr:`ForwardState.grid`), and
-:attr:`ForwardState.shard` says ``(P, n)``: toma's reorder points that run before diffusers
+:attr:`ForwardState.shard` says which shard (:class:`Shard`): toma's reorder points that run before diffusers
 splits the sequence (Qwen-Image's ``img_in``, the rotary modules whose output diffusers
 splits) see all ``P * n`` tokens and put each shard's run in its tile order, so that the
 split hands every rank its shard in tile order.
@@ -40,11 +51,29 @@ attributes.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 Grid = tuple[int, int, int]
+
+
+class Shard(NamedTuple):
+    """Which part of the sequence this rank holds, in one forward.
+
+    Attributes:
+        world: ranks the sequence is split across.
+        tokens: tokens per rank.
+        span: where the shard is no grid of its own (a cut inside a row): its raster run
+            ``[start, stop)`` of ``whole``; the forward's grid is then ``(1, 1, tokens)``,
+            a stand-in whose layout is the span layout (:func:`toma.core.tiling.make_span_layout`).
+        whole: with ``span``, the whole token grid.
+    """
+
+    world: int
+    tokens: int
+    span: tuple[int, int] | None = None
+    whole: Grid | None = None
 
 # the families whose token grid and rotary tables toma follows through diffusers' _cp_plan
 SUPPORTED = ("flux", "flux2", "wan", "qwenimage", "ltx")
@@ -81,7 +110,7 @@ def refusal(family: str | None, cp: Any, config: Any) -> str | None:
 def shard_grid(grid: Grid, world: int) -> Grid | None:
     """The grid of each rank's shard when a ``(t, h, w)`` grid's raster tokens are split into
     ``world`` equal runs, or None where the runs are not whole frames or at least two whole
-    rows (see the module docstring)."""
+    rows (then each is a span; see the module docstring)."""
     t, h, w = grid
     tokens = t * h * w
     if world < 1 or tokens % world:
@@ -130,15 +159,21 @@ def unsplit_tokens(x: torch.Tensor, world: int) -> torch.Tensor:
     return torch.empty((x.shape[0], x.shape[1] * world, *x.shape[2:]), device="meta", dtype=x.dtype)
 
 
-def shard_of(grid: Grid, tokens: int, world: int, read_from_shard: bool) -> Grid | None:
-    """The shard grid of a forward whose grid reader gave ``grid`` while each rank holds
-    ``tokens`` tokens: ``grid`` is the whole grid (Wan, Qwen-Image, LTX read it from the
-    call's sizes) or, where the reader saw the shard's call (``read_from_shard``), may be
-    the shard's already (Flux reads it from the shard's position ids)."""
-    if math.prod(grid) == tokens * world:
-        return shard_grid(grid, world)
-    if read_from_shard and math.prod(grid) == tokens and grid[0] == 1 and grid[1] >= 2:
-        # read from the shard's own ids: a rectangle of two or more rows is a band of whole
-        # rows (a run of raster tokens that is not whole rows has no rectangle of ids)
-        return grid
-    return None
+def shard_index(cp: Any) -> int:
+    """This rank's shard: its rank in the flattened CP mesh, as diffusers' sharder reads it."""
+    import torch.distributed as dist
+
+    return dist.get_rank(cp._flattened_mesh.get_group())
+
+
+def shard_of(grid: Grid, tokens: int, world: int, index: int) -> tuple[Grid, Shard] | None:
+    """The grid of shard ``index`` of the whole ``grid`` (``tokens`` tokens on each of
+    ``world`` ranks), and the :class:`Shard`; None where ``grid`` does not hold ``tokens *
+    world`` tokens. A shard that is no grid of its own is a span of ``grid``, under a
+    ``(1, 1, tokens)`` stand-in."""
+    if math.prod(grid) != tokens * world:
+        return None
+    own = shard_grid(grid, world)
+    if own is not None:
+        return own, Shard(world, tokens)
+    return (1, 1, tokens), Shard(world, tokens, (index * tokens, (index + 1) * tokens), tuple(grid))

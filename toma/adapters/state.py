@@ -31,7 +31,17 @@ import torch
 
 from toma.config import ToMAConfig
 from toma.core.plan import Plan, build_fused_plan, build_plan
-from toma.core.tiling import KernelIndex, LayoutIndex, TileLayout, kernel_index, layout_index, make_layout, to_tiles
+from toma.core.tiling import (
+    KernelIndex,
+    LayoutIndex,
+    TileLayout,
+    kernel_index,
+    layout_index,
+    make_layout,
+    make_span_layout,
+    shard_target,
+    to_tiles,
+)
 from toma.kernels import merges_from_raster, use_triton
 
 
@@ -103,8 +113,9 @@ class ForwardState:
         self.inference = False
         self.plans: dict[Hashable, tuple[int, Plan]] = {}  # key -> (age in steps, plan)
         self.orders: dict[Hashable, TokenOrder] = {}
-        # under context parallelism: (ranks, tokens per rank); grid is then the shard's
-        self.shard: tuple[int, int] | None = None
+        # under context parallelism, this rank's part of the sequence (a
+        # toma.adapters.parallel.Shard); grid is then the shard's
+        self.shard: tuple | None = None
 
     def copy(self) -> "ForwardState":
         """This forward's state as it is now, apart from later forwards' changes."""
@@ -147,8 +158,8 @@ class TileState:
         self._now().layout = value
 
     @property
-    def shard(self) -> tuple[int, int] | None:
-        """``(ranks, tokens per rank)`` under context parallelism, else None (read only)."""
+    def shard(self) -> tuple | None:
+        """This rank's :class:`toma.adapters.parallel.Shard` under context parallelism, else None (read only)."""
         return self._cache.forward.shard
 
     @property
@@ -196,9 +207,9 @@ class PlanCache:
         self.config = config
         self.tile = (tile_frames, *config.tile)
         # the patch's lifetime: built once per grid, ratio and device
-        self._layouts: dict[tuple[tuple[int, ...], float], TileLayout] = {}
-        self._indices: dict[tuple[tuple[int, ...], float, torch.device], LayoutIndex] = {}
-        self._kernel_indices: dict[tuple[tuple[int, ...], float, torch.device], KernelIndex] = {}
+        self._layouts: dict[tuple[Hashable, float], TileLayout] = {}
+        self._indices: dict[tuple[Hashable, float, torch.device], LayoutIndex] = {}
+        self._kernel_indices: dict[tuple[Hashable, float, torch.device], KernelIndex] = {}
         self.run = RunState()
         self.forward = ForwardState()
         # kept out of torch.compile graphs (it reads and writes Python state); wrapped here
@@ -289,10 +300,26 @@ class PlanCache:
         """Tile layout of an ``h x w`` or ``t x h x w`` grid under this cache's tile size and
         ``ratio`` (default: the config's ``ratio``)."""
         ratio = self.config.ratio if ratio is None else ratio
-        if (grid, ratio) not in self._layouts:
-            *t, h, w = grid
-            self._layouts[(grid, ratio)] = make_layout(h, w, self.tile, ratio, t=t[0] if t else 1)
-        return self._layouts[(grid, ratio)]
+        where = self._where(grid)
+        if (where, ratio) not in self._layouts:
+            shard = self.forward.shard
+            if where is not grid:  # a context-parallel shard cut inside a row: its span of the whole grid
+                t, h, w = shard.whole
+                target = shard_target(h, w, self.tile, ratio, shard.world, t=t)
+                self._layouts[(where, ratio)] = make_span_layout(h, w, self.tile, ratio, shard.span, t=t, target=target)
+            else:
+                *t, h, w = grid
+                self._layouts[(where, ratio)] = make_layout(h, w, self.tile, ratio, t=t[0] if t else 1)
+        return self._layouts[(where, ratio)]
+
+    def _where(self, grid: tuple[int, ...]) -> Hashable:
+        """What the layouts of ``grid`` depend on: the grid, and where the forward's grid
+        is a context-parallel span's stand-in (:class:`toma.adapters.parallel.Shard`), the
+        span and the whole grid."""
+        shard = self.forward.shard
+        if shard is not None and shard.span is not None and grid == self.forward.grid:
+            return (grid, shard.span, shard.whole)
+        return grid
 
     @property
     def merging(self) -> bool:
@@ -324,25 +351,26 @@ class PlanCache:
         if ratio == 0 or not self.forward.active or x.shape[1] != math.prod(grid) or not grid[-1]:
             return None
         share = self.config.share_batch_plan
-        key = (group, grid, ratio, 1 if share else x.shape[0], x.dtype, x.device)
+        where = self._where(grid)
+        key = (group, where, ratio, 1 if share else x.shape[0], x.dtype, x.device)
         plans = self.forward.plans
         cached = plans.get(key)
         if cached is not None:
             return cached[1]
         layout = self.layout(*grid, ratio=ratio)
         src = (x[:1] if share else x).detach()  # plans are constants for autograd: nothing saved here
-        index = self._indices.get((grid, ratio, x.device))
+        index = self._indices.get((where, ratio, x.device))
         if index is None:
             # kept for every later call: made as ordinary tensors even under inference_mode,
             # so that a training call after an inference call may save them for backward
             with torch.inference_mode(False):
-                index = self._indices[(grid, ratio, x.device)] = layout_index(layout, x.device)
+                index = self._indices[(where, ratio, x.device)] = layout_index(layout, x.device)
         kernels = None
         if use_triton(x.device):
-            kernels = self._kernel_indices.get((grid, ratio, x.device))
+            kernels = self._kernel_indices.get((where, ratio, x.device))
             if kernels is None:
                 with torch.inference_mode(False):
-                    kernels = self._kernel_indices[(grid, ratio, x.device)] = kernel_index(layout, x.device)
+                    kernels = self._kernel_indices[(where, ratio, x.device)] = kernel_index(layout, x.device)
         if kernels is not None and self.config.selection == "facility":
             plan = build_fused_plan(src, tiled, layout, x.dtype, index, kernels, temperature=self.config.temperature)
         else:

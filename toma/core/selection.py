@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from toma.core.tiling import TileLayout, tile_extents
+from toma.core.tiling import TileLayout, tile_extents, token_mask
 
 SELECTIONS = ("facility", "random", "grid")
 
@@ -135,11 +135,15 @@ def grid_selection(layout: TileLayout, device: torch.device | str | None = None)
         in the unused slots.
     """
     rows = []
+    mask = token_mask(layout).tolist() if layout.span is not None else None
     for t, keep in enumerate(layout.keep):
-        frames, real_rows, real_cols = tile_extents(layout, t)
-        real = [
-            (f * layout.th + r) * layout.tw + c for f in range(frames) for r in range(real_rows) for c in range(real_cols)
-        ]
+        if mask is not None:  # a span layout's tiles: the slots of the span's tokens
+            real = [slot for slot, inside in enumerate(mask[t]) if inside]
+        else:
+            frames, real_rows, real_cols = tile_extents(layout, t)
+            real = [
+                (f * layout.th + r) * layout.tw + c for f in range(frames) for r in range(real_rows) for c in range(real_cols)
+            ]
         picks = [real[((2 * j + 1) * len(real)) // (2 * keep)] for j in range(keep)]
         rows.append(picks + [picks[-1]] * (layout.slots - keep))
     return torch.tensor(rows, dtype=torch.long, device=device)

@@ -9,6 +9,11 @@ keeps destinations in proportion to its real tokens.
 
 Moving between the raster and the tile layout is a view, a pad when needed and one
 permute: no gather or scatter over the sequence.
+
+A layout may cover only a contiguous run of the grid's raster tokens (a context-parallel
+rank's shard, :func:`make_span_layout`): it holds the grid's tiles that the run touches,
+and the slots of those tiles outside the run are masked like padding, wherever the run
+starts and ends (in the middle of a row too). Such a layout always goes through gathers.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ class TileLayout:
         keep: tokens each tile keeps, one entry per tile in row-major tile order
             (tile frames, then tile rows, then tile columns).
         t, tt, gt: frames, tile extent in frames and tiles along time (1 for images).
+        span: the raster tokens ``[start, stop)`` of the grid the layout covers (see
+            :func:`make_span_layout`), or None for all of them.
+        tiles: with ``span``, the grid's tiles (numbers in row-major tile order) that hold
+            tokens of the span, in that order; ``keep`` has one entry per tile here.
     """
 
     h: int
@@ -44,6 +53,8 @@ class TileLayout:
     t: int = 1
     tt: int = 1
     gt: int = 1
+    span: tuple[int, int] | None = None
+    tiles: tuple[int, ...] | None = field(default=None, repr=False)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -52,12 +63,16 @@ class TileLayout:
 
     @property
     def num_tokens(self) -> int:
-        """N, the real tokens in the grid."""
+        """N, the real tokens in the grid (in the span, for a span layout)."""
+        if self.span is not None:
+            return self.span[1] - self.span[0]
         return self.t * self.h * self.w
 
     @property
     def num_tiles(self) -> int:
-        """T, the number of tiles."""
+        """T, the number of tiles (those the span touches, for a span layout)."""
+        if self.tiles is not None:
+            return len(self.tiles)
         return self.gt * self.gh * self.gw
 
     @property
@@ -77,7 +92,10 @@ class TileLayout:
 
     @property
     def padded(self) -> bool:
-        """Whether the tiles overhang the grid."""
+        """Whether the tiles overhang the grid (or, for a span layout, have masked slots:
+        always treated so, since its tiles are no view of the span's tokens)."""
+        if self.span is not None:
+            return True
         return self.gt * self.tt != self.t or self.gh * self.th != self.h or self.gw * self.tw != self.w
 
     @property
@@ -107,6 +125,78 @@ def make_layout(h: int, w: int, tile: tuple[int, ...], ratio: float, t: int = 1)
     return TileLayout(h=h, w=w, th=th, tw=tw, gh=gh, gw=gw, keep=tuple(keep), t=t, tt=tt, gt=gt)
 
 
+def make_span_layout(h: int, w: int, tile: tuple[int, ...], ratio: float, span: tuple[int, int], t: int = 1,
+                     target: int | None = None) -> TileLayout:
+    """The layout of the raster tokens ``span = (start, stop)`` of a ``t x h x w`` grid: the
+    grid's tiles of ``tile`` that hold any of them, the slots outside the span masked.
+
+    A tile with ``p`` tokens in the span keeps ``round(p * (1 - ratio))``, at least one, as
+    in :func:`make_layout`; with ``target``, keeps are then moved one at a time (added from
+    the first tile on, or taken from the last tile back, staying within ``[1, p]``) until
+    they sum to ``target``, so that several spans can keep the same number of tokens.
+    """
+    start, stop = span
+    if not 0 <= start < stop <= t * h * w:
+        raise ValueError(f"span must be a non-empty run of the {t * h * w} tokens of a {t}x{h}x{w} grid; got {span}")
+    whole = make_layout(h, w, tile, ratio, t=t)
+    slots = _grid_slot_tokens(whole)
+    counts = ((slots >= start) & (slots < stop)).sum(1).tolist()
+    tiles = [i for i, c in enumerate(counts) if c]
+    real = [counts[i] for i in tiles]
+    keep = [max(1, min(p, math.floor(p * (1.0 - ratio) + 0.5))) for p in real]
+    if target is not None:
+        if not len(tiles) <= target <= stop - start:
+            raise ValueError(f"target must be between the span's {len(tiles)} tiles and its {stop - start} tokens; got {target}")
+        order = range(len(keep)) if target > sum(keep) else range(len(keep) - 1, -1, -1)
+        while sum(keep) != target:
+            step = 1 if target > sum(keep) else -1
+            for i in order:
+                if sum(keep) == target:
+                    break
+                if 1 <= keep[i] + step <= real[i]:
+                    keep[i] += step
+    return TileLayout(h=h, w=w, th=whole.th, tw=whole.tw, gh=whole.gh, gw=whole.gw, keep=tuple(keep), t=t,
+                      tt=whole.tt, gt=whole.gt, span=(start, stop), tiles=tuple(tiles))
+
+
+def shard_target(h: int, w: int, tile: tuple[int, ...], ratio: float, world: int, t: int = 1) -> int:
+    """The tokens every one of ``world`` equal runs of a ``t x h x w`` grid's raster tokens
+    keeps (the ``target`` of :func:`make_span_layout`): ``floor(K / world)`` for the whole
+    grid's ``K`` (:func:`make_layout`), so that the runs together keep between ``K - world + 1``
+    and ``K`` tokens, moved into the range every run can keep (at least one token per tile
+    it touches, at most its tokens) where the floor falls outside it."""
+    tokens = t * h * w
+    if tokens % world:
+        raise ValueError(f"world must divide the {tokens} tokens of a {t}x{h}x{w} grid; got {world}")
+    n = tokens // world
+    whole = make_layout(h, w, tile, ratio, t=t)
+    touched = max(make_span_layout(h, w, tile, ratio, (r * n, (r + 1) * n), t=t).num_tiles for r in range(world))
+    return min(n, max(touched, whole.num_merged // world))
+
+
+def _grid_slot_tokens(layout: TileLayout) -> torch.Tensor:
+    """``(T, n)`` raster index of every slot's token over the whole grid of ``layout`` (all
+    its tiles), -1 for slots past the grid's edges."""
+    pt, ph, pw = _padded_shape(layout)
+    frames, rows, cols = torch.arange(pt), torch.arange(ph), torch.arange(pw)
+    index = (frames[:, None, None] * layout.h + rows[None, :, None]) * layout.w + cols[None, None, :]
+    inside = (frames < layout.t)[:, None, None] & (rows < layout.h)[None, :, None] & (cols < layout.w)[None, None, :]
+    index = index.masked_fill(~inside, -1)
+    return _grid_to_tiles(index[None, ..., None], layout)[0, :, :, 0]
+
+
+def _span_slots(layout: TileLayout, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A span layout's ``(T, n)`` index of each slot's token within the span, and which
+    slots hold one (the others point at the nearest token of the span)."""
+    start, stop = layout.span
+    slots = _grid_slot_tokens(layout)[list(layout.tiles)]
+    real = (slots >= start) & (slots < stop)
+    # masked slots read a token of the span (never out of range) and are masked out of
+    # selection and merging
+    index = slots.masked_fill(slots < 0, stop - 1).clamp(start, stop - 1) - start
+    return index.to(device), real.to(device)
+
+
 def tile_extents(layout: TileLayout, tile: int) -> tuple[int, int, int]:
     """Real ``(frames, rows, columns)`` of tile number ``tile`` (edge tiles are cut by the grid)."""
     f, rest = divmod(tile, layout.gh * layout.gw)
@@ -122,6 +212,8 @@ def token_mask(layout: TileLayout, device: torch.device | str | None = None) -> 
     """Which tile slots hold real tokens: ``(T, n)`` bool, or None when nothing is padded."""
     if not layout.padded:
         return None
+    if layout.span is not None:
+        return _span_slots(layout, device)[1]
     grid = torch.zeros(*_padded_shape(layout), dtype=torch.bool, device=device)
     grid[: layout.t, : layout.h, : layout.w] = True
     return _grid_to_tiles(grid[None, ..., None], layout)[0, :, :, 0]
@@ -213,6 +305,8 @@ def to_tiles(x: torch.Tensor, layout: TileLayout, gather: torch.Tensor | None = 
     b, n, c = x.shape
     if n != layout.num_tokens:
         raise ValueError(f"expected {layout.num_tokens} tokens for a {layout.t}x{layout.h}x{layout.w} grid, got {n}")
+    if gather is None and layout.span is not None:
+        gather = slot_raster_index(layout, x.device)
     if gather is not None and layout.padded:
         return x.index_select(1, gather).view(b, layout.num_tiles, layout.tile_area, c)
     grid = x.view(b, layout.t, layout.h, layout.w, c)
@@ -270,8 +364,11 @@ def slot_raster_index(layout: TileLayout, device: torch.device | str | None = No
 
     Without padding this is the permutation :func:`tile_order` applies; padded slots
     point at the nearest real token (their rows and columns are clamped), so that
-    indexing with it never goes out of range.
+    indexing with it never goes out of range. For a span layout, indices are into the
+    span's tokens.
     """
+    if layout.span is not None:
+        return _span_slots(layout, device)[0].flatten()
     pt, ph, pw = _padded_shape(layout)
     frames = torch.arange(pt, device=device).clamp_max(layout.t - 1)
     rows = torch.arange(ph, device=device).clamp_max(layout.h - 1)
@@ -284,6 +381,8 @@ def from_tiles(t: torch.Tensor, layout: TileLayout, scatter: torch.Tensor | None
     """Tiles ``(B, T, n, C)`` back to raster tokens ``(B, N, C)``, dropping padded slots
     (with a padded layout's ``scatter`` index, in one gather instead of two copies)."""
     b, c = t.shape[0], t.shape[-1]
+    if scatter is None and layout.span is not None:
+        scatter = layout_index(layout, t.device).scatter_index
     if scatter is not None and layout.padded:
         return t.flatten(1, 2).index_select(1, scatter)
     lay = layout
@@ -303,7 +402,7 @@ def _grid_to_tiles(grid: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     b, c = grid.shape[0], grid.shape[-1]
     lay = layout
     t = grid.reshape(b, lay.gt, lay.tt, lay.gh, lay.th, lay.gw, lay.tw, c).permute(0, 1, 3, 5, 2, 4, 6, 7)
-    return t.reshape(b, lay.num_tiles, lay.tile_area, c)
+    return t.reshape(b, lay.gt * lay.gh * lay.gw, lay.tile_area, c)  # every tile of the grid, a span layout's too
 
 
 @dataclass(frozen=True)
