@@ -305,6 +305,56 @@ def cogvideox_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, pat
     }
 
 
+def make_animatediff_unet(seed: int = 0):
+    """AnimateDiff-like (``UNetMotionModel``): an SD-1.5-like UNet whose levels each add
+    motion modules, temporal attention over the frames of every latent pixel."""
+    from diffusers import UNetMotionModel
+
+    torch.manual_seed(seed)
+    return UNetMotionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlockMotion", "DownBlockMotion"), up_block_types=("UpBlockMotion", "CrossAttnUpBlockMotion"),
+        norm_num_groups=8, cross_attention_dim=CROSS_DIM, num_attention_heads=2, motion_num_attention_heads=2,
+        motion_max_seq_length=32, use_motion_mid_block=False,
+    ).eval()
+
+
+def animatediff_inputs(batch: int, frames: int, h: int, w: int, seed: int = 1) -> dict:
+    """Latents ``(B, 4, frames, h, w)``; the text once per frame, as AnimateDiff's pipelines pass it."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "sample": torch.randn(batch, 4, frames, h, w, generator=g),
+        "timestep": torch.tensor(500),
+        "encoder_hidden_states": torch.randn(batch, 7, CROSS_DIM, generator=g).repeat_interleave(frames, dim=0),
+    }
+
+
+def make_svd_unet(seed: int = 0):
+    """Stable Video Diffusion-like (``UNetSpatioTemporalConditionModel``): spatial
+    transformer blocks, each followed by a temporal one over the frames."""
+    from diffusers import UNetSpatioTemporalConditionModel
+
+    torch.manual_seed(seed)
+    return UNetSpatioTemporalConditionModel(
+        sample_size=16, in_channels=8, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"), addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=24, cross_attention_dim=CROSS_DIM, transformer_layers_per_block=1,
+        num_attention_heads=(2, 4), num_frames=3,
+    ).eval()
+
+
+def svd_inputs(batch: int, frames: int, h: int, w: int, seed: int = 1) -> dict:
+    """Latents ``(B, frames, 8, h, w)`` (noise and the conditioning image's), one image embedding, 3 added time ids."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "sample": torch.randn(batch, frames, 8, h, w, generator=g),
+        "timestep": torch.tensor(500.0),
+        "encoder_hidden_states": torch.randn(batch, 1, CROSS_DIM, generator=g),
+        "added_time_ids": torch.randn(batch, 3, generator=g),
+    }
+
+
 def kontext_inputs(batch: int, h: int, w: int, rh: int, rw: int) -> dict:
     """Flux Kontext's call: an ``h x w`` image's tokens, then a reference image's ``rh x rw``
     (ids with a first column of 1)."""

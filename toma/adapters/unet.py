@@ -39,6 +39,15 @@ def _is_transformer_block(module: torch.nn.Module) -> bool:
     return any(cls.__name__ == "BasicTransformerBlock" for cls in type(module).__mro__)
 
 
+# transformers whose blocks attend over the frames of each pixel (AnimateDiff's motion
+# modules, ModelScope's temporal attentions), with BasicTransformerBlocks inside
+_TEMPORAL = ("AnimateDiffTransformer3D", "TransformerTemporalModel")
+
+
+def _is_temporal(module: torch.nn.Module) -> bool:
+    return any(cls.__name__ in _TEMPORAL for cls in type(module).__mro__)
+
+
 def matches(model: torch.nn.Module) -> bool:
     """Whether the model is a UNet with ``down_blocks``/``up_blocks`` and transformer blocks."""
     return hasattr(model, "down_blocks") and hasattr(model, "up_blocks") and any(map(_is_transformer_block, model.modules()))
@@ -57,8 +66,12 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
     levels = len(model.down_blocks)
     blocks: list[tuple[str, torch.nn.Module, int]] = []
     skipped: list[Skipped] = []
+    temporal = [f"{name}." for name, module in model.named_modules() if _is_temporal(module)]
     for name, module in model.named_modules():
         if not _is_transformer_block(module):
+            continue
+        if any(name.startswith(prefix) for prefix in temporal):
+            skipped.append(Skipped(name, "temporal attention: over the frames of each latent pixel, not the image grid"))
             continue
         found = _LEVEL.match(name)
         if found is None:
