@@ -333,14 +333,16 @@ def rotary_calls(fam, model, kw, patch) -> dict[str, list]:
     return calls
 
 
+@pytest.mark.parametrize("layout", ["tiled", "padded"])
 @pytest.mark.parametrize("name", NAMES)
-def test_rotary_rows_are_the_destinations(name):
+def test_rotary_rows_are_the_destinations(name, layout):
     # a merged token takes the position of its destination: the image rows of the tables a
     # merged attention receives are the unmerged tables' rows at the plan's destination
     # tokens (raster index), in the order of the merged tokens; the text's and conditioning
-    # tokens' rows pass whole, before them. Batch 2, each sample with its own plan
+    # tokens' rows pass whole, before them. Batch 2, each sample with its own plan; tokens
+    # in tile order (the tables reordered with them) or, on a grid the tiles pad, in raster order
     fam = FAMILIES[name]
-    model, kw = fam.make(), fam.inputs(2)
+    model, kw = fam.make(), (fam.divided_inputs if layout == "tiled" else fam.odd)(2)
     patch = toma.apply_toma(model, ratio=0.5, **fam.options)
     sites = {t.name: t.site for t in patch.patched if t.site is not None and t.site.rotary is not None}
     if not sites:  # positions from convolutions (UNets) or added to the tokens before the blocks (SD3, PixArt)
@@ -350,12 +352,14 @@ def test_rotary_rows_are_the_destinations(name):
     toma.remove_toma(model)
     patch = toma.apply_toma(model, ratio=0.5, **fam.options)
     merged = rotary_calls(fam, model, kw, patch)
-    n = math.prod(fam.grid)
+    grid = patch.cache.base_grid
+    assert patch.cache.layout(*grid).padded == (layout == "padded")
+    n = math.prod(grid)
     tokens = kw["hidden_states"]
     extra = tokens.shape[1] - n if tokens.ndim == 3 else 0  # conditioning tokens after the image's
     for target, site in sites.items():
         rotary = site.rotary
-        [plan] = [p for key, (_, p) in patch.cache._plans.items() if key[0] == plan_group(site, fam.grid)]
+        [plan] = [p for key, (_, p) in patch.cache._plans.items() if key[0] == plan_group(site, grid)]
         dest = plan.dest_tokens
         assert dest.shape[0] == 2 and not torch.equal(dest[0], dest[1])
         [(args, kwargs)] = full[target]  # one unmerged call
