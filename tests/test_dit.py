@@ -142,30 +142,6 @@ def test_wan_proportional_attention_is_exact_on_duplicate_tokens():
     assert (plain - ref).abs().max() > 1e-3  # without the bias the 5-fold token is under-weighted
 
 
-def test_rotary_follows_the_merged_tokens():
-    # the rotary rows handed to a merged self-attention are those of its destinations
-    model = make_wan(layers=1)
-    kw = wan_inputs(2, 4, 8, 16)  # 4 x 4 x 8 tokens: 4 tiles, in tile order through the blocks
-    patch = toma.apply_toma(model, ratio=0.5, blocks={"blocks": [0]})
-    attn = model.blocks[0].attn1
-    seen = []
-    original = attn.processor
-
-    def recording(attn_, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None, **kw_):
-        seen.append(rotary_emb)
-        return original(attn_, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kw_)
-
-    attn.processor = recording
-    run(model, **kw)
-    attn.processor = original
-    [plan] = [p for _, p in patch.cache._plans.values()]
-    toma.remove_toma(model)  # the rotary module's own output again: raster order
-    full_cos = model.rope(kw["hidden_states"])[0][0]  # (N, 1, D)
-    cos = seen[0][0]
-    assert cos.shape == (2, plan.num_merged, 1, full_cos.shape[-1])
-    assert torch.equal(cos, full_cos[plan.dest_tokens])
-
-
 def test_unknown_stack_and_index_are_clear_errors():
     model = make_wan()
     with pytest.raises(ValueError, match="does not have; its block stacks are \\['blocks'\\]"):
@@ -229,30 +205,6 @@ def test_cross_attention_queries_merge_under_a_text_mask(family):
     kept = patch.cache.layout(*((4, 8, 8) if family == "ltx" else (1, 8, 8))).num_merged
     assert queries == [kept] * 3 and keys == [5] * 3
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
-
-
-def test_ltx_rotary_per_sample_follows_the_merged_tokens():
-    model = make_ltx(layers=1)
-    kw = ltx_inputs(2, 2, 4, 8)
-    patch = toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": [0]})
-    seen = []
-    attn = model.transformer_blocks[0].attn1
-    original = attn.processor
-
-    def recording(attn_, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        seen.append(image_rotary_emb)
-        return original(attn_, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-
-    attn.processor = recording
-    run(model, **kw)
-    attn.processor = original
-    [plan] = [p for _, p in patch.cache._plans.values()]
-    toma.remove_toma(model)  # the rotary module's own output again: raster order
-    full_cos = model.rope(kw["hidden_states"], 2, 4, 8)[0]  # (B, N, C)
-    cos = seen[0][0]
-    assert cos.shape == (2, plan.num_merged, full_cos.shape[-1])
-    for b in range(2):
-        assert torch.equal(cos[b], full_cos[b][plan.dest_tokens[b]])
 
 
 def test_known_unsupported_families_are_refused_with_why():

@@ -283,60 +283,6 @@ def test_grids_the_tiles_do_not_divide_and_non_square(family, h, w):
     assert kept < h * w and {n for _, n in image} <= {kept, 5 + kept}
 
 
-class _Recording:
-    """An attention processor that records the rotary tables each call gets."""
-
-    def __init__(self, original, seen: list) -> None:
-        self.original = original
-        self.seen = seen
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None, attention_mask=None, image_rotary_emb=None):
-        self.seen.append(image_rotary_emb)
-        if encoder_hidden_states_mask is None:
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        return self.original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask, image_rotary_emb)
-
-
-def test_qwen_rotary_rows_are_the_destinations_positions():
-    model = make_qwen(layers=1)
-    kw = qwen_inputs(2, 8, 8)  # 4 tiles, in tile order through the blocks
-    patch = toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": [0]})
-    seen: list = []
-    attn = model.transformer_blocks[0].attn
-    original = attn.processor
-    attn.processor = _Recording(original, seen)
-    run(model, **kw)
-    attn.processor = original
-    [(_, plan)] = list(patch.cache._plans.values())
-    toma.remove_toma(model)
-    image, text = model.pos_embed(kw["img_shapes"], max_txt_seq_len=5, device=torch.device("cpu"))  # raster order
-    assert len(seen) == 2  # one call per sample
-    for b, (image_b, text_b) in enumerate(seen):
-        assert image_b.shape == (plan.num_merged, image.shape[-1]) and image_b.is_complex()
-        assert torch.equal(image_b, image[plan.dest_tokens[b]])
-        assert torch.equal(text_b, text)
-
-
-def test_flux2_rotary_rows_are_the_destinations_positions():
-    model = make_flux2(double=1, single=1)
-    kw = flux2_inputs(2, 8, 8, text=5)
-    patch = toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": [0], "single_transformer_blocks": [0]})
-    seen: list = []
-    processors = [model.transformer_blocks[0].attn, model.single_transformer_blocks[0].attn]
-    originals = [a.processor for a in processors]
-    processors[0].processor = lambda attn, h, e=None, attention_mask=None, image_rotary_emb=None: seen.append(image_rotary_emb) or originals[0](attn, h, e, attention_mask, image_rotary_emb)
-    processors[1].processor = lambda attn, h, attention_mask=None, image_rotary_emb=None: seen.append(image_rotary_emb) or originals[1](attn, h, attention_mask, image_rotary_emb)
-    run(model, **kw)
-    [(_, plan)] = list(patch.cache._plans.values())
-    toma.remove_toma(model)
-    cos = torch.cat([model.pos_embed(kw["txt_ids"][0])[0], model.pos_embed(kw["img_ids"][0])[0]])  # raster order
-    assert len(seen) == 4  # double and single block, one call per sample each
-    for i, (cos_b, sin_b) in enumerate(seen):
-        b = i % 2
-        assert cos_b.shape == (5 + plan.num_merged, cos.shape[-1])
-        assert torch.equal(cos_b, torch.cat([cos[:5], cos[5:][plan.dest_tokens[b]]]))
-
-
 def test_qwen_text_mask_applies_to_merged_attention():
     # masked text tokens are hidden from merged image tokens: changing them changes nothing
     model = make_qwen()
