@@ -11,11 +11,13 @@
 #
 #   benchmarks/gpu.sh                          # results in bench-results/gpu/*.json|png
 #   RESULTS=/tmp/gpu REPEATS=20 benchmarks/gpu.sh
-#   ONLY=doctor,sdxl,flux,sd35,wan             # the default selection
+#   ONLY=doctor,sdxl,flux,sd35,wan,cp          # the default selection
 #   ONLY=sdxl-mlp benchmarks/gpu.sh            # SDXL with the MLPs merged too (~1 minute)
 #   ONLY=flux-prop benchmarks/gpu.sh           # Flux with proportional attention (~1.5 minutes)
 #   ONLY=kernels benchmarks/gpu.sh             # ToMA's Triton kernels against its torch path (~4 minutes)
 #   ONLY=kontext benchmarks/gpu.sh             # Flux.1 Kontext, one reference image (~1 minute)
+#   ONLY=cp benchmarks/gpu.sh                  # context parallelism over 2 GPUs (also in the default
+#                                              # selection; skipped with fewer than 2 GPUs)
 #   COMPILE=1 benchmarks/gpu.sh                # also SDXL under torch.compile (a few minutes more)
 #   EXTRAS=1 benchmarks/gpu.sh                 # also the hot-path micro-timings, the SDXL
 #                                              # tile-order A/B and SDXL graph replays without
@@ -68,6 +70,27 @@ if want wan; then
   bench --arch wan --methods none,toma,ideal --device cuda --dtype bfloat16 --resolution 480 --frames 81 \
     --ratios 0.5 --steps 1 --repeats "${WAN_REPEATS:-5}" --warmup 1 --out "$RESULTS" --no-progress \
     --name wan_480p_81f_gpu "$@"
+fi
+if want cp; then
+  # ToMA under diffusers' context parallelism, one rank per GPU (NCCL): the bytes each rank
+  # hands the collectives per forward, unmerged and merged, and forward times, for a
+  # Wan-shaped model with random weights on 21x30x30 = 18,900 video tokens and a Flux-shaped
+  # one on 60x60 image tokens.
+  # Ulysses on the native backend; ring needs a backend that returns the log-sum-exp.
+  gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+  if (( gpus >= 2 )); then
+    mkdir -p "$RESULTS"
+    for world in 2 4; do
+      (( gpus >= world )) || continue
+      "$PY" -m torch.distributed.run --standalone --nproc_per_node="$world" benchmarks/cp_comm.py --device cuda \
+        --modes ulysses --frames 21 --side 30 --heads 8 --time "$REPEATS" --out "$RESULTS/cp_comm_ulysses_${world}gpu.json"
+      "$PY" -m torch.distributed.run --standalone --nproc_per_node="$world" benchmarks/cp_comm.py --device cuda \
+        --modes ring --backend _native_cudnn --frames 21 --side 30 --heads 8 --time "$REPEATS" \
+        --out "$RESULTS/cp_comm_ring_${world}gpu.json" || echo "cp: ring attention did not run (its backend needs cuDNN attention)"
+    done
+  else
+    echo "cp: skipped, context parallelism needs at least 2 GPUs (this machine has $gpus)"
+  fi
 fi
 if opted kernels; then
   # the Triton kernels (one launch per plan; merges straight from raster order) against the
