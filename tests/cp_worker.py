@@ -59,6 +59,7 @@ from tiny_models import (  # noqa: E402
 
 import toma  # noqa: E402
 
+LAST: dict[str, torch.Tensor] = {}  # the last compare's CP + ToMA output
 CASE_SECONDS = 20  # one case's limit; a hang in a collective ends there, not at the spawn's
 CALLS: list[tuple[int, int, bool]] = []  # (local queries, local keys, under CP) per attention call
 
@@ -193,6 +194,7 @@ def compare(family: str, mode: str, world: int, order: str = "cp_first", kw: dic
         kept = patch.cache.layout(*grid).num_merged if grid[-1] else None  # the shard's merged length
         toma.remove_toma(model)
         removed = _sample(model, kw)
+    LAST["out"] = out
     return {
         "gap_to_single": _gap(out, ref),
         "gap_to_unmerged_cp": _gap(out, unmerged),
@@ -228,6 +230,31 @@ def refused(family: str, mode: str, world: int, order: str, cp_extra: dict | Non
     return {"raised": None}
 
 
+def on_triton(case: Callable[[], dict]) -> dict:
+    """``case`` with toma's Triton kernels (in the interpreter): its record, how far its
+    output is from the torch path's, and the kernels it launched with their tensors' devices."""
+    from toma.kernels import LAUNCH_OBSERVERS
+
+    launches: list[tuple[str, list[str]]] = []
+
+    def observe(name, kernel, args, constexprs):
+        launches.append((name, sorted({str(a.device) for a in args if isinstance(a, torch.Tensor)})))
+
+    case()
+    torch_path = LAST["out"]
+    LAUNCH_OBSERVERS.append(observe)
+    os.environ["TOMA_KERNELS"] = "triton"
+    try:
+        record = case()
+    finally:
+        del os.environ["TOMA_KERNELS"]
+        LAUNCH_OBSERVERS.remove(observe)
+    record["gap_to_torch_path"] = _gap(LAST["out"], torch_path)
+    record["kernels"] = sorted({name for name, _ in launches})
+    record["kernel_devices"] = sorted({d for _, devices in launches for d in devices})
+    return record
+
+
 def table(world: int) -> dict[str, Callable[[], dict]]:
     """The cases of world size ``world``, by name."""
     cases: dict[str, Callable[[], dict]] = {}
@@ -258,6 +285,10 @@ def table(world: int) -> dict[str, Callable[[], dict]]:
             refused, "wan", mode, world, "cp_first", proportional_attention=True)
         cases[f"proportional/wan/{mode}/toma_first"] = functools.partial(
             refused, "wan", mode, world, "toma_first", proportional_attention=True)
+    if world == 2:  # the Triton path, on a shard that is a grid and on a span
+        cases["triton/wan/ulysses/aligned"] = functools.partial(on_triton, functools.partial(compare, "wan", "ulysses", world))
+        cases["triton/wan/ring/midrow"] = functools.partial(
+            on_triton, functools.partial(compare, "wan", "ring", world, kw=inputs("wan", world, rows=9, frames=1)))
     uneven = ("ulysses", {"ulysses_anything": True}) if world == 2 else ("ring", {"ring_anything": True})
     cases["anything/wan/cp_first"] = functools.partial(refused, "wan", uneven[0], world, "cp_first", cp_extra=uneven[1])
     return cases

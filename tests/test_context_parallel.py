@@ -194,6 +194,21 @@ def test_uneven_shard_modes_are_refused(runs, world):
         assert r["raised"] == "apply_toma" and "context parallelism" in r["error"] and "_anything" in r["error"]
 
 
+@pytest.mark.parametrize("case", ["triton/wan/ulysses/aligned", "triton/wan/ring/midrow"])
+def test_triton_path_under_cp(runs, case):
+    # the kernels (Triton's interpreter) on each rank's shard, a grid and a span; on CPU
+    # every rank's device is "cpu", so this shows the path runs, not which GPU it picks
+    recs = records(runs, 2, case)
+    for r in recs:
+        assert r["kernels"] == ["merge", "plan", "unmerge"] and r["kernel_devices"] == ["cpu"]
+        # the kernels compute the torch path's maths in another order: fp32 rounding
+        assert r["gap_to_torch_path"] <= REORDERING
+        assert r["gap_to_unmerged_cp"] > 1e-3 and r["removed_equals_unmerged_cp"]
+    check_lengths("wan", recs)
+    if case.endswith("aligned"):
+        assert all(r["gap_to_single"] <= REORDERING for r in recs)
+
+
 # ---- the rules, in this process ----
 
 def _runs_of(grid: tuple[int, int, int], world: int) -> list[list[tuple[int, int, int]]]:
