@@ -35,10 +35,11 @@ def test_applying_to_one_family_imports_only_its_adapter():
     )
     adapters = {m for m in mods if m.startswith("toma.adapters.")}
     # the engine (its spec types, merge hooks, MLP-chunking, checkpoint-replay and
-    # context-parallel parts) and SD3's spec; no other family's
-    assert adapters == {"toma.adapters.base", "toma.adapters.engine", "toma.adapters.spec", "toma.adapters.merging",
-                        "toma.adapters.state", "toma.adapters.chunking", "toma.adapters.replay", "toma.adapters.sd3",
-                        "toma.adapters.parallel"}
+    # context-parallel parts), the guard of the model's hook (caches) and SD3's spec; no
+    # other family's
+    assert adapters == {"toma.adapters.base", "toma.adapters.caches", "toma.adapters.engine", "toma.adapters.spec",
+                        "toma.adapters.merging", "toma.adapters.state", "toma.adapters.chunking", "toma.adapters.replay",
+                        "toma.adapters.sd3", "toma.adapters.parallel"}
 
 
 def loaded_by_cli(*argv: str) -> tuple[int, set[str]]:

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from toma.adapters import FAMILIES, adapter_for, check_placement, unsupported_reason
-from toma.adapters.base import HOOK_NAMES, Patched, Skipped, remove_hook
+from toma.adapters.base import HOOK_NAME, HOOK_NAMES, Patched, Skipped, remove_hook
+from toma.adapters.caches import guard as guard_forward, unlink
 from toma.adapters.parallel import cp_config, refusal
 from toma.config import ToMAConfig, make_config
 from toma.adapters.state import PlanCache
@@ -40,6 +41,7 @@ class ToMAPatch:
     _hooked: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _adapter: Any = field(default=None, repr=False)
     _scheduler: Any = field(default=None, repr=False)
+    _guard: Any = field(default=None, repr=False)
 
     def new_run(self) -> None:
         """Start a new denoising run at the next forward (see :meth:`PlanCache.new_run`).
@@ -132,6 +134,7 @@ def apply_toma(
     model.__dict__["__deepcopy__"] = functools.partial(_deepcopy_patched, model)
     try:
         patch._hooked = adapter.attach(model, targets, patch.cache)
+        patch._guard = guard_forward(model)  # toma's model hook, through a later forward replacement
         if model is not pipe_or_model:
             _watch_run_start(pipe_or_model, patch)
     except BaseException:
@@ -176,9 +179,16 @@ def denoiser_of(pipe_or_model: Any) -> torch.nn.Module:
 
 def _detach(model: torch.nn.Module, patch: ToMAPatch, everything: bool) -> None:
     modules = [m for _, m in model.named_modules()] if everything else [model, *patch._hooked]
+    if patch._guard is not None:
+        patch._guard.remove()
+        patch._guard = None
+    registry = getattr(model, "_diffusers_hook", None)
+    own = registry.get_hook(HOOK_NAME) if registry is not None else None
     for module in modules:
         for name in HOOK_NAMES:
             remove_hook(module, name)
+    if getattr(own, "fn_ref", None) is not None:
+        unlink(model, own.fn_ref)
     patch._adapter.detach(patch.patched)
     patch.cache.reset()
     _unwatch_run_start(patch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,13 +145,47 @@ def remove_hook(module: torch.nn.Module, name: str) -> bool:
     registry = getattr(module, "_diffusers_hook", None)
     if registry is None or registry.get_hook(name) is None:
         return False
+    ref = registry.get_hook(name).fn_ref
+    current = module.__dict__.get("forward")
+    # a forward assigned after the registry's last (cache-dit's), which removing the
+    # outermost hook would overwrite with the forward the registry once wrapped
+    refs = getattr(registry, "_fn_refs", None)
+    foreign = isinstance(refs, list) and current is not None and registry_ref(current) not in refs
     _remove_keeping_later_hooks(registry, name)
+    if foreign:
+        module.forward = current
+    if ref is not None:  # a foreign forward may still call it: it passes through from now on
+        ref.pre_forward, ref.post_forward = _pass_args, _pass_output
     if not registry.hooks:
         forward = module.__dict__.get("forward")
         if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward:
             del module.forward
         del module._diffusers_hook
     return True
+
+
+def registry_ref(forward: Any) -> Any:
+    """The diffusers ``HookFunctionReference`` of a forward a ``HookRegistry`` installed, or None.
+
+    The registry installs ``partial(new_forward, module)``, ``new_forward`` a closure over the
+    hook's function reference.
+    """
+    func = getattr(forward, "func", None)
+    if not isinstance(forward, functools.partial) or not getattr(func, "__qualname__", "").startswith("HookRegistry."):
+        return None
+    for cell in func.__closure__ or ():
+        contents = cell.cell_contents
+        if type(contents).__name__ == "HookFunctionReference":
+            return contents
+    return None
+
+
+def _pass_args(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    return args, kwargs
+
+
+def _pass_output(module: torch.nn.Module, output: Any) -> Any:
+    return output
 
 
 def _remove_keeping_later_hooks(registry: Any, name: str) -> None:
