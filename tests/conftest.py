@@ -61,6 +61,25 @@ def flux() -> FluxTransformer2DModel:
 
 
 @pytest.fixture
+def tile_orders(monkeypatch) -> list:
+    """The shapes of the tensors put in tile order while the test runs, by the token
+    orders' reorder points and the engine's rotary row order (real reordering still)."""
+    import toma.adapters.engine as engine
+    import toma.adapters.state as state
+
+    calls: list = []
+    real = state.tile_order
+
+    def counted(x, layout):
+        calls.append(x.shape)
+        return real(x, layout)
+
+    for module in (state, engine):
+        monkeypatch.setattr(module, "tile_order", counted)
+    return calls
+
+
+@pytest.fixture
 def one_thread():
     """One torch thread for the test, then the previous count back.
 

@@ -318,9 +318,10 @@ def test_tile_order_stacks_match_raster_order(sdxl_unet, monkeypatch, options, f
         monkeypatch.setattr(unet_adapter, "image_stack", lambda module: False)
     patch = toma.apply_toma(sdxl_unet, ratio=0.5, levels=2, **options)
     conversions = []
-    name = "image_to_tile_order" if flatten else "tile_order"
-    real = getattr(unet_adapter, name)
-    monkeypatch.setattr(unet_adapter, name, lambda x, lay: conversions.append(x.shape) or real(x, lay))
+    # the flattening is the UNet adapter's; reordering at blocks is the token order's, shared with the engine
+    owner, name = (unet_adapter, "image_to_tile_order") if flatten else (toma.adapters.state, "tile_order")
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda x, lay: conversions.append(x.shape) or real(x, lay))
     tiled = run(sdxl_unet, **kw)
     # one conversion per merged stack of 2 blocks (down, mid, 2 up), not one per block
     stacks = {p.name.rsplit(".transformer_blocks.", 1)[0] for p in patch.patched}
@@ -333,11 +334,10 @@ def test_tile_order_stacks_match_raster_order(sdxl_unet, monkeypatch, options, f
     toma.remove_toma(sdxl_unet)
 
 
-def test_padded_grid_stays_in_raster_order(sd15_unet, monkeypatch):
+def test_padded_grid_stays_in_raster_order(sd15_unet, monkeypatch, tile_orders):
     from toma.adapters import unet as unet_adapter
 
-    calls = []
-    monkeypatch.setattr(unet_adapter, "tile_order", lambda x, lay: calls.append(1))
+    calls = tile_orders
     monkeypatch.setattr(unet_adapter, "image_to_tile_order", lambda x, lay: calls.append(1))
     toma.apply_toma(sd15_unet, ratio=0.5)
     out = run(sd15_unet, **unet_inputs(1, 10, 14, False))  # 10x14 is not a whole number of 4x4 tiles

@@ -12,12 +12,12 @@ without chunking, and the memory the user asked to save stays saved.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from toma.adapters.base import CHUNK_HOOK_NAME, Hook, Patched, register_innermost
-from toma.adapters.merging import MergeHook, hidden_states_of, with_hidden_states
+from toma.adapters.merging import hidden_states_of, with_hidden_states
 
 
 class ChunkState:
@@ -31,7 +31,7 @@ class ChunkState:
 
 class BlockChunkHook(Hook):
     """On a block with feed-forward chunking: switches it off for the block's call and
-    records it for the MLP's :class:`ChunkedMergeHook`; restores it afterwards."""
+    records it for the MLP's :class:`Chunked` call; restores it afterwards."""
 
     def __init__(self, state: ChunkState) -> None:
         self.state = state
@@ -57,25 +57,23 @@ class BlockChunkHook(Hook):
         return output
 
 
-class ChunkedMergeHook(MergeHook):
-    """A merge hook on an MLP whose block may chunk it: runs the MLP over the (merged)
-    tokens in the slices the block asked for."""
+class Chunked:
+    """A call strategy for an MLP whose block may chunk it (see the module docstring): runs
+    the MLP over the (merged) tokens in the slices the block asked for."""
 
-    def __init__(self, *args: Any, chunk: ChunkState, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.chunk = chunk
+    def __init__(self, state: ChunkState) -> None:
+        self.state = state
 
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        forward = self.fn_ref.original_forward
+    def __call__(self, forward: Callable, hook: Any, *args: Any, **kwargs: Any) -> Any:
         x = hidden_states_of(args, kwargs)
-        size = self.chunk.size
+        size = self.state.size
         if size is None or x is None:
             return forward(*args, **kwargs)
         outputs = []
-        for piece in x.split(size, dim=self.chunk.dim):
+        for piece in x.split(size, dim=self.state.dim):
             a, k = with_hidden_states(args, kwargs, piece)
             outputs.append(forward(*a, **k))
-        return torch.cat(outputs, dim=self.chunk.dim)
+        return torch.cat(outputs, dim=self.state.dim)
 
 
 def chunkable_block(model: torch.nn.Module, target: Patched, path: str) -> torch.nn.Module | None:

@@ -36,10 +36,10 @@ from toma.adapters.base import (
     register_innermost,
     step_timestep,
 )
-from toma.adapters.chunking import ChunkedMergeHook, chunkable_block, take_over_chunking
+from toma.adapters.chunking import Chunked, chunkable_block, take_over_chunking
 from toma.adapters.merging import (
     MergeHook,
-    PerSampleMergeHook,
+    PerSample,
     SpanCall,
     SpanClose,
     SpanOpen,
@@ -75,7 +75,7 @@ from toma.adapters.spec import (
 from toma.config import ToMAConfig
 from toma.core.plan import profiled
 from toma.adapters.state import PlanCache
-from toma.core.tiling import TileLayout, raster_order, slot_raster_index, tile_order
+from toma.core.tiling import TileLayout, slot_raster_index, tile_order
 
 # the names family specs take from here
 __all__ = [
@@ -172,21 +172,21 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
     chunkers = []
     for target in targets:
         site = target.site
-        block = chunkable_block(model, target, site.path) if site.part == "mlp" else None
+        bias = site.part == "attn" and bool(cache.config.proportional_attention)
         if site.until is not None:
             span, state = target.module, SpanState()
             hooks += [(span.get_submodule(site.path), SpanOpen(cache, order, site, state)),
-                      (span.get_submodule(site.call), SpanCall(cache, order, site, state)),
+                      (span.get_submodule(site.call), SpanCall(cache, order, site, state, bias=bias)),
                       (span.get_submodule(site.until), SpanClose(state))]
             continue
+        calls = []
+        block = chunkable_block(model, target, site.path) if site.part == "mlp" else None
         if block is not None:
-            hook = ChunkedMergeHook(cache, 1, order, site=site, chunk=take_over_chunking(block))
+            calls.append(Chunked(take_over_chunking(block)))
             chunkers.append(block)
-        elif site.rotary is not None and site.rotary.shared:
-            hook = PerSampleMergeHook(cache, 1, order, site=site)
-        else:
-            hook = MergeHook(cache, 1, order, site=site)
-        hooks.append((target.module, hook))
+        if site.rotary is not None and site.rotary.shared:
+            calls.append(PerSample(site.rotary))
+        hooks.append((target.module, MergeHook(cache, 1, order, site, bias=bias, calls=tuple(calls))))
     blocks = [".".join(target.name.split(".")[:2]) for target in targets]  # "stack.index"
     return register(hooks) + chunkers + attach_replay(model, blocks, cache)
 
@@ -326,12 +326,8 @@ def _positions_to_block_order(
     count = order.enter.numel() if order.extra else order.layout.num_tokens
     if not isinstance(rows, torch.Tensor) or rows.ndim not in (2, 3) or rows.shape[-2] != count:
         return args, kwargs
-    with profiled("toma::merge"):
-        if order.extra:
-            ordered = rows.index_select(-2, order.enter.to(rows.device))
-        else:
-            ordered = tile_order(rows if rows.ndim == 3 else rows[None], order.layout)
-            ordered = ordered if rows.ndim == 3 else ordered[0]
+    ordered = order.convert(rows if rows.ndim == 3 else rows[None], enter=True)
+    ordered = ordered if rows.ndim == 3 else ordered[0]
     names = _parameter_names(type(module))
     index = names.index(name) if name in names else None
     return replace_arg(args, kwargs, name, index, ordered)
@@ -347,28 +343,7 @@ class Reorder(Hook):
         self.on_output = on_output
 
     def _convert(self, x: torch.Tensor) -> torch.Tensor:
-        order = self.order
-        if order.extra:  # conditioning tokens lead in the blocks: one gather each way
-            index = order.enter if self.enter else order.leave
-            if x.ndim != 3 or x.shape[1] != index.numel():
-                return x
-            with profiled("toma::merge" if self.enter else "toma::unmerge"):
-                return x.index_select(1, index)
-        layout = order.layout
-        if layout is None or x.ndim != 3:
-            return x
-        shard = order.shard
-        if shard is not None and x.shape[1] == shard.world * layout.num_tokens:
-            # before diffusers splits the sequence (Qwen-Image's img_in): every shard's run
-            # to its tile order, so that the split hands each rank its shard in tile order
-            with profiled("toma::merge" if self.enter else "toma::unmerge"):
-                runs = x.reshape(x.shape[0] * shard.world, layout.num_tokens, x.shape[2])
-                runs = tile_order(runs, layout) if self.enter else raster_order(runs, layout)
-                return runs.reshape(x.shape)
-        if x.shape[1] != layout.num_tokens:
-            return x
-        with profiled("toma::merge" if self.enter else "toma::unmerge"):  # reordering is part of merging's cost
-            return tile_order(x, layout) if self.enter else raster_order(x, layout)
+        return self.order.convert(x, self.enter)
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         if self.on_output:

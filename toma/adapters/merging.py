@@ -8,31 +8,80 @@ family's own attention processor (hence diffusers' attention dispatch and
 (``Site.until``) merges one sub-module's output and unmerges a later one's, with
 :class:`SpanOpen`, :class:`SpanCall` and :class:`SpanClose`.
 
-Some processors apply one rotary table to the whole batch (``cos[None, :, None, :]`` in
-diffusers' ``apply_rotary_emb``, ``freqs.unsqueeze(1)`` in QwenImage's), so they cannot
-take per-sample tables. A site whose :class:`~toma.adapters.spec.Rotary` says
-``shared=True`` then runs its merged module once per batch sample, each call on that
-sample's hidden states, masks and tables (every tensor argument whose first dimension is
-the batch is sliced), and concatenates the outputs. A plan shared by the batch
-(``share_batch_plan``) needs one call. Per-sample calls multiply the module's kernel
-launches by the batch size, not its FLOPs.
+What one call merged (its plan, the token order it was merged in, the text before the
+image tokens) is a :class:`MergedCall`, made at the merge and used at the unmerge. How the
+merged module is then called is up to the hook's call strategies, which combine:
+
+* :class:`PerSample`: some processors apply one rotary table to the whole batch
+  (``cos[None, :, None, :]`` in diffusers' ``apply_rotary_emb``, ``freqs.unsqueeze(1)`` in
+  QwenImage's), so they cannot take per-sample tables. A site whose
+  :class:`~toma.adapters.spec.Rotary` says ``shared=True`` then runs its merged module once
+  per batch sample, each call on that sample's hidden states, masks and tables (every
+  tensor argument whose first dimension is the batch is sliced), and concatenates the
+  outputs. A plan shared by the batch (``share_batch_plan``) needs one call. Per-sample
+  calls multiply the module's kernel launches by the batch size, not its FLOPs.
+* :class:`~toma.adapters.chunking.Chunked`: an MLP whose block chunks it runs over the
+  merged tokens in the block's slices.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from toma.adapters.base import Hook
-from toma.adapters.spec import Rotary, Site, head_mask
+from toma.adapters.spec import Rotary, Site
 from toma.core.plan import Plan
 from toma.adapters.state import PlanCache, TileState
 
 if TYPE_CHECKING:  # the UNet adapter's; families on the engine do not import it
     from toma.adapters.residual import ResidualSlot
+
+
+class MergedCall:
+    """What one call merged, from its merge to its unmerge: the plan, whether the image
+    tokens were in tile order (the token order's layout when the call began), the text
+    tokens leading them, and the image tokens before merging."""
+
+    __slots__ = ("plan", "tiled", "text", "tokens")
+
+    def __init__(self, plan: Plan, tiled: bool, text: int, tokens: int) -> None:
+        self.plan = plan
+        self.tiled = tiled
+        self.text = text
+        self.tokens = tokens
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        """``[text; image]`` tokens ``(B, text + N, C)`` with the image part merged: ``(B, text + K, C)``."""
+        text = self.text
+        merged = self.plan.merge(x[:, text:] if text else x, self.tiled)
+        return torch.cat([x[:, :text], merged], dim=1) if text else merged
+
+    def unmerge(self, y: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Inverse of :meth:`merge` on an output ``(B, text + K, C)``: ``(B, text + N, C)``;
+        plus ``residual`` (image tokens only, no text), added in the unmerge's kernel."""
+        text = self.text
+        if not text:
+            return self.plan.unmerge(y, self.tiled, residual=residual)
+        return torch.cat([y[:, :text], self.plan.unmerge(y[:, text:], self.tiled)], dim=1)
+
+
+def open_call(cache: PlanCache, order: TileState, site: Site, x: torch.Tensor, grid: tuple[int, ...],
+              ratio: float) -> MergedCall | None:
+    """The merge of a call whose hidden states are ``x`` ``(B, S, C)`` on ``grid``, or None
+    where nothing merges (see :meth:`PlanCache.get`). Text, and conditioning tokens, lead
+    the image tokens and pass whole."""
+    tokens = math.prod(grid)
+    text = x.shape[1] - tokens if site.text_first or order.extra else 0
+    if text < 0:
+        return None
+    tiled = order.layout is not None
+    plan = cache.get(x[:, text:] if text else x, grid, group=plan_group(site, grid), tiled=tiled, ratio=ratio)
+    return None if plan is None else MergedCall(plan, tiled, text, tokens)
 
 
 class MergeHook(Hook):
@@ -41,29 +90,40 @@ class MergeHook(Hook):
     Tokens are in raster order, or in tile order while ``order`` says so. A call with an
     attention mask of its own (laid out over the unmerged sequence) gets it fitted to the
     merged tokens by the site's ``joint_mask``, or runs unmerged where there is none. With a
-    site that takes rotary tables, they are gathered to the merged tokens; under
-    proportional attention the plan's log masses go in as the site's attention mask.
+    site that takes rotary tables, they are gathered to the merged tokens; with ``bias``
+    (proportional attention) the plan's log masses go in as the site's attention mask.
+
+    Args:
+        cache: the model's plan cache.
+        downsample: the call's token grid is the cache's at this downsample (UNet levels).
+        order: the token order of the stretch the sub-module is in.
+        site: what the sub-module is (part, rotary tables, masks).
+        bias: add the plan's log masses to the attention logits (proportional attention).
+        residual: where a block's forward hands over its residual add, to be done with the
+            unmerge (:mod:`toma.adapters.residual`), if it does.
+        calls: how the merged module is called (:class:`PerSample`, :class:`Chunked`), outermost first.
     """
 
-    def __init__(self, cache: PlanCache, downsample: int, order: TileState, site: Site | None = None, bias: bool = False,
-                 part: str = "attn", residual: ResidualSlot | None = None) -> None:
+    def __init__(self, cache: PlanCache, downsample: int, order: TileState, site: Site, *, bias: bool = False,
+                 residual: ResidualSlot | None = None, calls: tuple = ()) -> None:
         self.cache = cache
-        self.residual = residual  # where the block's forward hands over its residual add, if it does
+        self.residual = residual
         self.downsample = downsample
         self.order = order
         self.site = site
-        self.part = site.part if site is not None else part
-        self.ratio = cache.config.ratio_for(self.part)
-        self.bias = bias or (site is not None and site.part == "attn" and bool(cache.config.proportional_attention))
-        self._plan: Plan | None = None
-        self._tiled = False
-        self._text = 0  # text tokens before the image ones in the call's hidden states
+        self.part = site.part
+        self.ratio = cache.config.ratio_for(site.part)
+        self.bias = bias
+        self.calls = tuple(calls)
+        if self.calls:  # diffusers' registry wraps the call only for hooks that have new_forward
+            self.new_forward = self._call_through
+        self.merged: MergedCall | None = None  # this call's, from pre_forward to post_forward
+        self.samples: list | None = None  # per-sample rotary tables of the coming call, if split
         self._warned = False
-        self._samples: list | None = None  # per-sample rotary tables of the coming call, if split
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        self._plan = None
-        self._samples = None
+        self.merged = None
+        self.samples = None
         x = hidden_states_of(args, kwargs)
         grid = self.cache.grid_at(self.downsample)
         if x is None or x.ndim != 3 or grid is None or not grid[-1]:  # (0, 0, 0): this forward merges nothing
@@ -73,51 +133,46 @@ class MergeHook(Hook):
         # to the merged keys (where the family says how) or run unmerged
         site = self.site
         own = None if self.part == "cross" else self._own_mask(args, kwargs)
-        if own is not None and (site is None or site.joint_mask is None):
+        if own is not None and site.joint_mask is None:
             self._warn_once(f"ToMA: {type(module).__name__} got an attention mask over its unmerged tokens, which "
                             "does not fit merged ones; such calls run unmerged")
             return args, kwargs
-        tiled = self.order.layout is not None
-        tokens = math.prod(grid)
-        # text, and conditioning tokens, lead the image tokens and pass whole
-        text = x.shape[1] - tokens if site is not None and (site.text_first or self.order.extra) else 0
-        image = x[:, text:] if text > 0 else x
-        plan = self.cache.get(image, grid, group=plan_group(site, grid), tiled=tiled, ratio=self.ratio)
-        if plan is None:
-            self._warn_if_chunked(module, x.shape[1], tokens)
+        merged = open_call(self.cache, self.order, site, x, grid, self.ratio)
+        if merged is None:
+            self._warn_if_chunked(module, x.shape[1], math.prod(grid))
             return args, kwargs
         if own is not None:
-            own = site.joint_mask(own, tokens, plan.num_merged)
+            own = site.joint_mask(own, merged.tokens, merged.plan.num_merged)
             if own is None:
                 self._warn_once(f"ToMA: {type(module).__name__} got an attention mask it cannot fit to merged tokens; such calls run unmerged")
                 return args, kwargs
             name, index = site.mask or ("attention_mask", None)
             args, kwargs = replace_arg(args, kwargs, name, index, own)
-        self._plan, self._tiled, self._text = plan, tiled, text
-        merged = merge_after_text(x, text, plan, tiled)
-        args, kwargs = with_hidden_states(args, kwargs, merged)
-        if site is None:
-            if self.bias:  # UNet attention processors: (batch * heads, 1, K)
-                kwargs = {**kwargs, "attention_mask": _head_bias(plan, merged.shape[0], module.heads)}
-            return args, kwargs
-        return self._merged_call(module, plan, tiled, tokens, text, args, kwargs)
+        self.merged = merged
+        args, kwargs = with_hidden_states(args, kwargs, merged.merge(x))
+        return self._merged_call(module, merged, args, kwargs)
 
-    def _merged_call(self, module: torch.nn.Module, plan: Plan, tiled: bool, tokens: int, text: int,
-                     args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A call on merged tokens (``text`` leading text tokens, then the merged image
-        tokens of ``tokens`` image tokens) with its rotary tables gathered to the merged
-        tokens and, under proportional attention, the plan's log masses as its mask."""
-        site = self.site
+    def _merged_call(self, module: torch.nn.Module, merged: MergedCall, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A call on merged tokens with its rotary tables gathered to the merged tokens and,
+        under proportional attention, the plan's log masses as its mask."""
+        site, plan = self.site, merged.plan
         if site.rotary is not None:
-            args, kwargs, self._samples = _gather_rotary(site.rotary, plan, tiled, tokens, args, kwargs)
+            args, kwargs, self.samples = _gather_rotary(site.rotary, merged, args, kwargs)
         if self.bias:
             named = kwargs.get(site.text_keys) if site.text_keys else None
-            lead = text + (named.shape[1] if isinstance(named, torch.Tensor) else 0)
-            batch = hidden_states_of(args, kwargs).shape[0]
-            mask = plan.memo(f"mask_{site.path}_{lead}",
-                             lambda: site.mask_layout(_lead_zeros(plan.log_mass, lead), batch, module.heads))
+            lead = merged.text + (named.shape[1] if isinstance(named, torch.Tensor) else 0)
+            batch, heads = hidden_states_of(args, kwargs).shape[0], module.heads
+            mask = plan.memo(f"mask_{site.path}_{lead}_{batch}_{heads}",
+                             lambda: site.mask_layout(_lead_zeros(plan.log_mass, lead), batch, heads))
             args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
         return args, kwargs
+
+    def _call_through(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The module's call through this hook's call strategies (its ``new_forward``)."""
+        forward = self.fn_ref.original_forward
+        for strategy in reversed(self.calls):
+            forward = functools.partial(strategy, forward, self)
+        return forward(*args, **kwargs)
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:
@@ -137,34 +192,35 @@ class MergeHook(Hook):
 
     def _own_mask(self, args: tuple, kwargs: dict) -> Any:
         """The attention mask the model itself passes (over the raster sequence), if any."""
-        name, index = self.site.mask if self.site is not None and self.site.mask else ("attention_mask", None)
+        name, index = self.site.mask or ("attention_mask", None)
         return args[index] if index is not None and len(args) > index else kwargs.get(name)
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        plan, self._plan = self._plan, None
-        if plan is None:
+        merged, self.merged = self.merged, None
+        if merged is None:
             return output
         if isinstance(output, tuple):  # joint attention: (image, text)
-            return (unmerge_after_text(output[0], self._text, plan, self._tiled), *output[1:])
+            return (merged.unmerge(output[0]), *output[1:])
         slot = self.residual
-        if slot is not None and slot.x is not None and not self._text:
-            out = plan.unmerge(output, self._tiled, residual=slot.x)
+        if slot is not None and slot.x is not None and not merged.text:
             slot.fused = True
-            return out
-        return unmerge_after_text(output, self._text, plan, self._tiled)  # [text; image] when text_first
+            return merged.unmerge(output, residual=slot.x)
+        return merged.unmerge(output)  # [text; image] when text_first
 
 
-class PerSampleMergeHook(MergeHook):
-    """A :class:`MergeHook` for sites whose processor takes one rotary table for the whole
-    batch (``Rotary(shared=True)``): when the samples have plans of their own, the merged
-    module runs once per sample, with that sample's table, and the outputs are concatenated."""
+class PerSample:
+    """A call strategy for sites whose processor takes one rotary table for the whole batch
+    (``Rotary(shared=True)``): when the samples have plans of their own, the merged module
+    runs once per sample, with that sample's table, and the outputs are concatenated."""
 
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        forward = self.fn_ref.original_forward
-        samples, self._samples = self._samples, None
+    def __init__(self, rotary: Rotary) -> None:
+        self.rotary = rotary
+
+    def __call__(self, forward: Callable, hook: MergeHook, *args: Any, **kwargs: Any) -> Any:
+        samples, hook.samples = hook.samples, None
         if samples is None:
             return forward(*args, **kwargs)
-        rotary = self.site.rotary
+        rotary = self.rotary
         batch = hidden_states_of(args, kwargs).shape[0]
         outputs = []
         for b, tables in enumerate(samples):
@@ -180,19 +236,6 @@ def plan_group(site: Site | None, grid: tuple[int, int, int]) -> Any:
     return grid if site is None or site.group is None else (site.group, grid)
 
 
-def merge_after_text(x: torch.Tensor, text: int, plan: Plan, tiled: bool) -> torch.Tensor:
-    """``[text; image]`` tokens ``(B, text + N, C)`` with the image part merged: ``(B, text + K, C)``."""
-    merged = plan.merge(x[:, text:] if text else x, tiled)
-    return torch.cat([x[:, :text], merged], dim=1) if text else merged
-
-
-def unmerge_after_text(y: torch.Tensor, text: int, plan: Plan, tiled: bool) -> torch.Tensor:
-    """Inverse of :func:`merge_after_text` on an output ``(B, text + K, C)``: ``(B, text + N, C)``."""
-    if not text:
-        return plan.unmerge(y, tiled)
-    return torch.cat([y[:, :text], plan.unmerge(y[:, text:], tiled)], dim=1)
-
-
 def _lead_zeros(log_mass: torch.Tensor, lead: int) -> torch.Tensor:
     """Log masses ``(Bp, K)`` behind ``lead`` text keys of log mass 0: ``(Bp, lead + K)``."""
     if lead == 0:
@@ -201,13 +244,10 @@ def _lead_zeros(log_mass: torch.Tensor, lead: int) -> torch.Tensor:
 
 
 class SpanState:
-    """The plan of a spanning merge (``Site.until``) between the output it merged and the one it unmerges."""
+    """A spanning merge (``Site.until``) between the output it merged and the one it unmerges."""
 
     def __init__(self) -> None:
-        self.plan: Plan | None = None
-        self.tiled = False
-        self.text = 0  # text tokens before the merged image tokens
-        self.tokens = 0  # image tokens before merging
+        self.merged: MergedCall | None = None
 
 
 class SpanOpen(Hook):
@@ -223,37 +263,33 @@ class SpanOpen(Hook):
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         state = self.state
-        state.plan = None
+        state.merged = None
         x = output[0] if isinstance(output, tuple) else output
         grid = self.cache.grid_at(1)
         if grid is None or x.ndim != 3:
             return output
-        tokens = math.prod(grid)
-        text = x.shape[1] - tokens if self.site.text_first or self.order.extra else 0
-        tiled = self.order.layout is not None
-        plan = None if text < 0 else self.cache.get(x[:, text:], grid, group=plan_group(self.site, grid), tiled=tiled,
-                                                    ratio=self.ratio)
-        if plan is None:
+        merged = state.merged = open_call(self.cache, self.order, self.site, x, grid, self.ratio)
+        if merged is None:
             return output
-        state.plan, state.tiled, state.text, state.tokens = plan, tiled, text, tokens
-        merged = merge_after_text(x, text, plan, tiled)
-        return (merged, *output[1:]) if isinstance(output, tuple) else merged
+        out = merged.merge(x)
+        return (out, *output[1:]) if isinstance(output, tuple) else out
 
 
-class SpanCall(PerSampleMergeHook):
+class SpanCall(MergeHook):
     """On the ``call`` module inside a span: its rotary tables and mask follow the merged
     tokens (once per sample where the processor takes one table for the whole batch)."""
 
-    def __init__(self, cache: PlanCache, order: TileState, site: Site, state: SpanState) -> None:
-        super().__init__(cache, 1, order, site=site)
+    def __init__(self, cache: PlanCache, order: TileState, site: Site, state: SpanState, *, bias: bool = False) -> None:
+        shared = site.rotary is not None and site.rotary.shared
+        super().__init__(cache, 1, order, site, bias=bias, calls=(PerSample(site.rotary),) if shared else ())
         self.state = state
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        self._samples = None
-        state = self.state
-        if state.plan is None:
+        self.samples = None
+        merged = self.state.merged
+        if merged is None:
             return args, kwargs
-        return self._merged_call(module, state.plan, state.tiled, state.tokens, state.text, args, kwargs)
+        return self._merged_call(module, merged, args, kwargs)
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         return output
@@ -266,10 +302,8 @@ class SpanClose(Hook):
         self.state = state
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        plan, self.state.plan = self.state.plan, None
-        if plan is None:
-            return output
-        return unmerge_after_text(output, self.state.text, plan, self.state.tiled)
+        merged, self.state.merged = self.state.merged, None
+        return output if merged is None else merged.unmerge(output)
 
 
 def _batch_slice(value: Any, b: int, batch: int) -> Any:
@@ -287,10 +321,8 @@ def _concat_batch(outputs: list) -> Any:
     return type(first)(None if parts[0] is None else torch.cat(parts) for parts in zip(*outputs))
 
 
-def _gather_rotary(
-    rotary: Rotary, plan: Plan, tiled: bool, tokens: int, args: tuple, kwargs: dict
-) -> tuple[tuple, dict, list | None]:
-    """The call with its rotary tables gathered to the merged tokens (of ``tokens`` image tokens).
+def _gather_rotary(rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict) -> tuple[tuple, dict, list | None]:
+    """The call with its rotary tables gathered to the tokens of ``merged``.
 
     Returns the arguments and, for ``rotary.shared`` when samples have plans of their own,
     each sample's tables (the module must then run once per sample); else None.
@@ -302,6 +334,7 @@ def _gather_rotary(
     single = isinstance(tables, torch.Tensor)
     items = (tables,) if single else tuple(tables)
     wanted = range(len(items)) if rotary.items is None else rotary.items
+    plan, tiled, tokens = merged.plan, merged.tiled, merged.tokens
 
     def pick(b: int | None, dest: torch.Tensor) -> Any:
         gathered = tuple(
@@ -317,9 +350,9 @@ def _gather_rotary(
         return [pick(b, dest) for b in range(dest.shape[0])]
 
     # every block of a forward passes the same tables: gather once per plan
-    merged = plan.memo(f"rotary_{rotary.name}_{tiled}", make)
-    args, kwargs = replace_arg(args, kwargs, rotary.name, rotary.index, merged[0])
-    return args, kwargs, (merged if len(merged) > 1 else None)
+    gathered = plan.memo(f"rotary_{rotary.name}_{tiled}", make)
+    args, kwargs = replace_arg(args, kwargs, rotary.name, rotary.index, gathered[0])
+    return args, kwargs, (gathered if len(gathered) > 1 else None)
 
 
 def _sample_rows(table: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -347,13 +380,3 @@ def with_hidden_states(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tupl
     if args:
         return (x, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": x}
-
-
-def _head_bias(plan: Plan, batch: int, heads: int) -> torch.Tensor:
-    """The plan's log masses as the ``(batch * heads, 1, K)`` mask diffusers' attention
-    processors take as is (a smaller one they repeat over heads in every block).
-
-    Built once per plan: a view when the plan is shared by the batch, else a copy.
-    """
-
-    return plan.memo(f"head_bias_{batch}_{heads}", lambda: head_mask(plan.log_mass, batch, heads))

@@ -25,12 +25,12 @@ dtype or device. The plans themselves, and the maths that builds and applies the
 from __future__ import annotations
 
 import math
-from typing import Hashable
+from typing import Any, Hashable
 
 import torch
 
 from toma.config import ToMAConfig
-from toma.core.plan import Plan, build_fused_plan, build_plan
+from toma.core.plan import Plan, build_fused_plan, build_plan, profiled
 from toma.core.tiling import (
     KernelIndex,
     LayoutIndex,
@@ -39,7 +39,9 @@ from toma.core.tiling import (
     layout_index,
     make_layout,
     make_span_layout,
+    raster_order,
     shard_target,
+    tile_order,
     to_tiles,
 )
 from toma.kernels import merges_from_raster, use_triton
@@ -84,6 +86,35 @@ class TokenOrder:
         self.extra = 0
         self.enter: torch.Tensor | None = None
         self.leave: torch.Tensor | None = None
+
+    def convert(self, x: torch.Tensor, enter: bool, shard: Any = None) -> torch.Tensor:
+        """Tokens ``x`` ``(B, S, C)`` from the model's order into this stretch's (``enter``),
+        or back; ``x`` as is when it is not this stretch's sequence (another length), or
+        while the stretch keeps the model's order. Reordering counts as merging's cost.
+
+        Under context parallelism (``shard``: this rank's
+        :class:`~toma.adapters.parallel.Shard`, with the layout a shard's), a sequence of every rank's tokens (before diffusers splits it,
+        as at Qwen-Image's ``img_in``) has each shard's run put in its own tile order, so
+        that the split hands each rank its shard in tile order.
+        """
+        if self.extra:  # conditioning tokens lead: one gather each way
+            index = self.enter if enter else self.leave
+            if x.ndim != 3 or x.shape[1] != index.numel():
+                return x
+            with profiled("toma::merge" if enter else "toma::unmerge"):
+                return x.index_select(1, index.to(x.device))
+        layout = self.layout
+        if layout is None or x.ndim != 3:
+            return x
+        runs = shard.world if shard is not None and x.shape[1] == shard.world * layout.num_tokens else 1
+        if x.shape[1] != runs * layout.num_tokens:
+            return x
+        with profiled("toma::merge" if enter else "toma::unmerge"):
+            if runs == 1:
+                return tile_order(x, layout) if enter else raster_order(x, layout)
+            each = x.reshape(x.shape[0] * runs, layout.num_tokens, x.shape[2])
+            each = tile_order(each, layout) if enter else raster_order(each, layout)
+            return each.reshape(x.shape)
 
     def copy(self) -> "TokenOrder":
         new = TokenOrder()
@@ -188,6 +219,10 @@ class TileState:
     @leave.setter
     def leave(self, value: torch.Tensor | None) -> None:
         self._now().leave = value
+
+    def convert(self, x: torch.Tensor, enter: bool) -> torch.Tensor:
+        """See :meth:`TokenOrder.convert` (with the current forward's shard)."""
+        return self._now().convert(x, enter, self._cache.forward.shard)
 
 
 class PlanCache:

@@ -22,14 +22,15 @@ from typing import Any
 import torch
 
 from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, register_innermost, step_timestep
-from toma.adapters.chunking import ChunkedMergeHook, chunkable_block, take_over_chunking
+from toma.adapters.chunking import Chunked, chunkable_block, take_over_chunking
 from toma.adapters.engine import MergeHook, TileState, hidden_states_of, with_hidden_states
 from toma.adapters.replay import attach_replay
 from toma.adapters.residual import RESIDUAL_HOOK_NAME, FusedResidualHook, ResidualSlot, fusable
+from toma.adapters.spec import Site, head_mask
 from toma.config import ToMAConfig
 from toma.core.plan import profiled
 from toma.adapters.state import PlanCache
-from toma.core.tiling import TileLayout, image_to_tile_order, raster_order, tile_order, tile_order_to_image
+from toma.core.tiling import TileLayout, image_to_tile_order, tile_order_to_image
 
 _LEVEL = re.compile(r"^(down_blocks|up_blocks)\.(\d+)\.|^(mid_block)\.")
 
@@ -105,8 +106,14 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
     return targets, skipped
 
 
-# the block sub-modules merged, and the ToMAConfig part whose ratio each uses
-_PARTS = {"attn1": "attn", "attn2": "cross", "ff": "mlp"}
+# the block sub-modules merged, as the engine's sites: each names the ToMAConfig part whose
+# ratio it uses, and attention takes proportional attention's log masses as the
+# (batch * heads, 1, K) mask diffusers' classic processors take as is
+SITES = {
+    "attn1": Site("attn1", "attn", mask=("attention_mask", None), mask_layout=head_mask),
+    "attn2": Site("attn2", "cross", mask=("attention_mask", None), mask_layout=head_mask),
+    "ff": Site("ff", "mlp"),
+}
 
 
 def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
@@ -129,18 +136,16 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
         # only self-attention has keys among the merged tokens to weight by their mass
         bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
         block_name, _, sub = target.name.rpartition(".")
-        part = _PARTS[sub]
         if block_name not in fused:
             parent = _fusable_parent(model, block_name, sub, target.module)
             fused[block_name] = None if parent is None else (parent, ResidualSlot())
         slot = None if fused[block_name] is None else fused[block_name][1]
-        block = chunkable_block(model, target, "ff") if part == "mlp" else None
-        if block is None:
-            hook = MergeHook(cache, target.downsample, states[stack], bias=bias, part=part, residual=slot)
-        else:
-            hook = ChunkedMergeHook(cache, target.downsample, states[stack], bias=bias, part=part,
-                                    chunk=take_over_chunking(block), residual=slot)
+        block = chunkable_block(model, target, "ff") if sub == "ff" else None
+        calls = ()
+        if block is not None:
+            calls = (Chunked(take_over_chunking(block)),)
             hooked.append(block)
+        hook = MergeHook(cache, target.downsample, states[stack], SITES[sub], bias=bias, residual=slot, calls=calls)
         register_innermost(target.module, hook, HOOK_NAME)
         hooked.append(target.module)
     # registered last, so innermost: inside the blocks' tile-order and chunking hooks
@@ -225,17 +230,12 @@ class _TileOrderHook(Hook):
         if layout is None or x.shape[1] != layout.num_tokens:
             return args, kwargs
         self.state.layout = layout
-        with profiled("toma::merge"):  # reordering is part of what merging costs
-            return with_hidden_states(args, kwargs, tile_order(x, layout))
+        return with_hidden_states(args, kwargs, self.state.convert(x, enter=True))
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        layout = self.state.layout
-        if not self.last or layout is None:
-            return output
         # The layout stays set until the stack's next call: a checkpointed block recomputed in
         # the backward pass must merge its tokens in the order its forward did.
-        with profiled("toma::unmerge"):
-            return raster_order(output, layout)
+        return self.state.convert(output, enter=False) if self.last else output
 
 
 # Transformer2DModel's methods that flatten its image into tokens and back, and their parameters
