@@ -481,3 +481,19 @@ def test_kontext_inputs_carry_a_reference_that_passes_whole():
         with torch.no_grad():
             out = call_denoiser(arch, model, kw)[0]
         assert seen["q"] == image + image // 2 and out.shape == kw["hidden_states"].shape[:2] + (out.shape[-1],)
+
+
+def test_every_arch_builds_its_spec_class_with_the_stacks_its_depth_keys_count():
+    # the bench reads each family's class and block stacks from its spec, and counts the
+    # stacks' blocks with DEPTH_KEYS in the same order: built at full size on the meta
+    # device (no memory, no init cost), every stack holds what its key says
+    from toma.adapters import FAMILIES, adapter_for
+    from toma.tools.archs import DEPTH_KEYS, STACKS
+
+    assert list(STACKS) == list(DEPTH_KEYS) and set(DEPTH_KEYS) <= set(FAMILIES)
+    for arch in ARCHS.values():
+        model = build_model(arch, device="meta")
+        assert adapter_for(model)[0] == arch.family
+        if arch.family in STACKS:
+            counts = [len(getattr(model, stack)) for stack in STACKS[arch.family]]
+            assert counts == [arch.config[key] for key in DEPTH_KEYS[arch.family]], arch.name

@@ -9,6 +9,7 @@ keyword arguments at a given image resolution.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -273,18 +274,43 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "hunyuanvideo": ("num_layers", "num_single_layers"),
     "cogvideox": ("num_layers",),
 }
-# the block stacks of each transformer family, in the order of DEPTH_KEYS
-STACKS: dict[str, tuple[str, ...]] = {
-    "flux": ("transformer_blocks", "single_transformer_blocks"),
-    "flux2": ("transformer_blocks", "single_transformer_blocks"),
-    "qwenimage": ("transformer_blocks",),
-    "sd3": ("transformer_blocks",),
-    "wan": ("blocks",),
-    "pixart": ("transformer_blocks",),
-    "ltx": ("transformer_blocks",),
-    "hunyuanvideo": ("transformer_blocks", "single_transformer_blocks"),
-    "cogvideox": ("transformer_blocks",),
-}
+
+
+class _Stacks(Mapping):
+    """The block stacks of each transformer family, in call order, which is the order of its
+    DEPTH_KEYS: its spec's (:mod:`toma.adapters`), read at the first look-up of a family, as
+    the spec's import needs torch. The families are DEPTH_KEYS's."""
+
+    def __getitem__(self, family: str) -> tuple[str, ...]:
+        if family not in DEPTH_KEYS:
+            raise KeyError(family)
+        return _spec(family).stacks
+
+    def __contains__(self, family: object) -> bool:
+        return family in DEPTH_KEYS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(DEPTH_KEYS)
+
+    def __len__(self) -> int:
+        return len(DEPTH_KEYS)
+
+
+STACKS: Mapping[str, tuple[str, ...]] = _Stacks()
+
+
+def _spec(family: str) -> Any:
+    """The :class:`~toma.adapters.spec.FamilySpec` of a transformer family."""
+    import importlib
+
+    from toma.adapters import FAMILIES
+
+    return importlib.import_module(FAMILIES[family][0]).SPEC
+
+
+def denoiser_class(family: str) -> str:
+    """The diffusers class name of a family's denoiser: the UNets', or the first its spec names."""
+    return "UNet2DConditionModel" if family == "unet" else _spec(family).classes[0]
 
 
 @dataclass(frozen=True)
@@ -363,19 +389,6 @@ ARCHS: dict[str, Arch] = {
     "tiny-flux2": Arch("tiny-flux2", "flux2", TINY_FLUX2, 64, 8, 32, 0, 8, "tiny FLUX.2-like transformer (tests)"),
 }
 
-_CLASSES = {
-    "unet": "UNet2DConditionModel",
-    "flux": "FluxTransformer2DModel",
-    "sd3": "SD3Transformer2DModel",
-    "wan": "WanTransformer3DModel",
-    "pixart": "PixArtTransformer2DModel",
-    "ltx": "LTXVideoTransformer3DModel",
-    "hunyuanvideo": "HunyuanVideoTransformer3DModel",
-    "cogvideox": "CogVideoXTransformer3DModel",
-    "qwenimage": "QwenImageTransformer2DModel",
-    "flux2": "Flux2Transformer2DModel",
-}
-
 
 def get_arch(name: str) -> Arch:
     """The architecture called ``name``; raises ValueError listing the known ones."""
@@ -425,7 +438,7 @@ def build_model(
 
     dtype = torch.float32 if dtype is None else dtype
 
-    cls = getattr(diffusers, _CLASSES[arch.family])
+    cls = getattr(diffusers, denoiser_class(arch.family))
     if model_path is not None:
         sub = "unet" if arch.family == "unet" else "transformer"
         errors = []
