@@ -39,22 +39,6 @@ FAMILIES = {  # family -> (model maker, inputs(batch, latent height, latent widt
 }
 
 
-def test_sd3_merges_image_tokens_only():
-    model = make_sd3()
-    kw = sd3_inputs(1, 16, 20, text=5)  # 8 x 10 tokens, tiles 4x4 -> (8, 2, 8, 2) ... half kept
-    patch = toma.apply_toma(model, ratio=0.5, **ALL_SD3)
-    image, handles = count_queries(model, (".attn", ".attn2"))
-    text: list[int] = []
-    handles += [b.attn.add_q_proj.register_forward_hook(lambda m, a, o: text.append(a[0].shape[1])) for b in model.transformer_blocks]
-    run(model, **kw)
-    for h in handles:
-        h.remove()
-    kept = patch.cache.layout(1, 8, 10).num_merged
-    assert kept == 40
-    assert image == [kept] * 6  # 4 joint attentions and the 2 image-only ones of blocks 0-1
-    assert text == [5] * 4  # text queries pass whole
-
-
 def test_sd3_default_skips_the_first_blocks():
     model = make_sd3(layers=12, dual=())
     patch = toma.apply_toma(model, ratio=0.5)

@@ -251,23 +251,6 @@ def record_lengths(model, family: str):
 
 
 @pytest.mark.parametrize("family", MMDITS)
-def test_image_tokens_merge_and_text_passes_whole(family):
-    make, inputs, blocks = MMDITS[family]
-    model, kw = make(), inputs(1, 8, 12, text=5)
-    patch = toma.apply_toma(model, ratio=0.5, **blocks)
-    image, text, handles = record_lengths(model, family)
-    run(model, **kw)
-    for h in handles:
-        h.remove()
-    kept = patch.cache.layout(1, 8, 12).num_merged
-    assert kept == 48  # 6 tiles of 4x4, half of each kept
-    doubles = len(model.transformer_blocks)
-    assert image[:doubles] == [(1, kept)] * doubles  # the image stream of joint attention
-    assert image[doubles:] == [(1, 5 + kept)] * (len(image) - doubles)  # Flux.2 single blocks: [text; merged image]
-    assert text == [5] * doubles
-
-
-@pytest.mark.parametrize("family", MMDITS)
 @pytest.mark.parametrize("h,w", [(6, 10), (5, 7), (12, 4)])
 def test_grids_the_tiles_do_not_divide_and_non_square(family, h, w):
     make, inputs, blocks = MMDITS[family]
