@@ -2,9 +2,11 @@
 
 A new family is its spec, one row of that table, and the tests particular to it. Each test
 here states a property of merging that holds whatever the family's layout: exact undo,
-per-sample plans, copies that run their own weights, checkpointed gradients. The
-properties particular to a layout (which tokens reach which attention, rotary rows, text
-masks) stay in the family's own test module.
+per-sample plans, copies that run their own weights, checkpointed gradients, the token
+counts attention sees, whole text, rotary rows that follow the merged tokens, text masks,
+attention backends and graph capture. A row without the feature a test needs (rotary
+tables, a text mask) is skipped with the reason. What no family shares stays in the
+family's own test module.
 """
 
 from __future__ import annotations
