@@ -137,6 +137,24 @@ def inputs(family: str, world: int, rows: int | None = None, cols: int = 8, fram
     raise KeyError(family)
 
 
+def sliced_ids(kw: dict) -> dict:
+    """``kw`` with its image ids a slice of a longer tensor: a shard's ids are then no view
+    of the whole ids alone."""
+    ids = kw["img_ids"]
+    longer = torch.cat([ids, torch.zeros(8, ids.shape[1])])
+    return {**kw, "img_ids": longer[: ids.shape[0]]}
+
+
+def kontext(world: int) -> dict:
+    """Flux Kontext's call: an 8x8 image's tokens, then a 4x4 reference's (ids of first column 1)."""
+    kw = flux_inputs(1, 8, 8, text=4)
+    rows, cols = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+    ref = torch.stack([torch.ones_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    g = torch.Generator().manual_seed(7)
+    return {**kw, "img_ids": torch.cat([kw["img_ids"], ref]),
+            "hidden_states": torch.cat([kw["hidden_states"], torch.randn(1, 16, 16, generator=g)], dim=1)}
+
+
 MODES = {"ulysses": lambda p: {"ulysses_degree": p}, "ring": lambda p: {"ring_degree": p},
          "both": lambda p: {"ulysses_degree": 2, "ring_degree": p // 2}}
 
@@ -271,8 +289,14 @@ def table(world: int) -> dict[str, Callable[[], dict]]:
         # a 9x8 grid: 4.5 rows per rank at P=2, 2.25 at P=4
         cases[f"midrow/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=9))
         cases[f"midrow/wan/{mode}"] = functools.partial(compare, "wan", mode, world, kw=inputs("wan", world, rows=9, frames=1))
-        # shards shorter than a row: Flux cannot tell their grid from their ids alone
+        # shards shorter than a row; the same where the ids are no view of what diffusers
+        # split (a slice of a longer tensor), so that Flux reads its grid from a shard alone
         cases[f"subrow/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=1, cols=4 * world))
+        cases[f"subrow-sliced/flux/{mode}"] = functools.partial(
+            compare, "flux", mode, world, kw=sliced_ids(inputs("flux", world, rows=1, cols=4 * world)))
+        cases[f"midrow-sliced/flux/{mode}"] = functools.partial(
+            compare, "flux", mode, world, kw=sliced_ids(inputs("flux", world, rows=9)))
+        cases[f"kontext/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=kontext(world))
         if world == 2:
             cases[f"unaligned/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=6))
             for family in ("flux2", "qwenimage", "ltx"):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import toma
-from toma.adapters.parallel import refusal, shard_grid
+from toma.adapters.parallel import refusal, shard_grid, unsplit
 from toma.config import ToMAConfig
 from toma.core.plan import build_plan
 from toma.core.tiling import (
@@ -167,10 +167,34 @@ def test_mid_row_shards_merge_to_equal_lengths(runs, world, family, mode):
 
 
 @pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
-def test_flux_shards_within_a_row_run_unmerged_and_say_so(runs, world, mode):
-    for r in records(runs, world, f"subrow/flux/{mode}"):
+def test_flux_reads_the_whole_ids_so_shards_within_a_row_merge(runs, world, mode):
+    recs = records(runs, world, f"subrow/flux/{mode}")  # 4 tokens per rank of a 1 x 4P grid
+    for r in recs:
+        assert r["gap_to_unmerged_cp"] > 1e-3 and r["removed_equals_unmerged_cp"] and r["warnings"] == []
+    check_lengths("flux", recs)
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
+def test_flux_from_a_shard_alone(runs, world, mode):
+    # ids sliced from a longer tensor: each rank reads the grid from its own shard's ids,
+    # which a shard of 2.25 or 4.5 rows can tell and one within a row cannot, alike on every rank
+    recs = records(runs, world, f"midrow-sliced/flux/{mode}")
+    assert recs[0]["shard"][3] == [1, 9, 8]
+    for r in recs:
+        assert r["gap_to_unmerged_cp"] > 1e-3 and r["warnings"] == []
+    check_lengths("flux", recs)
+    for r in records(runs, world, f"subrow-sliced/flux/{mode}"):
         assert r["equals_unmerged_cp"], "a forward that merges nothing must be unmerged CP's, bitwise"
         assert any("context parallelism" in w and "unmerged" in w for w in r["warnings"]), r["warnings"]
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
+def test_kontext_references_under_cp_run_unmerged_on_every_rank(runs, world, mode):
+    # the reference's tokens are split with the image's; every rank reads the whole ids and
+    # sees them, so none merges (one merging alone would break the exchanges' equal lengths)
+    for r in records(runs, world, f"kontext/flux/{mode}"):
+        assert r["equals_unmerged_cp"]
+        assert any("conditioning" in w and "context parallelism" in w for w in r["warnings"]), r["warnings"]
 
 
 @pytest.mark.parametrize("world,mode", [(2, "ring"), (4, "both")])
@@ -336,3 +360,19 @@ def test_a_span_of_whole_tiles_merges_as_its_own_grid():
                         temperature=0.1, index=layout_index(lay)) for lay in (span, own)]
     torch.testing.assert_close(plans[0].merge(x), plans[1].merge(x), rtol=0, atol=1e-6)  # gather vs view: same sums
     assert torch.equal(plans[0].dest_tokens, plans[1].dest_tokens)
+
+
+def test_unsplit_finds_the_whole_tensor_of_a_chunk_view_only():
+    whole = torch.arange(24.0).view(12, 2) + 0
+    for world in (2, 3, 4):
+        for index, shard in enumerate(whole.chunk(world)):
+            assert unsplit(shard, world, index, 0) is whole
+            assert unsplit(shard, world, (index + 1) % world, 0) is None  # another rank's chunk
+    grid = torch.arange(48.0).view(4, 4, 3)  # Flux's CPU ids: a reshape (a view) of their grid
+    ids = grid.reshape(16, 3)
+    for index, shard in enumerate(ids.chunk(2)):
+        assert torch.equal(unsplit(shard, 2, index, 0), ids)
+    expanded = whole[None].expand(3, -1, -1)  # FLUX.2's (B, N, 4) ids, a view of (N, 4)
+    assert unsplit(expanded.chunk(2, dim=1)[1], 2, 1, 1) is whole
+    assert unsplit(whole.chunk(2)[0].clone(), 2, 0, 0) is None  # a copy
+    assert unsplit(torch.cat([whole, whole])[:12].chunk(2)[0], 2, 0, 0) is None  # a slice of a longer tensor

@@ -25,7 +25,7 @@ import torch
 
 from toma.adapters.base import Patched, Skipped
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
-from toma.adapters.parallel import cp_config
+from toma.adapters.parallel import cp_config, shard_index, unsplit, world_size
 from toma.config import ToMAConfig
 
 DEFAULT_SKIP = 5  # the authors leave the first 5 double and 5 single blocks unmerged
@@ -89,25 +89,37 @@ class IdsGrid:
             return "joint_attention_kwargs has an attention_mask, laid out over the unmerged sequence"
         cp = cp_config(model)
         if cp is not None:  # the ids are this rank's shard's; hidden_states count every rank's tokens
-            return whole_grid(img_ids, hidden.shape[1])
-        known = self._known
-        if known is not None and known[0] is img_ids and known[1] == _version(img_ids):
-            grid = known[2]
-        else:
-            grid = image_grid(img_ids)
-            self._known = (img_ids, _version(img_ids), grid)
+            whole = unsplit(img_ids, world_size(cp), shard_index(cp), img_ids.ndim - 2)
+            if whole is None:
+                return whole_grid(img_ids, hidden.shape[1])
+            grid = self._read(whole)
+            if grid[0] * grid[1] != hidden.shape[1]:
+                return ("under context parallelism, conditioning images' tokens (Kontext, references) are split "
+                        "with the image's")
+            return (1, *grid)
+        grid = self._read(img_ids)
         if grid[0] * grid[1] > hidden.shape[1]:
             return f"img_ids span a {grid[0]}x{grid[1]} grid but the call has {hidden.shape[1]} image tokens"
         # any tokens after the grid's are conditioning images' (Kontext, FLUX.2 references)
         return (1, *grid)
 
 
+    def _read(self, img_ids: torch.Tensor) -> tuple[int, int]:
+        """The image grid of ``img_ids``, read once while the same ids come back unchanged."""
+        known = self._known
+        if known is not None and known[0] is img_ids and known[1] == _version(img_ids):
+            return known[2]
+        grid = image_grid(img_ids)
+        self._known = (img_ids, _version(img_ids), grid)
+        return grid
+
+
 def whole_grid(img_ids: torch.Tensor, tokens: int) -> Grid | str:
-    """Under context parallelism, the whole ``(1, h, w)`` grid of ``tokens`` image tokens
-    from one shard's raster ids: ``w`` is the number of columns they take, which is every
-    column where the shard spans at least two rows. Shards within one row run unmerged
-    (whether such a shard is a whole row cannot be told from it, and every rank must
-    decide alike)."""
+    """Under context parallelism, where the whole ids cannot be read (:func:`unsplit`): the
+    whole ``(1, h, w)`` grid of ``tokens`` image tokens from one shard's raster ids. ``w`` is
+    the number of columns they take, which is every column where the shard spans at least
+    two rows. Shards within one row run unmerged (whether such a shard is a whole row cannot
+    be told from it, and every rank must decide alike)."""
     ids = img_ids[0] if img_ids.ndim == 3 else img_ids
     rows = ids[:, :3].tolist()  # one read of the ids: one host sync per forward
     if len({row[0] for row in rows}) > 1:

@@ -159,6 +159,32 @@ def unsplit_tokens(x: torch.Tensor, world: int) -> torch.Tensor:
     return torch.empty((x.shape[0], x.shape[1] * world, *x.shape[2:]), device="meta", dtype=x.dtype)
 
 
+def unsplit(shard: torch.Tensor, world: int, index: int, dim: int) -> torch.Tensor | None:
+    """The tensor diffusers split ``shard`` from, where ``shard`` is still a view of it:
+    shard ``index`` of ``world`` equal chunks along ``dim`` (diffusers' equal split chunks a
+    tensor into views). None where ``shard`` is no such view (a copy, another slicing).
+
+    Every rank reads the same whole tensor this way, with no communication: what it
+    decides from it, every rank decides alike.
+    """
+    base = shard._base
+    if base is None:
+        return None
+    n = shard.shape[dim]
+    offset = shard.storage_offset() - base.storage_offset()
+    along = base.ndim - (shard.ndim - dim)  # the same dimension, counted from the end (a view may drop leading ones)
+    if along >= 0 and base.shape[along] == n * world and base.stride(along) == shard.stride(dim):
+        return base if offset == index * n * shard.stride(dim) else None
+    # a contiguous tensor reshaped before the split (Flux's ids on the CPU are a view of
+    # their (h, w, 3) grid): the chunks are consecutive runs of its memory
+    if base.is_contiguous() and shard.is_contiguous() and base.numel() == shard.numel() * world:
+        if offset == index * shard.numel():
+            shape = list(shard.shape)
+            shape[dim] *= world
+            return base.view(shape)
+    return None
+
+
 def shard_index(cp: Any) -> int:
     """This rank's shard: its rank in the flattened CP mesh, as diffusers' sharder reads it."""
     import torch.distributed as dist
