@@ -219,7 +219,7 @@ def test_variants_are_timed_interleaved_batch_by_batch(monkeypatch):
 
     calls = []
     monkeypatch.setattr(eval_harness, "apply_method",
-                        lambda target, method, ratio, options: calls.append(("apply", method)) or (lambda: calls.append(("remove", method))))
+                        lambda target, method, ratio, options, steps=None: calls.append(("apply", method)) or (lambda: calls.append(("remove", method))))
     runs = [("none", 0.0), ("toma", 0.5), ("tomesd", 0.5)]
     batches = [["a", "b"], ["c", "d"], ["e"], ["f"]]
     current = []

@@ -39,13 +39,14 @@ class BuiltinEntry:
     transformer: bool = False  # whether ``--blocks`` chooses its merged blocks
 
 
+_NO_CACHE = "the step caches (+CACHE) go on transformers; diffusers and cache-dit cache no UNet"
 _NO_TOMESD = "tomesd merges the transformer blocks of UNets only; {name} is a {kind} transformer"
 
 # ``--model`` name -> entry; "builtin-unet" is an alias of the default. A new built-in model
 # adds a loader returning a BuiltinSampler (in samplers.py) and an entry here.
 BUILTIN_MODELS: dict[str, BuiltinEntry] = {
-    "builtin": BuiltinEntry(samplers.unet_sampler, "built-in digits", UNET_METHODS),
-    "builtin-unet": BuiltinEntry(samplers.unet_sampler, "built-in digits", UNET_METHODS),
+    "builtin": BuiltinEntry(samplers.unet_sampler, "built-in digits", UNET_METHODS, _NO_CACHE),
+    "builtin-unet": BuiltinEntry(samplers.unet_sampler, "built-in digits", UNET_METHODS, _NO_CACHE),
     "builtin-dit": BuiltinEntry(samplers.dit_sampler, "built-in digits DiT (Flux)", TRANSFORMER_METHODS,
                                 _NO_TOMESD.format(name="the built-in DiT", kind="Flux"), transformer=True),
     "builtin-video": BuiltinEntry(samplers.video_sampler, "built-in moving-digits video DiT (Wan)", TRANSFORMER_METHODS,
@@ -70,7 +71,8 @@ def check_blocks(name: str, blocks: Any) -> None:
 def check_methods(name: str, methods: Sequence[str]) -> None:
     """Raise ``ValueError`` naming ``--methods`` if a method does not apply to built-in model ``name``."""
     entry = BUILTIN_MODELS[name]
-    bad = [m for m in methods if m not in entry.methods]
+    # a step cache after "+" (toma eval --methods toma+fbcache) goes on transformers only
+    bad = [m for m in methods if m.partition("+")[0] not in entry.methods or ("+" in m and not entry.transformer)]
     if bad:
         raise ValueError(f"--methods {', '.join(bad)} cannot run on --model {name} ({entry.why_not}); "
                          f"choose from {', '.join(entry.methods)}")

@@ -9,7 +9,9 @@ CLIP-T, DINO similarity to the unmerged image and a Frechet distance to referenc
 
 Methods: ``none`` (unmerged reference), ``toma`` (facility-location selection),
 ``toma-random`` and ``toma-grid`` (ToMA's merge with random / grid destinations) and
-``tomesd`` (ToMeSD, if installed; UNets only).
+``tomesd`` (ToMeSD, if installed; UNets only). On transformers, ``METHOD+CACHE`` stacks a
+step cache with a method (``none+cachedit`` is the cache alone): FirstBlockCache,
+TaylorSeer, cache-dit's DBCache or DBPrune, optionally at a threshold (``+fbcache:0.1``).
 
 Outputs in ``--out-dir``: ``results.json``, ``results.md``, ``quality_vs_speedup.png`` and
 ``samples.png``. Under ``accelerate launch`` the images are split across processes (data
@@ -35,6 +37,7 @@ from toma.tools.common.options import (
 )
 from toma.tools.common.pipelines import PipelineUnavailableError
 from toma.tools.common.report import check_output, load_average, missing_extra
+from toma.tools.eval.caches import CACHES, split_method
 from toma.tools.eval.constants import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, METHODS
 
 
@@ -54,7 +57,10 @@ def register(subparsers: Any) -> None:
                         "transformer)")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated, from {', '.join(METHODS)} (none is always run as the reference; "
-                        "default: all that apply to the model, tomesd only to UNets)")
+                        "default: all that apply to the model, tomesd only to UNets); on transformers a method "
+                        f"may add a step cache, METHOD+CACHE[:THRESHOLD] with CACHE one of {', '.join(CACHES)} "
+                        "(cache-dit's cachedit and dbprune need cache-dit installed), e.g. "
+                        "none+fbcache:0.05,toma+fbcache:0.05,toma+cachedit")
     p.add_argument("--ratios", default="0.5", help="comma-separated merge ratios in [0, 1) (default 0.5)")
     p.add_argument("--num-images", type=int, default=100, help="images per method and ratio (default 100)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: 20 built-in, 30 pipelines)")
@@ -89,11 +95,16 @@ def register(subparsers: Any) -> None:
 
 
 def parse_methods(text: str) -> list[str]:
-    """Validated method list with ``none`` first; raises ``ValueError`` naming ``--methods``."""
+    """Validated method list with ``none`` first; raises ``ValueError`` naming ``--methods``.
+
+    A method may name a step cache after ``+`` (``toma+fbcache``, ``none+cachedit:0.12``):
+    see :mod:`toma.tools.eval.caches`.
+    """
     methods = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if split_method(m)[0] not in METHODS]
     if bad or not methods:
-        raise ValueError(f"--methods must be a comma-separated subset of {', '.join(METHODS)}; got {text!r}")
+        raise ValueError(f"--methods must be a comma-separated subset of {', '.join(METHODS)}, each optionally "
+                         f"+CACHE or +CACHE:THRESHOLD with CACHE one of {', '.join(CACHES)}; got {text!r}")
     return ["none"] + [m for m in dict.fromkeys(methods) if m != "none"]
 
 

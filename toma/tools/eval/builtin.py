@@ -43,7 +43,7 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
     for method, ratio in runs:
         # settings the model cannot take (e.g. --blocks naming a stack it lacks) fail now,
         # not after the unmerged reference has been generated
-        apply_method(model.denoiser, method, ratio, options)()
+        apply_method(model.denoiser, method, ratio, options, steps)()
     records: dict[str, Any] = {}
     reference: torch.Tensor | None = None
     batches = [items[start : start + args.batch_size] for start in range(0, len(items), args.batch_size)]
@@ -56,7 +56,7 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
         model.draw([0], [0], 1, args.guidance_scale, False)
 
     with image_progress(len(runs) * len(items), procs.is_main) as progress:
-        generated = generate_interleaved(model.denoiser, runs, batches, options, generate, warm_up, progress)
+        generated = generate_interleaved(model.denoiser, runs, batches, options, generate, warm_up, progress, steps)
     for method, ratio in runs:
         chunks, seconds = generated[(method, ratio)]
         images = torch.cat(chunks) if chunks else torch.empty(0, 1, 32, 32)

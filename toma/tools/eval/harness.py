@@ -37,16 +37,44 @@ def first_attention_downsample(unet: Any) -> int:
     return 1
 
 
-def apply_method(denoiser: Any, method: str, ratio: float, options: dict[str, Any]) -> Callable[[], None]:
-    """Patch ``denoiser`` with a merging method; returns the function that removes it.
+def apply_method(denoiser: Any, method: str, ratio: float, options: dict[str, Any],
+                 steps: int | None = None) -> Callable[[], None]:
+    """Patch ``denoiser`` with a merging method, and the step cache it names after ``+``
+    (:mod:`toma.tools.eval.caches`; ``steps`` per run, which cache-dit counts); returns the
+    function that removes both.
 
     ``options`` are ToMA settings; ``levels`` is translated to tomesd's ``max_downsample``
     so both merge the same UNet levels.
 
     Raises:
-        ValueError: unknown method, or tomesd on a model without a UNet.
-        ImportError: tomesd requested but not installed.
+        ValueError: unknown method, tomesd on a model without a UNet, or a cache the model
+            does not take.
+        ImportError: tomesd or cache-dit requested but not installed.
     """
+    from toma.tools.eval.caches import enable, split_method
+
+    base, cache, threshold = split_method(method)
+    if cache is None:
+        return _apply_base(denoiser, base, ratio, options)
+    from toma.api import denoiser_of
+
+    remove_base = _apply_base(denoiser, base, ratio, options)
+    try:
+        remove_cache = enable(denoiser_of(denoiser), cache, threshold, steps)
+    except BaseException:
+        remove_base()
+        raise
+
+    def remove() -> None:
+        # ToMA first: cache-dit's removal restores the forward it wrapped, which must not be ToMA's
+        remove_base()
+        remove_cache()
+
+    return remove
+
+
+def _apply_base(denoiser: Any, method: str, ratio: float, options: dict[str, Any]) -> Callable[[], None]:
+    """:func:`apply_method` for a merging method alone."""
     if method == "none":
         return lambda: None
     if method in TOMA_SELECTION:
@@ -67,8 +95,10 @@ def apply_method(denoiser: Any, method: str, ratio: float, options: dict[str, An
 
 
 def variants(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, float]]:
-    """(method, ratio) pairs to run; the reference ``none`` once, with ratio 0."""
-    return [("none", 0.0)] + [(m, r) for m in methods if m != "none" for r in ratios]
+    """(method, ratio) pairs to run; the reference ``none`` once, with ratio 0, and a cache
+    alone (``none+fbcache``) once too, with ratio 0: it merges nothing."""
+    return [("none", 0.0)] + [(m, r) for m in methods if m != "none"
+                              for r in ((0.0,) if m.startswith("none+") else ratios)]
 
 
 def tomesd_available() -> bool:
@@ -118,6 +148,7 @@ def generate_interleaved(
     generate: Callable[[Sequence[Any]], torch.Tensor],
     warm_up: Callable[[], Any],
     progress: Callable[[int], None] = lambda n: None,
+    steps: int | None = None,
 ) -> dict[tuple[str, float], tuple[list[torch.Tensor], list[float]]]:
     """Generate every batch with every variant, timed batch by batch with the variants interleaved.
 
@@ -125,7 +156,9 @@ def generate_interleaved(
     :func:`apply_method`) for that batch only, in an order that rotates by one every batch.
     A slow spell of a shared machine then hits every variant alike; timing one variant's
     images in one block and then the next's let it land on a single variant. Before a
-    variant's first batch, ``warm_up()`` runs once untimed (one-off set-up).
+    variant's first batch, ``warm_up()`` runs once untimed (one-off set-up); a variant with
+    a step cache is then patched afresh, so that every batch starts with the cache empty.
+    ``steps`` is each batch's step count, for the caches that count steps.
 
     Returns:
         per ``(method, ratio)``: the images ``generate(batch)`` returned, in batch order, and
@@ -137,10 +170,13 @@ def generate_interleaved(
     for i, batch in enumerate(batches):
         shift = i % len(runs)
         for run in [*runs[shift:], *runs[:shift]]:
-            remove = apply_method(target, run[0], run[1], options)
+            remove = apply_method(target, run[0], run[1], options, steps)
             try:
                 if i == 0:
                     warm_up()
+                    if "+" in run[0]:  # a step cache starts the timed batch empty
+                        remove()
+                        remove = apply_method(target, run[0], run[1], options, steps)
                 images, seconds = timed(lambda: generate(batch))
             finally:
                 remove()

@@ -134,7 +134,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Any:
                 continue  # the unmerged reference has infinite PSNR
             # fixed colour per method so the panels agree
             style = ({"color": "black", "marker": "*", "markersize": 10} if method == "none"
-                     else {"color": colours(METHODS.index(method)), "marker": "o"})
+                     else {"color": colours(_colour_index(method, methods)), "marker": "s" if "+" in method else "o"})
             ax.plot([p[0] for p in finite], [p[1] for p in finite], label=method, **style)
             if method != "none" and len(ratios) > 1:
                 labels.setdefault(ax, []).extend((x, y, f"{rt:g}", style["color"]) for x, y, rt in finite)
@@ -147,6 +147,14 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Any:
         place_labels(fig, ax, points)
     save_figure(fig, path)
     return fig
+
+
+def _colour_index(method: str, methods: list[str]) -> int:
+    """A merging method keeps its colour from run to run; a cached variant (``toma+fbcache``)
+    takes the next free one after them, in the order given."""
+    if method in METHODS:
+        return METHODS.index(method)
+    return (len(METHODS) + [m for m in methods if m not in METHODS].index(method)) % 10
 
 
 def write_samples(gathered: list[dict[str, Any]], runs: list[tuple[str, float]], path: Path, upscale: int) -> None:
