@@ -10,7 +10,7 @@
 # - ToMA alone at ratio 0.5;
 # - ToMA with each cache at each threshold.
 # Speedups are against none in the same run. Results in $OUT/cache_stack_<model>/; hours
-# on this CPU at N=100 (the interleaved run generates N images per variant, 11 variants).
+# on this CPU at N=100 (the interleaved run generates N images per variant, 10 variants).
 # A tiny run that only proves it works: N=1 STEPS=2 benchmarks/cache_stack.sh
 set -euo pipefail
 OUT=${OUT:-bench-results}
