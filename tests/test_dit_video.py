@@ -274,13 +274,6 @@ def test_cogvideox_runs_its_own_processor_after_set_attention_backend():
     assert not torch.allclose(merged, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_proportional_attention_is_refused_with_why():
-    for model in (make_hunyuan(), make_cogvideox()):
-        with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
-            toma.apply_toma(model, proportional_attention=True)
-        assert toma.get_toma(model) is None
-
-
 def test_cogvideox_pipeline_round_trip(tmp_path):
     from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline
     from transformers import T5Config, T5EncoderModel

@@ -142,19 +142,28 @@ def test_a_failing_form_falls_back_once(monkeypatch):
     assert calls == [24, 16]
 
 
-def test_install_wraps_once_per_module_and_uninstall_restores(monkeypatch):
+def test_install_wraps_once_and_the_last_user_restores(monkeypatch):
     module = types.ModuleType("toma_test_processor_module")
     real = ad.dispatch_attention_fn
     module.dispatch_attention_fn = real
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    assert A.install(module.__name__) and A.install(module.__name__)
+    a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    assert A.install(module.__name__, [a]) and A.install(module.__name__, [b])
     wrapped = module.dispatch_attention_fn
     assert wrapped is not real and wrapped._toma_real is real
-    A.uninstall(module.__name__)
-    assert module.dispatch_attention_fn is wrapped  # another patch still uses it
-    A.uninstall(module.__name__)
+    A.uninstall(module.__name__, [a])
+    assert module.dispatch_attention_fn is wrapped  # b's patch still uses it
+    A.uninstall(module.__name__, [b])
     assert module.dispatch_attention_fn is real
-    assert not A.install("toma_no_such_module")
+    # replaced behind toma's back (a test's monkeypatch, another library): wrapped again
+    A.install(module.__name__, [a])
+    other = lambda *args, **kwargs: None  # noqa: E731
+    module.dispatch_attention_fn = other
+    A.install(module.__name__, [b])
+    assert module.dispatch_attention_fn._toma_real is other
+    A.uninstall(module.__name__, [a, b])
+    assert module.dispatch_attention_fn is other
+    assert not A.install("toma_no_such_module", [a])
 
 
 def test_key_bias_slices_per_sample():

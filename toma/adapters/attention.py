@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -233,35 +234,57 @@ def attend(real: Callable, bias: KeyBias, query: torch.Tensor, key: torch.Tensor
         return real(query, key, value, attn_mask=bias.model_mask, scale=scale, **kwargs)
 
 
-_installed: dict[str, tuple[Callable, int]] = {}  # module -> (the dispatch toma replaced, patches using it)
+# module name -> the attention modules of live patches whose processors call its dispatch
+_users: dict[str, weakref.WeakSet] = {}
 
 
-def install(module_name: str) -> bool:
-    """Wrap ``dispatch_attention_fn`` in the module ``module_name`` (a processor's), once
-    per module however many patches use it. False if the module calls no such function."""
+def install(module_name: str, users: list[torch.nn.Module]) -> bool:
+    """Wrap ``dispatch_attention_fn`` in the module ``module_name`` (a processor's) for the
+    attention modules ``users``. Wraps once: again only if something replaced the wrapper
+    since (a patch never removed leaves it, harmlessly: other calls pass through). False if
+    the module calls no such function."""
     module = sys.modules.get(module_name)
     current = getattr(module, "dispatch_attention_fn", None) if module is not None else None
     if current is None:
         return False
-    if module_name in _installed:
-        real, count = _installed[module_name]
-        _installed[module_name] = (real, count + 1)
-        return True
-    _installed[module_name] = (current, 1)
-    module.dispatch_attention_fn = biased_dispatch(current)
+    if getattr(current, "_toma_real", None) is None:
+        module.dispatch_attention_fn = biased_dispatch(current)
+    _users.setdefault(module_name, weakref.WeakSet()).update(users)
     return True
 
 
-def uninstall(module_name: str) -> None:
-    """Undo one :func:`install`; the last one puts the module's own function back (unless
-    something replaced toma's wrapper since, which then stays)."""
-    if module_name not in _installed:
+def uninstall(module_name: str, users: list[torch.nn.Module]) -> None:
+    """Drop ``users``; once no attention module of a live patch needs the wrapper, put the
+    module's own function back (if the wrapper is still the one there)."""
+    left = _users.get(module_name)
+    if left is None:
         return
-    real, count = _installed[module_name]
-    if count > 1:
-        _installed[module_name] = (real, count - 1)
+    for user in users:
+        left.discard(user)
+    if len(left):
         return
-    del _installed[module_name]
+    del _users[module_name]
     module = sys.modules.get(module_name)
-    if module is not None and getattr(module.dispatch_attention_fn, "_toma_real", None) is real:
+    current = getattr(module, "dispatch_attention_fn", None) if module is not None else None
+    real = getattr(current, "_toma_real", None)
+    if real is not None:
         module.dispatch_attention_fn = real
+
+
+_DISPATCHED = (key_bias, key_bias_text_after)
+
+
+def dispatch_modules(targets: list) -> dict[str, list[torch.nn.Module]]:
+    """The modules of the processors that receive a :class:`KeyBias` among ``targets``
+    (the engine's :class:`~toma.adapters.base.Patched`), read from the live processors,
+    each with the attention modules whose processors they are."""
+    found: dict[str, list[torch.nn.Module]] = {}
+    for target in targets:
+        site = target.site
+        if site is None or site.mask_layout not in _DISPATCHED:
+            continue
+        module = target.module.get_submodule(site.call) if site.until is not None else target.module
+        processor = getattr(module, "processor", None)
+        if processor is not None:
+            found.setdefault(type(processor).__module__, []).append(module)
+    return found

@@ -9,6 +9,9 @@ the processor applies one table to the whole batch, samples with plans of their 
 positions at the patch embedding. ``merge_mlp`` merges the video part of the
 MLP's joint [text; video] sequence. Tiles span ``tile_frames`` latent
 frames (1 by default); CogVideoX 1.5 patches ``patch_size_t`` frames into one token.
+Proportional attention passes a float mask (the processor calls torch's SDPA itself, not
+diffusers' dispatch, so the per-backend rule does not reach it: on a GPU that mask keeps
+SDPA off its flash kernel).
 """
 
 from __future__ import annotations
@@ -21,9 +24,18 @@ from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, 
 _ROTARY = Rotary("image_rotary_emb", None, shared=True, raster=True)
 
 
+def _key_rows(log_mass: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """Log masses ``(Bp, text + K)`` as the ``(B, 1, text + K)`` float mask the processor's
+    ``prepare_attention_mask`` repeats over heads (one row per sample, so that per-sample
+    calls slice it)."""
+    return log_mass[:, None, :].expand(batch, 1, -1)
+
+
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     # the MLP runs on [text; video] in one sequence: its video part merges
-    return [Site("attn1", "attn", rotary=_ROTARY), Site("ff", "mlp", text_first=True)]
+    return [Site("attn1", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=_key_rows,
+                 text_keys="encoder_hidden_states"),
+            Site("ff", "mlp", text_first=True)]
 
 
 def _grid(model: torch.nn.Module, call: dict) -> Grid | None:

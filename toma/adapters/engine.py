@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from toma.adapters.attention import dispatch_modules, install, uninstall
 from toma.adapters.base import (
     HOOK_NAME,
     Hook,
@@ -212,11 +213,18 @@ class EngineAdapter:
         return find_targets(self.spec, model, config)
 
     def attach(self, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
-        """See :func:`attach`."""
-        return attach(self.spec, model, targets, cache)
+        """See :func:`attach`; also wraps the dispatched attention of processors that take a
+        key bias (:mod:`toma.adapters.attention`)."""
+        hooked = attach(self.spec, model, targets, cache)
+        if cache.config.proportional_attention:
+            for name, users in dispatch_modules(targets).items():
+                install(name, users)
+        return hooked
 
     def detach(self, targets: list[Patched]) -> None:
-        """Nothing beyond the hooks to undo."""
+        """Unwraps what :meth:`attach` wrapped; the hooks go with the patch."""
+        for name, users in dispatch_modules(targets).items():
+            uninstall(name, users)
 
     def tile_frames(self, config: ToMAConfig) -> int:
         """Frames a tile spans: ``config.tile_frames``, else 1 (2-D tiles; images: always 1).

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import torch
 
+from toma.adapters.attention import key_bias
 from toma.adapters.base import Patched, Skipped
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.parallel import cp_config, shard_index, unsplit, world_size
@@ -35,16 +36,11 @@ STACKS = {"transformer_blocks": "flux_double_blocks", "single_transformer_blocks
 _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
 
-def _key_bias(log_mass: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-    """Log masses ``(Bp, text + K)`` as the ``(Bp, 1, 1, text + K)`` mask of Flux's dispatched attention."""
-    return log_mass[:, None, None, :]
-
-
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     if stack == "single_transformer_blocks":
-        return [Site("norm", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=_key_bias,
+        return [Site("norm", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=key_bias,
                      text_first=True, until="proj_out", call="attn", group="single")]
-    return [Site("attn", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=_key_bias,
+    return [Site("attn", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=key_bias,
                  text_keys="encoder_hidden_states", group="double"),
             Site("ff", "mlp", group="double")]
 

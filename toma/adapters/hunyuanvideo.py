@@ -8,7 +8,9 @@ tokens' destinations. The processor applies one table to the whole batch, so whe
 samples have plans of their own (``share_batch_plan=False``) each merged attention runs
 once per sample. The model's own attention mask spans [video; text] and masks text
 padding; its video columns are all True by construction, so the merged call takes the
-mask's last ``K + text`` columns (a view), which keeps the text padding masked.
+mask's last ``K + text`` columns (a view), which keeps the text padding masked. Under
+proportional attention that mask is folded into the key bias (log mass 0 for the text keys,
+``-inf`` for their padding), which diffusers' dispatch then applies by the backend's rule.
 ``merge_mlp`` merges the dual-stream blocks' video MLP (``ff``); a single-stream block's MLP
 runs on the joint sequence and stays unmerged. Text tokens are never merged. Tiles span
 ``tile_frames`` latent frames (1 by default). Image-to-video models with
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.attention import key_bias_text_after
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 
 
@@ -36,7 +39,9 @@ _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
-    sites = [Site("attn", "attn", rotary=_ROTARY, joint_mask=_joint_mask)]
+    # the text keys follow the video's: a key bias padded after, with the text padding folded in
+    sites = [Site("attn", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=key_bias_text_after,
+                  joint_mask=_joint_mask)]
     if stack == "transformer_blocks":  # dual-stream: the video stream has its own MLP
         sites.append(Site("ff", "mlp"))
     return sites

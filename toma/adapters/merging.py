@@ -164,6 +164,9 @@ class MergeHook(Hook):
             batch, heads = hidden_states_of(args, kwargs).shape[0], module.heads
             mask = plan.memo(f"mask_{site.path}_{lead}_{batch}_{heads}",
                              lambda: site.mask_layout(_lead_zeros(plan.log_mass, lead), batch, heads))
+            own = self._own_mask(args, kwargs)  # the model's, fitted to the merged keys above
+            if own is not None and hasattr(mask, "with_model_mask"):  # a KeyBias takes it in
+                mask = mask.with_model_mask(own)
             args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
         return args, kwargs
 
@@ -307,7 +310,10 @@ class SpanClose(Hook):
 
 
 def _batch_slice(value: Any, b: int, batch: int) -> Any:
-    """Sample ``b`` of a tensor whose first dimension is the batch; anything else as is."""
+    """Sample ``b`` of a tensor whose first dimension is the batch (or of a key bias);
+    anything else as is."""
+    if hasattr(value, "batch_slice"):  # toma.adapters.attention.KeyBias
+        return value.batch_slice(b, batch)
     if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch:
         return value[b : b + 1]
     return value

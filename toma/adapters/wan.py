@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.attention import key_bias
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 
 
@@ -20,13 +21,9 @@ from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, 
 _ROTARY = Rotary("rotary_emb", 3, lambda table, dest: table[0][dest])
 
 
-def _self_attention_mask(log_mass: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-    return log_mass[:, None, None, :]  # (Bp, 1, 1, K) over (B, heads, queries, keys)
-
-
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return [
-        Site("attn1", "attn", rotary=_ROTARY, mask=("attention_mask", 2), mask_layout=_self_attention_mask),
+        Site("attn1", "attn", rotary=_ROTARY, mask=("attention_mask", 2), mask_layout=key_bias),
         Site("attn2", "cross", mask=("attention_mask", 2)),
         Site("ffn", "mlp"),
     ]

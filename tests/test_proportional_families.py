@@ -1,0 +1,180 @@
+"""Proportional attention through each family's merged attention, by every form the
+per-backend rule can pick (toma/adapters/attention.py), against the float mask."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import toma
+from tests.conftest import flux_inputs, make_flux, make_wan, wan_inputs
+from tests.test_dit import duplicated_video
+from tests.test_proportional import clustered_tokens
+from tests.tiny_models import cogvideox_inputs, hunyuan_inputs, make_cogvideox, make_hunyuan
+from toma.adapters import attention as A
+
+
+def run(model, **kw):
+    with torch.no_grad():
+        out = model(**kw, return_dict=False)[0]
+    return out
+
+
+def force(monkeypatch, form: str) -> None:
+    """Make the rule pick ``form`` on the CPU's default backend (``native``); flex eager."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setitem(A.RULES, "native", {"*": (form, "forced by the test")})
+    monkeypatch.setattr(A, "_compiled_flex", flex_attention)  # the same maths, no 20 s compile
+
+
+@pytest.fixture(autouse=True)
+def _quiet_eager_flex():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        yield
+
+
+FAMILIES = {
+    # batch 2, a plan per sample: Flux and HunyuanVideo run their merged attention once per
+    # sample (one rotary table per call), so the bias is sliced per sample; HunyuanVideo's
+    # second sample pads two text tokens, which its mask folds into the bias
+    "flux": (make_flux, lambda: flux_inputs(2, 8, 8), {}),
+    "wan": (lambda: make_wan(layers=2), lambda: wan_inputs(2, 2, 8, 8), {"blocks": {"blocks": range(2)}}),
+    "hunyuanvideo": (make_hunyuan, lambda: hunyuan_inputs(2, 2, 8, 8),
+                     {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}),
+}
+
+
+def outputs(name, monkeypatch) -> dict[str, torch.Tensor]:
+    make, inputs, options = FAMILIES[name]
+    model, kw = make(), inputs()
+    out = {}
+    for proportional in (False, True):
+        toma.apply_toma(model, ratio=0.5, proportional_attention=proportional, **options)
+        out["plain" if not proportional else "mask"] = run(model, **kw)
+        toma.remove_toma(model)
+    for form in (A.KEY_CHANNEL, A.FLEX):
+        with monkeypatch.context() as m:
+            force(m, form)
+            toma.apply_toma(model, ratio=0.5, proportional_attention=True, **options)
+            out[form] = run(model, **kw)
+            toma.remove_toma(model)
+    return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_form_equals_the_mask_in_a_family(name, monkeypatch):
+    out = outputs(name, monkeypatch)
+    scale = float(out["mask"].abs().max())
+    # fp32: each merged attention's forms differ by rounding (about 1e-6 of its outputs,
+    # tests/test_proportional_paths.py); through these 2-4 tiny blocks that stays under
+    # 1e-5 of the output's range, against a bias that moves it by more than 1e-3 of it
+    for form in (A.KEY_CHANNEL, A.FLEX):
+        torch.testing.assert_close(out[form], out["mask"], atol=1e-5 * scale, rtol=0, msg=form)
+    assert (out["plain"] - out["mask"]).abs().max() > 1e-3 * scale
+
+
+def identity_rotary(module: torch.nn.Module) -> None:
+    """Make a rotary module's ``(cos, sin)`` tables the identity: no positions, so that
+    copies of a token are duplicates for attention too."""
+    module.register_forward_hook(lambda m, args, out: (torch.ones_like(out[0]), torch.zeros_like(out[1])))
+
+
+@pytest.mark.parametrize("form", A.FORMS)
+def test_flux_is_exact_on_duplicate_tokens(form, monkeypatch):
+    # two 4x4 tiles, each holding one token 9 times and 7 others once: the 8 destinations
+    # of ratio 0.5 keep one of each, so merging loses nothing, and with the log(mass)
+    # bias every merged block (attention, and the single-stream blocks' MLP) computes what
+    # the unmerged one does: the outputs agree to fp32 rounding
+    force(monkeypatch, form)
+    model = make_flux()
+    identity_rotary(model.pos_embed)
+    kw = flux_inputs(1, 4, 8)
+    kw["hidden_states"] = clustered_tokens(2)
+    ref = run(model, **kw)
+    toma.apply_toma(model, ratio=0.5, proportional_attention=True)
+    exact = run(model, **kw)
+    toma.apply_toma(model, ratio=0.5, proportional_attention=False)
+    plain = run(model, **kw)
+    toma.remove_toma(model)
+    torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
+    assert (plain - ref).abs().max() > 1e-3  # without the bias the 9-fold token is under-weighted
+
+
+@pytest.mark.parametrize("form", [A.KEY_CHANNEL, A.FLEX])
+def test_wan_is_exact_on_duplicate_tokens_by_every_form(form, monkeypatch):
+    # tests/test_dit.py checks this through the CPU's rule (the mask); here the other forms
+    force(monkeypatch, form)
+    model = make_wan(layers=2)
+    model.rope.freqs_cos.fill_(1.0)
+    model.rope.freqs_sin.fill_(0.0)
+    kw = wan_inputs(1, 2, 8, 8)
+    kw["hidden_states"] = duplicated_video()
+    ref = run(model, **kw)
+    toma.apply_toma(model, ratio=0.5, tile_size=2, tile_frames=2, blocks={"blocks": range(2)},
+                    proportional_attention=True)
+    exact = run(model, **kw)
+    toma.remove_toma(model)
+    torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_hunyuanvideo_bias_covers_video_keys_and_keeps_the_text_padding(monkeypatch):
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    seen = []
+    real = hv.dispatch_attention_fn
+
+    def recording(query, key, value, attn_mask=None, **kw):
+        seen.append((attn_mask, key.shape[1]))
+        return real(query, key, value, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(hv, "dispatch_attention_fn", recording)
+    model = make_hunyuan()
+    kw = hunyuan_inputs(2, 2, 8, 8)  # 2 x 4 x 4 video tokens, 6 text tokens, sample 1 pads 2
+    patch = toma.apply_toma(model, ratio=0.5, proportional_attention=True,
+                            blocks={"transformer_blocks": [1], "single_transformer_blocks": [1]})
+    run(model, **kw)
+    merged = [(mask, keys) for mask, keys in seen if keys == 16 + 6]
+    assert len(merged) == 4  # two merged blocks, once per sample each
+    plans = [plan for _, plan in patch.cache._plans.values()]
+    for b, (mask, _) in enumerate(merged[:2]):  # the dual-stream block: samples 0 and 1
+        assert mask.shape == (1, 1, 1, 22)
+        video, text = mask[0, 0, 0, :16], mask[0, 0, 0, 16:]
+        assert any(torch.equal(video, plan.log_mass[b]) for plan in plans)
+        want = torch.zeros(6) if b == 0 else torch.tensor([0.0] * 4 + [float("-inf")] * 2)
+        assert torch.equal(text, want)
+
+
+def test_cogvideox_takes_the_bias_as_a_float_mask():
+    # CogVideoX's processor calls torch's SDPA itself: the bias is its (B, 1, text + K)
+    # mask, text keys first; merged attention with it differs from merged without it
+    model = make_cogvideox()
+    kw = cogvideox_inputs(2, 3, 8, 8)
+    options = {"blocks": {"transformer_blocks": range(3)}}
+    toma.apply_toma(model, ratio=0.5, proportional_attention=False, **options)
+    plain = run(model, **kw)
+    toma.apply_toma(model, ratio=0.5, proportional_attention=True, **options)
+    biased = run(model, **kw)
+    toma.remove_toma(model)
+    assert (biased - plain).abs().max() > 1e-3 * float(plain.abs().max())
+
+
+def test_remove_toma_restores_the_modules_dispatch():
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.transformers import transformer_flux
+
+    assert transformer_flux.dispatch_attention_fn is dispatch_attention_fn
+    first, second = make_flux(), make_flux()
+    toma.apply_toma(first, ratio=0.5, proportional_attention=True)
+    toma.apply_toma(second, ratio=0.5, proportional_attention=True)
+    assert transformer_flux.dispatch_attention_fn._toma_real is dispatch_attention_fn
+    toma.remove_toma(first)
+    assert transformer_flux.dispatch_attention_fn._toma_real is dispatch_attention_fn  # second still merges
+    toma.remove_toma(second)
+    assert transformer_flux.dispatch_attention_fn is dispatch_attention_fn
+    toma.apply_toma(first, ratio=0.5)  # no proportional attention: nothing wrapped
+    assert transformer_flux.dispatch_attention_fn is dispatch_attention_fn
+    toma.remove_toma(first)
