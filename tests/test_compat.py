@@ -14,7 +14,7 @@ import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 
 import toma
-from tests.conftest import (
+from tests.tiny_models import (
     flux_inputs,
     ltx_inputs,
     make_flux,
@@ -28,14 +28,14 @@ from tests.conftest import (
 )
 from tests.tiny_models import flux2_inputs, make_flux2, make_qwen, qwen_inputs
 from tests.tiny_models import cogvideox_inputs, hunyuan_inputs, make_cogvideox, make_hunyuan
-from tests.test_robustness import _engine_family
+from tests.cases import engine_family
 
 NEWER = ["ltx", "qwenimage", "flux2", "hunyuanvideo", "cogvideox"]
 
 
 def _engine_case(family: str):
     # the smallest batch-2 inputs and every block, as the robustness tests use them
-    make, kw, blocks = _engine_family(family)
+    make, kw, blocks = engine_family(family)
     return make, lambda: kw, blocks
 
 
@@ -91,8 +91,8 @@ def test_lora_loaded_with_load_lora_weights(tmp_path):
     from peft.utils import get_peft_model_state_dict
     from transformers import CLIPTextModel
 
-    from tests.conftest import CROSS_DIM
-    from tests.test_pipeline import clip_config, tiny_clip_tokenizer, tiny_vae
+    from tests.tiny_models import CROSS_DIM
+    from tests.tiny_pipelines import clip_config, tiny_clip_tokenizer, tiny_vae
 
     def build():
         torch.manual_seed(0)

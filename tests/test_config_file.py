@@ -10,7 +10,7 @@ import torch
 import toma
 from toma.config import CONFIG_VERSION
 
-from tests.conftest import make_sd15_unet, unet_inputs
+from tests.tiny_models import make_sd15_unet, unet_inputs
 
 
 @pytest.mark.parametrize(

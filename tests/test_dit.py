@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import ltx_inputs, make_ltx, make_pixart, make_sd3, make_wan, pixart_inputs, sd3_inputs, wan_inputs
+from tests.tiny_models import ltx_inputs, make_ltx, make_pixart, make_sd3, make_wan, pixart_inputs, sd3_inputs, wan_inputs
 
 ALL_SD3 = {"blocks": {"transformer_blocks": range(4)}}
 ALL_WAN = {"blocks": {"blocks": range(3)}}
@@ -77,16 +77,7 @@ def test_wan_frames_and_grids_the_tiles_do_not_divide(frames, h, w, tile_frames)
     assert queries == [patch.cache.layout(frames, h // 2, w // 2).num_merged] * 3
 
 
-def check_tile_order_matches_raster(model, kw, monkeypatch, forward, conversions) -> None:
-    """A patched model's output with tokens kept in tile order between merges equals its
-    output with every site merging from raster order (``forward(model, **kw)`` runs it;
-    ``conversions`` is the ``tile_orders`` fixture's record)."""
-    tiled = forward(model, **kw)
-    converted = len(conversions)
-    monkeypatch.setattr(toma.adapters.state.PlanCache, "tile_order_layout", lambda self, grid, device=None: None)
-    raster = forward(model, **kw)
-    assert converted >= 1 and len(conversions) == converted  # the raster run converted nothing
-    torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)
+
 
 
 def duplicated_video(seed: int = 0) -> torch.Tensor:
@@ -204,7 +195,7 @@ def test_set_attention_backend_reaches_merged_attention(family, monkeypatch):
     # before or after apply_toma
     import importlib
 
-    from tests.conftest import flux_inputs, make_flux
+    from tests.tiny_models import flux_inputs, make_flux
 
     module = importlib.import_module(
         {"flux": "diffusers.models.transformers.transformer_flux", "wan": "diffusers.models.transformers.transformer_wan",

@@ -348,7 +348,7 @@ def test_qwenimage_pipeline_round_trip(tmp_path):
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from tests.test_pipeline import merged_round_trip
+    from tests.tiny_pipelines import merged_round_trip
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
@@ -384,7 +384,7 @@ def test_flux2_klein_pipeline_round_trip(tmp_path):
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tests.test_pipeline import merged_round_trip
+    from tests.tiny_pipelines import merged_round_trip
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)

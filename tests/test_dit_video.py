@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import toma
-from tests.test_dit import check_tile_order_matches_raster
+from tests.cases import check_tile_order_matches_raster
 
 from tests.tiny_models import (  # noqa: E402
     TEXT_DIM,
@@ -278,7 +278,7 @@ def test_cogvideox_pipeline_round_trip(tmp_path):
     from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline
     from transformers import T5Config, T5EncoderModel
 
-    from tests.test_pipeline import merged_round_trip, tiny_clip_tokenizer
+    from tests.tiny_pipelines import merged_round_trip, tiny_clip_tokenizer
 
     torch.manual_seed(0)
     vae = AutoencoderKLCogVideoX(
@@ -308,7 +308,7 @@ def test_hunyuan_pipeline_round_trip(tmp_path):
     from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
     from transformers import CLIPTextModel, LlamaConfig, LlamaModel
 
-    from tests.test_pipeline import clip_config, merged_round_trip, tiny_clip_tokenizer
+    from tests.tiny_pipelines import clip_config, merged_round_trip, tiny_clip_tokenizer
 
     torch.manual_seed(0)
     vae = AutoencoderKLHunyuanVideo(

@@ -9,7 +9,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 import toma
-from tests.conftest import flux_inputs, make_flux, make_sd15_unet, unet_inputs
+from tests.tiny_models import flux_inputs, make_flux, make_sd15_unet, unet_inputs
 
 
 def hooked_modules(model):

@@ -106,8 +106,8 @@ def tiny_sd_folder(tmp_path_factory):
     from diffusers import DDIMScheduler, StableDiffusionPipeline
     from transformers import CLIPTextModel
 
-    from tests.conftest import CROSS_DIM, make_sd15_unet
-    from tests.test_pipeline import clip_config, tiny_clip_tokenizer, tiny_vae
+    from tests.tiny_models import CROSS_DIM, make_sd15_unet
+    from tests.tiny_pipelines import clip_config, tiny_clip_tokenizer, tiny_vae
 
     root = tmp_path_factory.mktemp("tiny-sd")
     pipe = StableDiffusionPipeline(
@@ -175,7 +175,7 @@ def tiny_metric_models(tmp_path_factory):
     from transformers import (BitImageProcessor, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor,
                               Dinov2Config, Dinov2Model)
 
-    from tests.test_pipeline import clip_config, tiny_clip_tokenizer
+    from tests.tiny_pipelines import clip_config, tiny_clip_tokenizer
 
     root = tmp_path_factory.mktemp("metric-models")
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

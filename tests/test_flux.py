@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import flux_inputs, make_flux
+from tests.tiny_models import flux_inputs, make_flux
 from tests.tiny_models import kontext_inputs
 from toma.adapters.flux import default_blocks, image_grid
 

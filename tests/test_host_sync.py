@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import flux_inputs, make_flux, make_sd15_unet, make_sdxl_unet, unet_inputs
-from tests.test_device_placement import CASES, case, read_ids_on_host
+from tests.tiny_models import flux_inputs, make_flux, make_sd15_unet, make_sdxl_unet, unet_inputs
+from tests.cases import CASES, case, read_ids_on_host
 
 
 def on_meta(value):

@@ -75,7 +75,7 @@ def toma_warnings(record) -> list[str]:
 
 
 def test_every_kernel_failing_gives_the_torch_path_bitwise_with_one_warning_each(monkeypatch, auto_on_cpu):
-    from tests.conftest import make_sdxl_unet, unet_inputs
+    from tests.tiny_models import make_sdxl_unet, unet_inputs
 
     model, kw = make_sdxl_unet(), unet_inputs(2, 16, 16, sdxl=True)
     monkeypatch.setenv(KERNELS_ENV, "torch")
@@ -98,7 +98,7 @@ def test_every_kernel_failing_gives_the_torch_path_bitwise_with_one_warning_each
 
 
 def test_one_kernel_failing_leaves_the_others_running(monkeypatch, auto_on_cpu):
-    from tests.conftest import make_sdxl_unet, unet_inputs
+    from tests.tiny_models import make_sdxl_unet, unet_inputs
 
     model, kw = make_sdxl_unet(), unet_inputs(2, 16, 16, sdxl=True)
     monkeypatch.setenv(KERNELS_ENV, "torch")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import CROSS_DIM, make_sd15_unet
+from tests.tiny_models import CROSS_DIM, make_sd15_unet
 
 pytest.importorskip("peft")
 

@@ -8,59 +8,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKL, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusionXLPipeline
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel
+from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusionXLPipeline
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 import toma
-from tests.conftest import make_flux, make_sdxl_unet
-
-
-def tiny_clip_tokenizer(folder) -> CLIPTokenizer:
-    """A CLIP tokenizer with a one-letter-per-token vocabulary (no download needed)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for ch in "abcdefghijklmnopqrstuvwxyz":
-        vocab[ch] = len(vocab)
-        vocab[ch + "</w>"] = len(vocab)
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=16)
-
-
-def clip_config(**overrides) -> CLIPTextConfig:
-    settings = dict(
-        vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    )
-    return CLIPTextConfig(**{**settings, **overrides})
-
-
-def tiny_vae() -> AutoencoderKL:
-    torch.manual_seed(0)
-    return AutoencoderKL(
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=32,
-        shift_factor=0.0,
-    )
-
-
-def merged_round_trip(pipe, generate, expected_calls, **options) -> None:
-    """Generate unmerged, with ToMA (checking the (batch, tokens) the first merged module
-    sees at each call), and after removal (bitwise the unmerged output)."""
-    ref = generate()
-    patch = toma.apply_toma(pipe, ratio=0.5, **options)
-    calls = []
-    handle = patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
-    merged = generate()
-    handle.remove()
-    assert calls == expected_calls
-    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
-    toma.remove_toma(pipe)
-    assert np.array_equal(generate(), ref)
+from tests.tiny_models import make_flux, make_sdxl_unet
+from tests.tiny_pipelines import clip_config, merged_round_trip, tiny_clip_tokenizer, tiny_vae
 
 
 def test_sdxl_pipeline_round_trip(tmp_path):
@@ -125,7 +78,7 @@ def test_flux_pipeline_round_trip(tmp_path):
 def build_sd3(tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
-    from tests.conftest import make_sd3
+    from tests.tiny_models import make_sd3
 
     torch.manual_seed(0)
     return StableDiffusion3Pipeline(
@@ -160,7 +113,7 @@ def test_wan_pipeline_round_trip(tmp_path):
     from diffusers import AutoencoderKLWan, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from tests.conftest import make_wan
+    from tests.tiny_models import make_wan
 
     torch.manual_seed(0)
     pipe = WanPipeline(
@@ -185,7 +138,7 @@ def test_wan_pipeline_round_trip(tmp_path):
 def test_pixart_pipeline_round_trip(tmp_path):
     from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
 
-    from tests.conftest import make_pixart
+    from tests.tiny_models import make_pixart
 
     torch.manual_seed(0)
     pipe = PixArtSigmaPipeline(
@@ -212,7 +165,7 @@ def test_img2img_after_a_stopped_run_builds_its_own_plans(tmp_path):
     # to the denoiser, and reused the stopped run's plans for another image.
     from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline
 
-    from tests.conftest import CROSS_DIM, make_sd15_unet
+    from tests.tiny_models import CROSS_DIM, make_sd15_unet
 
     def build():
         torch.manual_seed(0)
@@ -253,7 +206,7 @@ def tiny_wan_folder(tmp_path):
     from diffusers import AutoencoderKLWan, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from tests.conftest import make_wan
+    from tests.tiny_models import make_wan
 
     torch.manual_seed(0)
     WanPipeline(
@@ -315,7 +268,7 @@ def test_generate_and_eval_on_a_local_transformer_pipeline(family, tmp_path, one
 def build_sd(tmp_path):
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    from tests.conftest import CROSS_DIM, make_sd15_unet
+    from tests.tiny_models import CROSS_DIM, make_sd15_unet
 
     torch.manual_seed(0)
     return StableDiffusionPipeline(

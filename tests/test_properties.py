@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import toma
-from tests.conftest import flux_inputs, make_flux, make_sd15_unet, make_wan, unet_inputs, wan_inputs
+from tests.tiny_models import flux_inputs, make_flux, make_sd15_unet, make_wan, unet_inputs, wan_inputs
 
 FAMILIES = {
     "unet": (make_sd15_unet, lambda b, h, w, dtype: unet_inputs(b, 2 * h, 2 * w, False, dtype=dtype), {}),

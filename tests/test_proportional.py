@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import AttnProcessor2_0
 
 import toma
-from tests.conftest import make_sd15_unet, unet_inputs
+from tests.tiny_models import make_sd15_unet, unet_inputs
 from toma.config import ToMAConfig
 from toma.core.plan import build_plan
 from toma.core.tiling import make_layout, to_tiles
@@ -98,7 +98,7 @@ def test_proportional_attention_is_validated():
 def test_flux_bias_is_opt_in_and_covers_image_keys_only(proportional, monkeypatch):
     from diffusers.models.transformers import transformer_flux
 
-    from tests.conftest import flux_inputs, make_flux
+    from tests.tiny_models import flux_inputs, make_flux
 
     masks = []
     real = transformer_flux.dispatch_attention_fn

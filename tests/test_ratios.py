@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import flux_inputs, make_flux, make_sd15_unet, make_wan, unet_inputs, wan_inputs
+from tests.tiny_models import flux_inputs, make_flux, make_sd15_unet, make_wan, unet_inputs, wan_inputs
 
 WAN_ALL = {"blocks": {"blocks": range(3)}}
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import make_sd15_unet, make_sdxl_unet, unet_inputs
+from tests.tiny_models import make_sd15_unet, make_sdxl_unet, unet_inputs
 from toma.adapters import unet as unet_adapter
 from toma.tools.opcount import count_kernels
 

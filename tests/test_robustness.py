@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import flux_inputs, make_flux, make_sd15_unet, make_sdxl_unet, make_wan, unet_inputs, wan_inputs
+from tests.tiny_models import flux_inputs, make_flux, make_sd15_unet, make_sdxl_unet, make_wan, unet_inputs, wan_inputs
+from tests.cases import engine_family
 
 FLUX_ALL = dict(flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
 
@@ -158,7 +159,7 @@ def test_feed_forward_chunking_keeps_the_merged_mlp(family, size, dim):
     if family == "unet":
         model, kw, opts = make_sd15_unet(), unet_inputs(2, 16, 16, False), {}
     else:
-        make, kw, opts = _engine_family(family)
+        make, kw, opts = engine_family(family)
         model = make()
     toma.apply_toma(model, ratio=0.5, merge_mlp=True, **opts)
     blocks = [m for m in model.modules() if hasattr(m, "_chunk_size") and hasattr(m, "set_chunk_feed_forward")]
@@ -185,31 +186,12 @@ def test_feed_forward_chunking_keeps_the_merged_mlp(family, size, dim):
     assert all(not hasattr(b, "_diffusers_hook") for b in blocks)
 
 
-def _engine_family(family):
-    """(model maker, one batch-2 call's inputs, every block) of an engine family, at the
-    smallest inputs its tests use."""
-    from tests.test_dit import FAMILIES
-    from tests.test_dit_mmdit import MMDITS
-    from tests.test_dit_video import FAMILIES as VIDEO
-
-    if family == "flux":
-        return make_flux, flux_inputs(2, 8, 8), FLUX_ALL
-    if family in MMDITS:
-        make, inputs, blocks = MMDITS[family]
-        return make, inputs(2, 8, 8), blocks
-    if family in VIDEO:
-        _, make, inputs, blocks, _ = VIDEO[family]
-        return make, inputs(2, 2, 8, 8), blocks
-    make, inputs, blocks = FAMILIES[family]
-    return make, inputs(), blocks
-
-
 NEWER = ["ltx", "qwenimage", "flux2", "hunyuanvideo", "cogvideox"]
 
 
 @pytest.mark.parametrize("family", ["sd3", "pixart", "flux", *NEWER])
 def test_gradient_checkpointing_on_engine_families(family):
-    make, kw, blocks = _engine_family(family)
+    make, kw, blocks = engine_family(family)
     plain_loss, _ = train_step(make().train(), kw)
     model = make().train()
     patch = toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
@@ -250,7 +232,7 @@ def test_checkpointed_blocks_recompute_with_their_own_forwards_plans(family):
         sdxl = family != "sd15"
         make, kw, opts = make_sdxl_unet if sdxl else make_sd15_unet, unet_inputs(2, 16, 16, sdxl), {"levels": 2}
     else:
-        make, kw, opts = _engine_family(family)
+        make, kw, opts = engine_family(family)
     grads = []
     for checkpointing in (False, True):
         model = make().train()
@@ -276,7 +258,7 @@ def _replay_hook(module):
 
 @pytest.mark.parametrize("family", ["sd3", "pixart", "wan", *NEWER])
 def test_deepcopy_is_independent_on_engine_families(family):
-    make, kw, blocks = _engine_family(family)
+    make, kw, blocks = engine_family(family)
     model = make()
     with torch.no_grad():
         ref = model(**kw).sample
@@ -304,7 +286,7 @@ def test_deepcopy_is_independent_on_engine_families(family):
 def test_set_attn_processor_after_apply_keeps_merging(family):
     # the engine merges around the attention module, not inside its processor: a new
     # processor of the same kind computes the same merged attention
-    make, kw, blocks = _engine_family(family)
+    make, kw, blocks = engine_family(family)
     model = make()
     with torch.no_grad():
         ref = model(**kw).sample

@@ -10,7 +10,7 @@ import torch
 
 import toma
 from toma import tuned
-from tests.conftest import make_sd15_unet
+from tests.tiny_models import make_sd15_unet
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import make_sd15_unet, make_sdxl_unet, unet_inputs
+from tests.tiny_models import make_sd15_unet, make_sdxl_unet, unet_inputs
 
 
 def run(unet, **kw):

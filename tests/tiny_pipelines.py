@@ -1,0 +1,61 @@
+"""Pipeline parts several test modules build: a tokenizer, text encoder configs and a VAE
+from config (no download), and the round trip a whole pipeline is checked with."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKL
+from transformers import CLIPTextConfig, CLIPTokenizer
+
+import toma
+
+
+def tiny_clip_tokenizer(folder) -> CLIPTokenizer:
+    """A CLIP tokenizer with a one-letter-per-token vocabulary (no download needed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for ch in "abcdefghijklmnopqrstuvwxyz":
+        vocab[ch] = len(vocab)
+        vocab[ch + "</w>"] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=16)
+
+
+def clip_config(**overrides) -> CLIPTextConfig:
+    settings = dict(
+        vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    return CLIPTextConfig(**{**settings, **overrides})
+
+
+def tiny_vae() -> AutoencoderKL:
+    torch.manual_seed(0)
+    return AutoencoderKL(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+        shift_factor=0.0,
+    )
+
+
+def merged_round_trip(pipe, generate, expected_calls, **options) -> None:
+    """Generate unmerged, with ToMA (checking the (batch, tokens) the first merged module
+    sees at each call), and after removal (bitwise the unmerged output)."""
+    ref = generate()
+    patch = toma.apply_toma(pipe, ratio=0.5, **options)
+    calls = []
+    handle = patch.patched[0].module.to_q.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
+    merged = generate()
+    handle.remove()
+    assert calls == expected_calls
+    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
+    toma.remove_toma(pipe)
+    assert np.array_equal(generate(), ref)
