@@ -49,10 +49,10 @@ class ToMAConfig:
             that a destination absorbing many similar tokens draws the attention those
             tokens would have drawn. Exact when merged tokens are identical; costs an
             additive attention mask. None (the default) means on for UNets, where it was
-            measured to help, and off for Flux, where a float mask keeps GPU attention off
-            its flash kernels (a speed cost not yet measured); on the built-in Flux DiT it
-            raised ToMA's PSNR against unmerged at ratio 0.5 from 25.4 to 29.3 dB (a 30-image
-            screening), so turn it on where quality matters more than that cost.
+            measured to help, and off for transformers, where a float mask can keep GPU
+            attention off its flash kernels; turn it on where quality matters more than
+            that cost (the quality it buys on the built-in DiT and what it costs:
+            BENCHMARKS.md).
         flux_double_blocks: Flux only. Indices of double-stream blocks to merge; None means
             every block but the first 5 (the authors' default). Same as
             ``blocks={"transformer_blocks": ...}``.

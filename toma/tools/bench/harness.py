@@ -493,8 +493,7 @@ def compile_variants(harness: MethodPatcher, picked: list[Variant], batches: lis
     second settles the guards). Returns the compiled variant -> its call; each call carries
     the eager variant it was built from as ``call.toma_variant``. ``freezing`` compiles with
     inductor's freezing (weights as constants, prepacked for the CPU's libraries; inference
-    only): on the project's 2-core CPU it made SD 1.5 at 512px 12% faster than eager, where
-    plain inductor was 9-19% slower (BENCHMARKS.md).
+    only), which on the project's CPU beat plain inductor (figures: BENCHMARKS.md).
     """
     calls: dict[Variant, Callable[[dict[str, Any]], Any]] = {}
     for v in picked:
