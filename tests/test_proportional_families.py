@@ -12,7 +12,8 @@ import toma
 from tests.conftest import flux_inputs, make_flux, make_wan, wan_inputs
 from tests.test_dit import duplicated_video
 from tests.test_proportional import clustered_tokens
-from tests.tiny_models import cogvideox_inputs, hunyuan_inputs, make_cogvideox, make_hunyuan
+from tests.tiny_models import (cogvideox_inputs, flux2_inputs, hunyuan_inputs, make_cogvideox, make_flux2,
+                               make_hunyuan)
 from toma.adapters import attention as A
 
 
@@ -43,6 +44,8 @@ FAMILIES = {
     # second sample pads two text tokens, which its mask folds into the bias
     "flux": (make_flux, lambda: flux_inputs(2, 8, 8), {}),
     "wan": (lambda: make_wan(layers=2), lambda: wan_inputs(2, 2, 8, 8), {"blocks": {"blocks": range(2)}}),
+    "flux2": (make_flux2, lambda: flux2_inputs(2, 8, 8),
+              {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}),
     "hunyuanvideo": (make_hunyuan, lambda: hunyuan_inputs(2, 2, 8, 8),
                      {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}),
 }

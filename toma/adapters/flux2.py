@@ -9,12 +9,15 @@ whole. Rotary tables come from the image ids, which go in tile order with the to
 processors apply one table to the whole batch, so merged attention runs once per sample
 when the samples have plans of their own (``Rotary(shared=True)``). Reference images'
 tokens (editing) pass whole, like text. Calls with an attention mask do not merge.
+Proportional attention is a key bias into the dispatched attention (text keys first, log
+mass 0), applied by the attention backend's rule (:mod:`toma.adapters.attention`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from toma.adapters.attention import key_bias
 from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first
 from toma.adapters.flux import IdsGrid
 
@@ -22,10 +25,17 @@ from toma.adapters.flux import IdsGrid
 _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
 
+# proportional attention: a key bias into the processors' dispatched attention, text keys
+# first (the joint sequence of the single-stream blocks, the text stream put before the
+# image's in the double-stream ones)
+_MASK = ("attention_mask", None)
+
+
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     if stack == "single_transformer_blocks":
-        return [Site("attn", "attn", rotary=_ROTARY, text_first=True)]
-    return [Site("attn", "attn", rotary=_ROTARY), Site("ff", "mlp")]
+        return [Site("attn", "attn", rotary=_ROTARY, mask=_MASK, mask_layout=key_bias, text_first=True)]
+    return [Site("attn", "attn", rotary=_ROTARY, mask=_MASK, mask_layout=key_bias, text_keys="encoder_hidden_states"),
+            Site("ff", "mlp")]
 
 
 SPEC = FamilySpec(
