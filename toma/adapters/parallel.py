@@ -6,7 +6,7 @@ contiguous run of ``n = N / P`` raster tokens (its shard) from where the model's
 its own, with no communication of its own: tiles are local, and a shard that is a grid of
 its own has tiles of its own.
 
-Where a shard is a grid (the rule of :func:`shard_grid`):
+What a shard is (:func:`shard_grid`, then :func:`shard_of`):
 
 * whole frames (``n`` a multiple of ``h * w``): the shard is a ``n / (h w) x h x w`` grid;
 * else whole rows (``n`` a multiple of ``w``, at least two rows): a ``1 x n / w x w`` band,
@@ -33,10 +33,17 @@ start at the band's first row (so a tile may take rows of two frames), and span 
 have the cut tiles masked: both merge, with equal lengths, but not exactly as one process.
 
 The token grid of a forward is the shard's (:attr:`ForwardState.grid`), and
-:attr:`ForwardState.shard` says which shard (:class:`Shard`): toma's reorder points that run before diffusers
-splits the sequence (Qwen-Image's ``img_in``, the rotary modules whose output diffusers
-splits) see all ``P * n`` tokens and put each shard's run in its tile order, so that the
-split hands every rank its shard in tile order.
+:attr:`ForwardState.shard` says which shard (:class:`Shard`): toma's reorder points that
+run before diffusers splits the sequence (Qwen-Image's ``img_in``, the rotary modules whose
+output diffusers splits) see all ``P * n`` tokens and put each shard's run in its tile
+order, so that the split hands every rank its shard in tile order.
+
+Every rank must decide alike whether and how it merges, from what it sees alone. Wan, LTX
+and Qwen-Image read the whole grid from the call's sizes. Flux and FLUX.2 read it from
+the image ids, which diffusers splits before toma sees them: from the whole ids, through
+the view the split leaves (:func:`unsplit`), else from the shard's own ids, which tell the
+grid where a shard spans two rows or more. A sequence with conditioning images' tokens
+(editing) runs unmerged: they are split together with the image's.
 
 Combinations that cannot work are refused with a message naming context parallelism
 (:func:`refusal`): families toma has no CP support for, diffusers' ``ulysses_anything`` /
