@@ -244,15 +244,15 @@ def projections(fam, model, kw, options: dict | None, keep: bool = False):
     return patch, targets, seen
 
 
-@pytest.mark.parametrize("ratio", [0.3, 0.5])
 @pytest.mark.parametrize("name", NAMES)
-def test_attention_sees_the_token_counts_the_ratio_implies(name, ratio):
+def test_attention_sees_the_token_counts_the_ratio_implies(name):
     # every projection of a merged attention that takes the image tokens takes K of them
     # in place of N (K counted from the grid, the 4x4 tiles and the ratio), whatever text
     # or conditioning tokens join them; a projection of text alone takes all of it
     fam = FAMILIES[name]
     model, kw = fam.make(), fam.inputs(1)  # batch 1: one call per module, also where samples would run one each
     _, targets, before = projections(fam, model, kw, None)
+    ratio = 0.45  # shares that round: a 16-token tile keeps 9 (8.8), an 8-token edge tile 4 (4.4)
     patch, _, after = projections(fam, model, kw, {**fam.every_part(), "ratio": ratio})
     downsample = {name: ds for name, _, ds in targets}
     assert before and before.keys() == after.keys()
@@ -428,7 +428,7 @@ def test_text_masks(name):
     assert toma_warnings(caught) == []  # it merged, mask and all: no fallback
     assert (merged - reference).abs().max() > 1e-3
     unhidden = {**changed, key: ones[key]}
-    assert not torch.allclose(fam.output(model, unhidden)[1], fam.output(model, ones)[1], atol=1e-3)  # they matter unmasked
+    assert not torch.allclose(fam.output(model, unhidden)[1], merged[1], atol=1e-3)  # they matter unmasked
 
 
 def joint_mask_runs_unmerged(fam, model, kw) -> None:
