@@ -309,6 +309,9 @@ def table(world: int) -> dict[str, Callable[[], dict]]:
             refused, "wan", mode, world, "cp_first", proportional_attention=True)
         cases[f"proportional/wan/{mode}/toma_first"] = functools.partial(
             refused, "wan", mode, world, "toma_first", proportional_attention=True)
+    if world == 2:  # two samples: Flux's merged attention then runs once per sample, on every rank
+        cases["batch2/flux/ulysses"] = functools.partial(compare, "flux", "ulysses", world, kw=flux_inputs(2, 8, 8, text=4))
+        cases["batch2/wan/ring"] = functools.partial(compare, "wan", "ring", world, kw=wan_inputs(2, 3, 16, 16))
     if world == 2:  # the Triton path, on a shard that is a grid and on a span
         cases["triton/wan/ulysses/aligned"] = functools.partial(on_triton, functools.partial(compare, "wan", "ulysses", world))
         cases["triton/wan/ring/midrow"] = functools.partial(

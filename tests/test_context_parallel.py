@@ -133,6 +133,14 @@ def test_aligned_shards_merge_as_one_process(runs, world, family, mode, order):
     assert world * merged_length(recs[0]["grid"]) == merged_length(list(GRIDS[world][family]))
 
 
+@pytest.mark.parametrize("case,family", [("batch2/flux/ulysses", "flux"), ("batch2/wan/ring", "wan")])
+def test_two_samples_merge_as_one_process(runs, case, family):
+    recs = records(runs, 2, case)
+    for r in recs:
+        assert r["gap_to_single"] <= REORDERING and r["gap_to_unmerged_cp"] > 1e-3 and r["removed_equals_unmerged_cp"]
+    assert len({r["cp_queries"] for r in recs}) == 1
+
+
 @pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
 def test_unaligned_shards_merge_to_equal_lengths(runs, world, mode):
     # Wan's 6-row frames in 9-row bands: a tile spans a frame boundary
