@@ -305,6 +305,88 @@ def cogvideox_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, pat
     }
 
 
+def make_hunyuan15(seed: int = 0, layers: int = 2):
+    """HunyuanVideo 1.5-like: dual-stream blocks only, 2 heads of 8 channels, 3-D rotary over (2, 2, 4) channels."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    torch.manual_seed(seed)
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=layers, num_refiner_layers=1,
+        patch_size=2, patch_size_t=1, text_embed_dim=TEXT_DIM, text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(2, 2, 4),
+    ).eval()
+
+
+def hunyuan15_inputs(batch: int, frames: int, h: int, w: int, text: int = 6, seed: int = 1) -> dict:
+    """Latents ``(B, 4, frames, h, w)`` (tokens ``frames x h/2 x w/2``), MLLM text with a mask of
+    ones, 3 ByT5 tokens and 2 image-embedding tokens (nonzero: image-to-video)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, 4, frames, h, w, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "encoder_attention_mask": torch.ones(batch, text),
+        "encoder_hidden_states_2": torch.randn(batch, 3, 16, generator=g),
+        "encoder_attention_mask_2": torch.ones(batch, 3),
+        "image_embeds": torch.randn(batch, 2, 16, generator=g),
+    }
+
+
+def make_wan_vace(seed: int = 0, layers: int = 3, vace_layers: tuple[int, ...] = (0, 2)):
+    """Wan VACE-like: 3 Wan blocks, control blocks whose hints join blocks 0 and 2."""
+    from diffusers import WanVACETransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanVACETransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=CROSS_DIM,
+        freq_dim=16, ffn_dim=32, num_layers=layers, rope_max_seq_len=32, vace_layers=list(vace_layers), vace_in_channels=6,
+    ).eval()
+
+
+def wan_vace_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Wan's call plus control latents of the same ``frames x h x w`` (6 channels)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return {**wan_inputs(batch, frames, h, w, text, seed), "control_hidden_states": torch.randn(batch, 6, frames, h, w, generator=g)}
+
+
+def make_skyreels(seed: int = 0, layers: int = 3, **config):
+    """SkyReels-V2-like (text to video): Wan's block layout."""
+    from diffusers import SkyReelsV2Transformer3DModel
+
+    torch.manual_seed(seed)
+    return SkyReelsV2Transformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=CROSS_DIM,
+        freq_dim=16, ffn_dim=32, num_layers=layers, rope_max_seq_len=32, **config,
+    ).eval()
+
+
+def make_wan_animate(seed: int = 0, layers: int = 4):
+    """Wan-Animate-like: 4 Wan blocks, face adapters after blocks 0 and 2, a motion encoder for 16x16 faces."""
+    from diffusers import WanAnimateTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanAnimateTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=12, latent_channels=4, out_channels=4,
+        text_dim=CROSS_DIM, freq_dim=16, ffn_dim=32, num_layers=layers, image_dim=16, rope_max_seq_len=32,
+        motion_encoder_channel_sizes={"16": 8, "8": 8, "4": 8}, motion_encoder_size=16, motion_style_dim=8, motion_dim=4,
+        motion_encoder_dim=8, face_encoder_hidden_dim=8, face_encoder_num_heads=2, inject_face_latents_blocks=2,
+    ).eval()
+
+
+def wan_animate_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Latents of ``frames x h x w`` (the reference frame, then ``frames - 1``), pose latents for
+    the last ``frames - 1``, a CLIP image embedding, and ``4 (frames - 1) - 3`` 16x16 face frames
+    (the face encoder's strides bring them to ``frames - 1``)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, 12, frames, h, w, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "encoder_hidden_states_image": torch.randn(batch, 3, 16, generator=g),
+        "pose_hidden_states": torch.randn(batch, 4, frames - 1, h, w, generator=g),
+        "face_pixel_values": torch.randn(batch, 3, 4 * (frames - 1) - 3, 16, 16, generator=g),
+    }
+
+
 def make_animatediff_unet(seed: int = 0):
     """AnimateDiff-like (``UNetMotionModel``): an SD-1.5-like UNet whose levels each add
     motion modules, temporal attention over the frames of every latent pixel."""
@@ -395,6 +477,9 @@ class Family:
     # whether the forward takes an attention mask over its joint [text; image] sequence in
     # joint_attention_kwargs (Flux.1, FLUX.2)
     joint_mask: bool = False
+    # whether its forwards may run in tile order; False where every call adds raster-ordered
+    # residuals between blocks (Wan VACE's control hints)
+    tile_order: bool = True
 
     def divided_inputs(self, batch: int) -> dict:
         """A call on a token grid the default tiles divide (see ``divided``)."""
@@ -449,4 +534,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("cogvideox", "cogvideox", make_cogvideox, lambda b: cogvideox_inputs(b, 3, 8, 8),
            {"blocks": {"transformer_blocks": range(3)}}, proportional=False, odd=lambda b: cogvideox_inputs(b, 3, 10, 14),
            odd_tokens=3 * 35, grid=(3, 4, 4)),
+    Family("hunyuanvideo15", "hunyuanvideo15", make_hunyuan15, lambda b: hunyuan15_inputs(b, 3, 8, 8),
+           {"blocks": {"transformer_blocks": range(2)}}, proportional=False, odd=lambda b: hunyuan15_inputs(b, 1, 10, 14),
+           odd_tokens=35, grid=(3, 4, 4), text_mask="encoder_attention_mask"),
+    Family("wan-vace", "wan-vace", make_wan_vace, lambda b: wan_vace_inputs(b, 4, 12, 16),
+           {"blocks": {"blocks": range(3), "vace_blocks": range(2)}}, cross=True, odd=lambda b: wan_vace_inputs(b, 3, 10, 14),
+           odd_tokens=3 * 35, divided=lambda b: wan_vace_inputs(b, 4, 16, 16), grid=(4, 6, 8), tile_order=False),
+    Family("skyreels-v2", "skyreels-v2", make_skyreels, lambda b: wan_inputs(b, 4, 12, 16), {"blocks": {"blocks": range(3)}},
+           cross=True, odd=lambda b: wan_inputs(b, 3, 10, 14), odd_tokens=3 * 35, divided=lambda b: wan_inputs(b, 4, 16, 16),
+           grid=(4, 6, 8)),
+    Family("wan-animate", "wan-animate", make_wan_animate, lambda b: wan_animate_inputs(b, 4, 12, 16),
+           {"blocks": {"blocks": range(4)}}, cross=True, odd=lambda b: wan_animate_inputs(b, 3, 10, 14), odd_tokens=3 * 35,
+           divided=lambda b: wan_animate_inputs(b, 4, 16, 16), grid=(4, 6, 8)),
 )}

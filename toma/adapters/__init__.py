@@ -23,6 +23,10 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "cogvideox": ("toma.adapters.cogvideox", ("CogVideoXTransformer3DModel",)),
     "qwenimage": ("toma.adapters.qwenimage", ("QwenImageTransformer2DModel",)),
     "flux2": ("toma.adapters.flux2", ("Flux2Transformer2DModel",)),
+    "hunyuanvideo15": ("toma.adapters.hunyuanvideo15", ("HunyuanVideo15Transformer3DModel",)),
+    "wan-vace": ("toma.adapters.wan_vace", ("WanVACETransformer3DModel",)),
+    "skyreels-v2": ("toma.adapters.skyreels_v2", ("SkyReelsV2Transformer3DModel",)),
+    "wan-animate": ("toma.adapters.wan_animate", ("WanAnimateTransformer3DModel",)),
 }
 
 

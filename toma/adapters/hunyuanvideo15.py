@@ -1,0 +1,54 @@
+"""HunyuanVideo 1.5 (``HunyuanVideo15Transformer3DModel``): dual-stream blocks with 3-D rotary.
+
+One stack of dual-stream blocks whose joint attention runs over [video; text], text last
+(the model packs SigLIP image embeddings, ByT5 and MLLM tokens into one text stream, valid
+tokens first). Each block merges the video tokens of its attention call; its rotary tables
+(one ``(N, D)`` cos/sin pair for the batch, from ``rope``) are gathered to the merged
+tokens' destinations, one call per sample when samples have plans of their own. The
+block passes the processor only the ``(B, T)`` text mask, and the processor pads it with
+True to the front of whatever query length it gets: the mask already fits ``K`` merged
+video tokens and passes unchanged. The processor turns that mask into booleans, so it
+cannot take a key bias: no proportional attention. ``merge_mlp`` merges the video MLP
+(``ff``). Text tokens are never merged. Tiles span ``tile_frames`` latent frames (1 by default).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+
+
+def _text_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor | None:
+    """The block's ``(B, T)`` text mask, which the processor pads to any video length: as is."""
+    return mask if mask.ndim == 2 else None
+
+
+_ROTARY = Rotary("image_rotary_emb", None, shared=True)
+
+
+def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
+    return [Site("attn", "attn", rotary=_ROTARY, joint_mask=_text_mask), Site("ff", "mlp")]
+
+
+def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
+    video = call.get("hidden_states")
+    if video is None or video.ndim != 5:
+        return None
+    p, pt = model.config.patch_size, model.config.patch_size_t
+    return (video.shape[2] // pt, video.shape[3] // p, video.shape[4] // p)
+
+
+SPEC = FamilySpec(
+    name="hunyuanvideo15",
+    classes=("HunyuanVideo15Transformer3DModel",),
+    stacks=("transformer_blocks",),
+    sites=_sites,
+    grid=_grid,
+    enter=("output", "x_embedder"),
+    leave="norm_out",
+    rope=("rope", 0),
+    default_blocks=skip_first(5),
+    video=True,
+)
+ADAPTER = EngineAdapter(SPEC)
