@@ -31,9 +31,28 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 # denoiser classes toma knows and does not merge (yet), with why
+_SANA = "its attention is linear and its MLP a convolution on the token grid, so merging saves little (out of scope)"
+_KV_CACHE = ("it generates chunk after chunk with causal attention to a cache of earlier chunks' keys and values, "
+             "which merging the current chunk's tokens would have to write and read in step (out of scope)")
+_AUDIO = "it denoises audio, not an image or video token grid, and ToMA merges only such grids"
 UNSUPPORTED: dict[str, str] = {
-    "SanaTransformer2DModel": "its attention is linear and its MLP a convolution on the token grid, so merging "
-    "saves little (out of scope)",
+    "SanaTransformer2DModel": _SANA,
+    "SanaVideoTransformer3DModel": _SANA,
+    "SanaWMTransformer3DModel": "its attention is gated-DeltaNet linear attention and its MLP a convolution on the "
+    "token grid, so merging saves little (out of scope)",
+    "Cosmos3OmniTransformer": "it is a packed mixture of transformers: one ragged sequence of text, image, video and "
+    "audio tokens through pathway-specific weights, with causal attention for its understanding tokens, so no "
+    "block sees an image grid of its own to merge (out of scope)",
+    "Kandinsky6SRTransformer3DModel": "its attention is masked to local windows of the token grid (flex block "
+    "masks), which merged tokens, drawn from across a tile, cannot keep (out of scope)",
+    "AnyFlowFARTransformer3DModel": _KV_CACHE,
+    "WanAnimate2Transformer3DModel": "its generation pass attends to a cache of the reference pass's keys and "
+    "values, packed with its own tokens under a flex block mask laid out over the unmerged tokens (out of scope)",
+    "AceStepTransformer1DModel": _AUDIO,
+    "StableAudioDiTModel": _AUDIO,
+    "StableAudio3DiTModel": _AUDIO,
+    "LongCatAudioDiTTransformer": _AUDIO,
+    "MiniMaxMusic3Transformer1DModel": _AUDIO,
 }
 
 
