@@ -210,3 +210,33 @@ def test_refused_families_name_what_toma_cannot_merge(name, reason):
     with pytest.raises(ValueError, match=f"ToMA does not merge {name}: .*{reason}"):
         toma.apply_toma(model, ratio=0.5)
     assert not hasattr(model, "_diffusers_hook")
+
+
+# ------------------------------------------------------------------ Cosmos
+def step_hook(model):
+    from toma.adapters.engine import StepHook
+
+    [hook] = [h for h in model._diffusers_hook.hooks.values() if isinstance(h, StepHook)]
+    return hook
+
+
+@pytest.mark.parametrize("case", ["per-frame timesteps", "learnable positions"])
+def test_cosmos_raster_ordered_inputs_merge_in_raster_order(case):
+    # video-to-world's per-frame timesteps and Predict 1's learnable positional embedding are
+    # laid out over the raster sequence: those forwards merge, in raster order, and match
+    # what the same merges compute from raster order (tile order would misplace them)
+    from tests.tiny_models import cosmos_inputs, make_cosmos
+
+    model = make_cosmos(extra_pos_embed_type="learnable" if case == "learnable positions" else None)
+    kw = cosmos_inputs(1, 3, 8, 8)
+    if case == "per-frame timesteps":
+        kw["timestep"] = torch.tensor([0.9, 0.5, 0.5]).view(1, 1, 3, 1, 1)
+    reference = output(model, kw)
+    patch = toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": range(3)})
+    merged = output(model, kw)
+    assert step_hook(model).order.layout is None and patch.cache.forward.plans
+    assert (merged - reference).abs().max() > 1e-3
+    plain = cosmos_inputs(1, 3, 8, 8)
+    if case == "per-frame timesteps":  # the same model with one timestep keeps tile order
+        output(model, plain)
+        assert step_hook(model).order.layout is not None

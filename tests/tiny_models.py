@@ -387,6 +387,29 @@ def wan_animate_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, s
     }
 
 
+def make_cosmos(seed: int = 0, layers: int = 3, **config):
+    """Cosmos-Predict2-like: no learnable positional embedding. Without the padding-mask input
+    channel, which diffusers resizes with torchvision (not a test dependency)."""
+    from diffusers import CosmosTransformer3DModel
+
+    torch.manual_seed(seed)
+    return CosmosTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=layers, mlp_ratio=2.0,
+        text_embed_dim=CROSS_DIM, adaln_lora_dim=8, max_size=(8, 32, 32), patch_size=(1, 2, 2), concat_padding_mask=False,
+        extra_pos_embed_type=config.pop("extra_pos_embed_type", None), **config,
+    ).eval()
+
+
+def cosmos_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Latents of ``frames x h x w`` (tokens ``frames x h/2 x w/2``) and text."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, 4, frames, h, w, generator=g),
+        "timestep": torch.full((batch,), 0.5),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+    }
+
+
 def make_animatediff_unet(seed: int = 0):
     """AnimateDiff-like (``UNetMotionModel``): an SD-1.5-like UNet whose levels each add
     motion modules, temporal attention over the frames of every latent pixel."""
@@ -546,4 +569,6 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("wan-animate", "wan-animate", make_wan_animate, lambda b: wan_animate_inputs(b, 4, 12, 16),
            {"blocks": {"blocks": range(4)}}, cross=True, odd=lambda b: wan_animate_inputs(b, 3, 10, 14), odd_tokens=3 * 35,
            divided=lambda b: wan_animate_inputs(b, 4, 16, 16), grid=(4, 6, 8)),
+    Family("cosmos", "cosmos", make_cosmos, lambda b: cosmos_inputs(b, 3, 8, 8), {"blocks": {"transformer_blocks": range(3)}},
+           proportional=False, cross=True, odd=lambda b: cosmos_inputs(b, 3, 10, 14), odd_tokens=3 * 35, grid=(3, 4, 4)),
 )}

@@ -27,6 +27,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wan-vace": ("toma.adapters.wan_vace", ("WanVACETransformer3DModel",)),
     "skyreels-v2": ("toma.adapters.skyreels_v2", ("SkyReelsV2Transformer3DModel",)),
     "wan-animate": ("toma.adapters.wan_animate", ("WanAnimateTransformer3DModel",)),
+    "cosmos": ("toma.adapters.cosmos", ("CosmosTransformer3DModel",)),
 }
 
 
