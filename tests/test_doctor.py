@@ -94,10 +94,12 @@ def test_cpu_run_passes_says_the_gpu_checks_were_skipped_and_writes_the_report(c
     attention = by_name["merged vs unmerged attention"]
     assert attention["status"] == "pass" and attention["data"]["merged_tokens"] == 32
     assert {"unmerged_s", "merged_s", "speedup", "relative_error"} <= set(attention["data"])
-    # backends: native takes the log-mass mask, flash SDPA does not (not a failure), cuDNN
-    # does not run on the CPU at all
-    assert by_name["native"]["status"] == "pass" and by_name["native + log-mass mask"]["status"] == "pass"
-    assert by_name["_native_flash + log-mass mask"]["status"] == "n/a"
+    # backends: native takes the bias as the float mask, flash SDPA (no mask) as the key
+    # channel (toma/adapters/attention.py's rule), cuDNN does not run on the CPU at all
+    assert by_name["native"]["status"] == "pass" and by_name["native + log-mass bias"]["status"] == "pass"
+    assert by_name["native + log-mass bias"]["data"]["form"] == "mask"
+    flash = by_name["_native_flash + log-mass bias"]
+    assert flash["status"] == "pass" and flash["data"]["form"] == "key_channel", flash
     assert by_name["_native_cudnn"]["status"] == "skip" and "does not run on cpu" in by_name["_native_cudnn"]["detail"]
     assert report["counts"]["fail"] == 0 and report["counts"]["pass"] >= 18
 

@@ -246,7 +246,7 @@ def backend_checks(report: Report, a: AttentionSetup, shared: dict[str, Any], na
             continue
         tol = nm.attention(a.dtype, a.head_dim, q.shape[1], logit_bound, value_bound, quantized="sage" in name)
         for masked in (False, True):
-            label = f"{name} + log-mass mask" if masked else name
+            label = f"{name} + log-mass bias" if masked else name
             report.check(label, lambda: _run_backend(ad, backend, q, k, v, bias if masked else None, refs, tol, timings))
     if unavailable:
         report.say(f"  {'skip':<8} not available here: {len(unavailable)} backends")
@@ -309,19 +309,31 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Te
 
 def _run_backend(ad: Any, backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                  refs: dict[bool, torch.Tensor], tol: nm.Tolerance, repeats: int) -> tuple[str, dict]:
+    from toma.adapters.attention import KeyBias, biased_dispatch, rule
+
     masked = bias is not None
-    call = lambda: ad.dispatch_attention_fn(q, k, v, attn_mask=bias, backend=backend)  # noqa: E731
-    try:
-        seconds, out = timed(call, repeats, q.device)
-    except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
-        if masked and "mask" in str(err).lower():
-            raise Outcome("n/a", f"takes no additive float mask ({_short(first_line(str(err)), 80)}): proportional "
-                                 "attention is not available with it") from None
-        raise
+    form = None
+    if masked:
+        # the bias as toma's families pass it: in the form the backend's rule picks
+        form, why = rule(backend.value, q.device, q.dtype)
+        if form is None:
+            raise Outcome("n/a", f"proportional attention is off on it: {why}")
+        dispatch = biased_dispatch(ad.dispatch_attention_fn)
+        call = lambda: dispatch(q, k, v, attn_mask=KeyBias(bias[:, 0, 0, :]), backend=backend)  # noqa: E731
+    else:
+        call = lambda: ad.dispatch_attention_fn(q, k, v, backend=backend)  # noqa: E731
+    with warnings.catch_warnings():
+        # a form that fell back (to no bias) is a failure here
+        warnings.filterwarnings("error", message="ToMA: proportional attention", category=UserWarning)
+        try:
+            seconds, out = timed(call, repeats, q.device)
+        except UserWarning as err:
+            raise Outcome("fail", f"the {form} did not run: {_short(first_line(str(err)), 160)}") from None
     ref = refs[masked]
     c = nm.compare(out, ref, tol)
     data = {"seconds": seconds, **c.as_dict(), "tolerance": {"atol": tol.atol, "rtol": tol.rtol, "why": tol.why}}
     if masked:
+        data["form"] = form
         # a backend that dropped the bias would sit closer to the unmasked result
         err_masked, err_plain = relative_error(out, ref), relative_error(out, refs[False])
         effect = relative_error(refs[True], refs[False])
@@ -334,4 +346,4 @@ def _run_backend(ad: Any, backend: Any, q: torch.Tensor, k: torch.Tensor, v: tor
                                   f"than the masked one ({err_masked:.2g})", data)
     if not c.ok:
         raise Outcome("fail", c.detail, data)
-    return f"{c.detail} ({_ms(seconds)})", data
+    return f"{form + ': ' if form else ''}{c.detail} ({_ms(seconds)})", data
