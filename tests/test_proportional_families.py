@@ -12,6 +12,7 @@ import toma
 from tests.conftest import flux_inputs, make_flux, make_wan, wan_inputs
 from tests.test_dit import duplicated_video
 from tests.test_proportional import clustered_tokens
+from tests.tiny_models import FAMILIES as TINY
 from tests.tiny_models import (cogvideox_inputs, flux2_inputs, hunyuan_inputs, make_cogvideox, make_flux2,
                                make_hunyuan)
 from toma.adapters import attention as A
@@ -49,6 +50,10 @@ FAMILIES = {
     "hunyuanvideo": (make_hunyuan, lambda: hunyuan_inputs(2, 2, 8, 8),
                      {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}),
 }
+# the families built on Wan's spec, whose processors live in modules of their own
+for _name in ("wan-vace", "skyreels-v2", "wan-animate"):
+    _f = TINY[_name]
+    FAMILIES[_name] = (_f.make, lambda _f=_f: _f.inputs(2), _f.options)
 
 
 def outputs(name, monkeypatch) -> dict[str, torch.Tensor]:
