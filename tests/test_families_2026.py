@@ -240,3 +240,34 @@ def test_cosmos_raster_ordered_inputs_merge_in_raster_order(case):
     if case == "per-frame timesteps":  # the same model with one timestep keeps tile order
         output(model, plain)
         assert step_hook(model).order.layout is not None
+
+
+# ------------------------------------------------------------------ proportional attention
+@pytest.mark.parametrize("name", ["skyreels-v2", "wan-vace", "wan-animate", "longcat-image"])
+def test_proportional_attention_reaches_the_new_families_processors(name, monkeypatch):
+    # the key bias reaches each family's own processor and diffusers' dispatch: every form
+    # the backend rule can pick computes what the float mask does (fp32 rounding, under
+    # 1e-5 of the output's range through these tiny blocks, as in
+    # tests/test_proportional_families.py), and the bias moves the output by more than 1e-3
+    import warnings as _w
+
+    from tests.test_proportional_families import force
+    from toma.adapters import attention as A
+
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(2)
+    out = {}
+    for proportional in (False, True):
+        toma.apply_toma(model, ratio=0.5, proportional_attention=proportional, **fam.options)
+        out[proportional] = output(model, kw)
+        toma.remove_toma(model)
+    for form in (A.KEY_CHANNEL, A.FLEX):
+        with monkeypatch.context() as m, _w.catch_warnings():
+            _w.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            force(m, form)
+            toma.apply_toma(model, ratio=0.5, proportional_attention=True, **fam.options)
+            got = output(model, kw)
+            toma.remove_toma(model)
+        scale = float(out[True].abs().max())
+        torch.testing.assert_close(got, out[True], atol=1e-5 * scale, rtol=0, msg=form)
+    assert (out[False] - out[True]).abs().max() > 1e-3 * float(out[True].abs().max())

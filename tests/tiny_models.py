@@ -410,6 +410,42 @@ def cosmos_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: 
     }
 
 
+def make_longcat(seed: int = 0, double: int = 2, single: int = 2):
+    """LongCat-Image-like: Flux.1's layout, 2 heads of 16 channels."""
+    from diffusers import LongCatImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    return LongCatImageTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=double, num_single_layers=single, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=CROSS_DIM, pooled_projection_dim=CROSS_DIM, axes_dims_rope=(4, 6, 6),
+    ).eval()
+
+
+def longcat_ids(modality: int, start: int, h: int, w: int) -> torch.Tensor:
+    """The ``(h * w, 3)`` ids LongCat's pipelines give an image: modality, then row and column from ``start``."""
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack([torch.full_like(rows, modality), rows + start, cols + start], -1).reshape(-1, 3).float()
+
+
+def longcat_inputs(batch: int, h: int, w: int, text: int = 5, refs: tuple[int, int] | None = None, seed: int = 1) -> dict:
+    """Packed latents of ``h x w`` tokens with ids of modality 1 after ``text`` text ids; with
+    ``refs``, an edit call: a reference image's ``refs[0] x refs[1]`` tokens (modality 2) after them."""
+    g = torch.Generator().manual_seed(seed)
+    arange = torch.arange(text, dtype=torch.float32)
+    ids = longcat_ids(1, text, h, w)
+    tokens = h * w
+    if refs is not None:
+        ids = torch.cat([ids, longcat_ids(2, text, *refs)])
+        tokens += refs[0] * refs[1]
+    return {
+        "hidden_states": torch.randn(batch, tokens, 16, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "timestep": torch.full((batch,), 0.7),
+        "img_ids": ids,
+        "txt_ids": torch.stack([torch.zeros(text), arange, arange], -1),
+    }
+
+
 def make_animatediff_unet(seed: int = 0):
     """AnimateDiff-like (``UNetMotionModel``): an SD-1.5-like UNet whose levels each add
     motion modules, temporal attention over the frames of every latent pixel."""
@@ -571,4 +607,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            divided=lambda b: wan_animate_inputs(b, 4, 16, 16), grid=(4, 6, 8)),
     Family("cosmos", "cosmos", make_cosmos, lambda b: cosmos_inputs(b, 3, 8, 8), {"blocks": {"transformer_blocks": range(3)}},
            proportional=False, cross=True, odd=lambda b: cosmos_inputs(b, 3, 10, 14), odd_tokens=3 * 35, grid=(3, 4, 4)),
+    Family("longcat-image", "longcat-image", make_longcat, lambda b: longcat_inputs(b, 8, 8),
+           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+           odd=lambda b: longcat_inputs(b, 5, 7), odd_tokens=35, grid=(1, 8, 8)),
+    Family("longcat-image-edit", "longcat-image", make_longcat, lambda b: longcat_inputs(b, 8, 8, refs=(4, 4)),
+           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+           odd=lambda b: longcat_inputs(b, 5, 7, refs=(3, 3)), odd_tokens=35, grid=(1, 8, 8)),
 )}

@@ -28,6 +28,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "skyreels-v2": ("toma.adapters.skyreels_v2", ("SkyReelsV2Transformer3DModel",)),
     "wan-animate": ("toma.adapters.wan_animate", ("WanAnimateTransformer3DModel",)),
     "cosmos": ("toma.adapters.cosmos", ("CosmosTransformer3DModel",)),
+    "longcat-image": ("toma.adapters.longcat_image", ("LongCatImageTransformer2DModel",)),
 }
 
 
