@@ -186,3 +186,21 @@ def test_remove_toma_restores_the_modules_dispatch():
     toma.apply_toma(first, ratio=0.5)  # no proportional attention: nothing wrapped
     assert transformer_flux.dispatch_attention_fn is dispatch_attention_fn
     toma.remove_toma(first)
+
+
+def test_the_key_bias_traces_under_torch_compile(monkeypatch):
+    # Dynamo carries the KeyBias through Wan's processor into the wrapped dispatch (the key
+    # channel: the form with most ops of its own); the eager backend (tests/test_compile.py's
+    # reason) keeps it fast. The same ops run, so compiled and eager outputs agree to the
+    # last bits fp32 reordering can change
+    force(monkeypatch, A.KEY_CHANNEL)
+    model = make_wan(layers=2)
+    kw = wan_inputs(2, 2, 8, 8)
+    toma.apply_toma(model, ratio=0.5, proportional_attention=True, blocks={"blocks": range(2)})
+    eager = run(model, **kw)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        got = compiled(**kw, return_dict=False)[0]
+    toma.remove_toma(model)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
