@@ -166,6 +166,8 @@ def test_checkpointed_gradients_equal_plain_ones(name):
     # only autograd's accumulation order can differ (1e-6 bounds that on these models,
     # whose largest gradients are ~1e-1)
     fam = FAMILIES[name]
+    if not fam.checkpointing:
+        pytest.skip(f"diffusers' checkpointed forward of {name} fails, unpatched too")
     model, kw = fam.make(), fam.inputs(2)
     other = fam.inputs(1)
     toma.apply_toma(model, ratio=0.5, **fam.options)

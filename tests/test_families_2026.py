@@ -243,7 +243,7 @@ def test_cosmos_raster_ordered_inputs_merge_in_raster_order(case):
 
 
 # ------------------------------------------------------------------ proportional attention
-@pytest.mark.parametrize("name", ["longcat-image"])  # the Wan clones are rows of tests/test_proportional_families.py
+@pytest.mark.parametrize("name", ["longcat-image", "hunyuanimage"])  # the Wan clones are rows of tests/test_proportional_families.py
 def test_proportional_attention_reaches_the_new_families_processors(name, monkeypatch):
     # the key bias reaches the family's own processor and diffusers' dispatch: every form
     # the backend rule can pick computes what the float mask does (fp32 rounding, under
@@ -271,3 +271,29 @@ def test_proportional_attention_reaches_the_new_families_processors(name, monkey
         scale = float(out[True].abs().max())
         torch.testing.assert_close(got, out[True], atol=1e-5 * scale, rtol=0, msg=form)
     assert (out[False] - out[True]).abs().max() > 1e-3 * float(out[True].abs().max())
+
+
+# ------------------------------------------------------------------ HunyuanImage 2.1
+def test_hunyuanimage_checkpointing_fails_in_diffusers_unpatched():
+    # why its conformance row skips the checkpointed-gradient test: diffusers 0.42.1 passes
+    # the blocks keyword arguments that its checkpoint function does not take; when this
+    # starts passing, the row's checkpointing flag should go
+    fam = FAMILIES["hunyuanimage"]
+    model = fam.make()
+    model.enable_gradient_checkpointing()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'attention_mask'"):
+        model(**fam.inputs(1)).sample.sum().backward()
+
+
+def test_hunyuanimage_merges_its_2d_grid_and_keeps_the_text_padding_masked():
+    # a 2-D latent: the grid is (1, h/2, w/2); padded text stays hidden under merging
+    # (exp of the masked scores underflows to exactly 0, so their values change nothing)
+    fam = FAMILIES["hunyuanimage"]
+    model, kw = fam.make(), fam.inputs(2)
+    reference = output(model, kw)
+    patch = toma.apply_toma(model, ratio=0.5, **fam.options)
+    merged = output(model, kw)
+    assert patch.cache.base_grid == (1, 8, 10) and (merged - reference).abs().max() > 1e-3
+    changed = {**kw, "encoder_hidden_states": kw["encoder_hidden_states"].clone()}
+    changed["encoder_hidden_states"][1, -2:] = 100.0
+    torch.testing.assert_close(output(model, changed), merged, rtol=0, atol=1e-6)

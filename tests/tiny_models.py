@@ -446,6 +446,31 @@ def longcat_inputs(batch: int, h: int, w: int, text: int = 5, refs: tuple[int, i
     }
 
 
+def make_hunyuanimage(seed: int = 0, layers: int = 2, single: int = 2):
+    """HunyuanImage 2.1-like: dual- then single-stream blocks, 2 heads of 8 channels, 2-D rotary over (4, 4)."""
+    from diffusers import HunyuanImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    return HunyuanImageTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=layers,
+        num_single_layers=single, num_refiner_layers=1, patch_size=(2, 2), text_embed_dim=TEXT_DIM, rope_axes_dim=(4, 4),
+    ).eval()
+
+
+def hunyuanimage_inputs(batch: int, h: int, w: int, text: int = 6, padded: int = 2, seed: int = 1) -> dict:
+    """Latents ``(B, 4, h, w)`` (tokens ``h/2 x w/2``); the last sample's last ``padded`` text tokens are padding."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, text)
+    if padded:
+        mask[-1, -padded:] = 0
+    return {
+        "hidden_states": torch.randn(batch, 4, h, w, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "encoder_attention_mask": mask,
+    }
+
+
 def make_animatediff_unet(seed: int = 0):
     """AnimateDiff-like (``UNetMotionModel``): an SD-1.5-like UNet whose levels each add
     motion modules, temporal attention over the frames of every latent pixel."""
@@ -539,6 +564,8 @@ class Family:
     # whether its forwards may run in tile order; False where every call adds raster-ordered
     # residuals between blocks (Wan VACE's control hints)
     tile_order: bool = True
+    # whether diffusers' gradient-checkpointed forward runs at all (HunyuanImage's fails, unpatched too)
+    checkpointing: bool = True
 
     def divided_inputs(self, batch: int) -> dict:
         """A call on a token grid the default tiles divide (see ``divided``)."""
@@ -613,4 +640,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("longcat-image-edit", "longcat-image", make_longcat, lambda b: longcat_inputs(b, 8, 8, refs=(4, 4)),
            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
            odd=lambda b: longcat_inputs(b, 5, 7, refs=(3, 3)), odd_tokens=35, grid=(1, 8, 8)),
+    Family("hunyuanimage", "hunyuanimage", make_hunyuanimage, lambda b: hunyuanimage_inputs(b, 16, 20),
+           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+           odd=lambda b: hunyuanimage_inputs(b, 10, 14), odd_tokens=35, divided=lambda b: hunyuanimage_inputs(b, 16, 16),
+           grid=(1, 8, 10), text_mask="encoder_attention_mask", checkpointing=False),
 )}

@@ -29,6 +29,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wan-animate": ("toma.adapters.wan_animate", ("WanAnimateTransformer3DModel",)),
     "cosmos": ("toma.adapters.cosmos", ("CosmosTransformer3DModel",)),
     "longcat-image": ("toma.adapters.longcat_image", ("LongCatImageTransformer2DModel",)),
+    "hunyuanimage": ("toma.adapters.hunyuanimage", ("HunyuanImageTransformer2DModel",)),
 }
 
 
