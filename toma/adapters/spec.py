@@ -10,7 +10,7 @@ mask layouts). Nothing here registers a hook.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -70,7 +70,10 @@ class Site:
             family's processor takes one over merged keys (proportional attention); None if
             it cannot.
         mask_layout: ``mask_layout(log_mass, batch, heads)`` turns the plan's ``(Bp, K)``
-            log masses into the mask the processor wants.
+            log masses into the mask the processor wants: a float mask for processors that
+            call torch's SDPA, or :func:`toma.adapters.attention.key_bias` for those that
+            hand it to diffusers' dispatch (which then applies it by the backend's rule,
+            folding in a mask of the model's own that ``joint_mask`` fitted).
         joint_mask: ``joint_mask(mask, N, K)`` adapts the attention mask the model itself
             passes (over its joint sequence of ``N`` image tokens and the text) to ``K``
             merged image tokens, or returns None when it cannot (the call then runs
@@ -97,7 +100,7 @@ class Site:
     part: str
     rotary: Rotary | None = None
     mask: tuple[str, int | None] | None = None
-    mask_layout: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+    mask_layout: Callable[[torch.Tensor, int, int], Any] | None = None
     joint_mask: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None
     text_first: bool = False
     text_keys: str | None = None
