@@ -204,3 +204,25 @@ def test_the_key_bias_traces_under_torch_compile(monkeypatch):
         got = compiled(**kw, return_dict=False)[0]
     toma.remove_toma(model)
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", A.FORMS)
+def test_hunyuanvideo_is_exact_on_duplicate_tokens(form, monkeypatch):
+    # the video family with text keys after the video's and two of them padded: the bias
+    # (with the padding folded in as -inf) makes every merged block compute what the
+    # unmerged one does, as in the Flux test above (tiles as tests/test_dit.py's Wan one)
+    force(monkeypatch, form)
+    model = make_hunyuan()
+    identity_rotary(model.rope)
+    kw = hunyuan_inputs(1, 2, 8, 8)  # its one sample pads its last 2 of 6 text tokens
+    kw["hidden_states"] = duplicated_video()
+    ref = run(model, **kw)
+    options = dict(ratio=0.5, tile_size=2, tile_frames=2,
+                   blocks={"transformer_blocks": range(2), "single_transformer_blocks": range(2)})
+    toma.apply_toma(model, proportional_attention=True, **options)
+    exact = run(model, **kw)
+    toma.apply_toma(model, proportional_attention=False, **options)
+    plain = run(model, **kw)
+    toma.remove_toma(model)
+    torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
+    assert (plain - ref).abs().max() > 1e-3
