@@ -1,6 +1,6 @@
 """Compile every Triton kernel variant that settings can reach, for every GPU target: run before a release.
 
-The CI check (tests/test_kernel_compile.py) compiles the launches the tests make for four
+The CI check (tests/core/test_kernel_compile.py) compiles the launches the tests make for four
 targets. This compiles the release matrix without a GPU (Triton's own compiler, ptxas
 from the triton wheel):
 

@@ -1,7 +1,11 @@
 """Cases and checks several test modules share: the merge-path cases of every family that
-tests/test_device_placement.py and tests/test_host_sync.py run, and the tile-order check."""
+tests/adapters/test_device_placement.py and tests/adapters/test_host_sync.py run, the
+tile-order check, inputs with duplicated tokens (where proportional attention is exact) and
+the rounding bound of biased attention."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -9,6 +13,13 @@ import toma
 from tests.tiny_models import (
     FAMILIES,
     cogvideox_inputs,
+    make_cogvideox,
+    make_flux,
+    make_flux2,
+    make_hunyuan,
+    make_ltx,
+    make_qwen,
+    make_wan,
     flux2_inputs,
     flux_inputs,
     hunyuan_inputs,
@@ -89,7 +100,7 @@ def case(name: str) -> tuple[torch.nn.Module, dict, dict]:
 
 def read_ids_on_host(model: torch.nn.Module, host: dict, device: dict) -> None:
     """Flux and FLUX.2 read their token grid from the image ids on the host, once per
-    denoising run (tests/test_host_sync.py): the patched ``model``'s reader reads the
+    denoising run (tests/adapters/test_host_sync.py): the patched ``model``'s reader reads the
     ``host`` call's ids, as a run's first forward does, and then takes the ``device``
     call's ids (fake or meta, with no values to read) for the same ids, already read.
     Other families read nothing."""
@@ -118,3 +129,80 @@ def engine_family(name: str) -> tuple:
     family on the engine, from tests/tiny_models.py's table."""
     fam = FAMILIES[name]
     return fam.make, fam.inputs(2), fam.options
+
+
+def duplicated_video(seed: int = 0) -> torch.Tensor:
+    """Latents ``(1, 4, 2, 8, 8)`` whose ``2 x 2 x 2``-token tiles (tokens are 1x2x2 patches)
+    hold one patch 5 times and three other patches once each, in shuffled places."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.empty(2, 4, 4, 16)  # (t, h, w) tokens of 4 channels x 2 x 2 pixels
+    for i in range(2):
+        for j in range(2):
+            distinct = torch.randn(4, 16, generator=g)
+            values = torch.cat([distinct[:1].expand(5, -1), distinct[1:]])[torch.randperm(8, generator=g)]
+            tokens[:, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2] = values.reshape(2, 2, 2, 16)
+    patches = tokens.reshape(2, 4, 4, 4, 2, 2)  # (t, h, w, c, ph, pw)
+    return patches.permute(3, 0, 1, 4, 2, 5).reshape(1, 4, 2, 8, 8)
+
+
+def clustered_tokens(tiles: int, channels: int = 16, repeats: int = 9, seed: int = 0) -> torch.Tensor:
+    """``(1, tiles * 16, C)`` tokens on a ``4 x 4*tiles`` grid: each 4x4 tile holds one value
+    ``repeats`` times and ``16 - repeats`` other distinct values once, in shuffled places."""
+    gen = torch.Generator().manual_seed(seed)
+    h, w = 4, 4 * tiles
+    grid = torch.empty(h, w, channels)
+    for t in range(tiles):
+        distinct = torch.randn(17 - repeats, channels, generator=gen)
+        values = torch.cat([distinct[:1].expand(repeats, -1), distinct[1:]])
+        values = values[torch.randperm(16, generator=gen)]
+        grid[:, 4 * t : 4 * t + 4] = values.reshape(4, 4, channels)
+    return grid.reshape(1, h * w, channels)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def tolerance(q, k, v, log_mass, layout, scale) -> float:
+    """How far two exact forms of biased attention may differ from rounding alone.
+
+    Each logit ``scale * q.k + b`` is formed with at most three roundings of the dtype
+    (the bias, or the key channel's ``b / scale``; the dot product's result; the sum), each
+    within ``u`` of the quantities involved, so a path's logits are within
+    ``d = 3u (L + B)`` of the exact ones (``L``: largest ``|scale * q.k|``, ``B``: largest
+    ``|b|``) and two paths' within ``2d``. Logits moved by at most ``e`` each move every
+    softmax weight by a factor within ``exp(+-2e)``, so an output (a weighted mean of values)
+    moves by at most ``(exp(4d) - 1) max|v|``; the weights' and outputs' own roundings add
+    ``2u max|v|`` per path.
+    """
+    u = unit_roundoff(q.dtype)
+    bhsd = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
+    logits = scale * (bhsd(q).double() @ bhsd(k).double().transpose(-1, -2))
+    d = 3 * u * (float(logits.abs().max()) + float(log_mass.double().abs().max()))
+    return (math.expm1(4 * d) + 4 * u) * float(v.double().abs().max())
+
+
+# the families a step cache runs on with ToMA: (maker, inputs, the timestep scale of
+# its scheduler, the blocks merged, the module whose output the cache compares)
+CACHED = {
+    "flux": (make_flux, lambda: flux_inputs(1, 8, 8), 1.0, {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}, "single_transformer_blocks.1.proj_out"),
+    "wan": (make_wan, lambda: wan_inputs(1, 3, 8, 8), 1000.0, {"blocks": {"blocks": range(3)}}, "blocks.2.ffn"),
+    "flux2": (lambda: make_flux2(), lambda: flux2_inputs(1, 8, 8), 1.0,
+              {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}, "transformer_blocks.1.ff"),
+    "ltx": (make_ltx, lambda: ltx_inputs(1, 2, 4, 4), 1000.0, {"blocks": {"transformer_blocks": range(3)}}, "transformer_blocks.2.ff"),
+    "qwenimage": (make_qwen, lambda: qwen_inputs(1, 8, 8), 1.0, {"blocks": {"transformer_blocks": range(3)}}, "transformer_blocks.2.img_mlp"),
+    "hunyuanvideo": (make_hunyuan, lambda: hunyuan_inputs(1, 2, 8, 8), 1000.0,
+                     {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, "single_transformer_blocks.1.proj_out"),
+    "cogvideox": (make_cogvideox, lambda: cogvideox_inputs(1, 2, 8, 8), 1000.0, {"blocks": {"transformer_blocks": range(3)}},
+                  "transformer_blocks.2.ff"),
+}
+
+
+def force(monkeypatch, form: str) -> None:
+    """Make the rule pick ``form`` on the CPU's default backend (``native``); flex eager."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from toma.adapters import attention as A
+
+    monkeypatch.setitem(A.RULES, "native", {"*": (form, "forced by the test")})
+    monkeypatch.setattr(A, "_compiled_flex", flex_attention)  # the same maths, no 20 s compile

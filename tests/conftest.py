@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-# The Triton kernels (tests/test_kernels.py) run in Triton's interpreter here. Triton reads
+# The Triton kernels (tests/core/test_kernels.py) run in Triton's interpreter here. Triton reads
 # the switch as it loads, and diffusers loads it, so it must be set before that import.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -31,7 +31,7 @@ from tiny_models import (  # noqa: E402,F401  (the makers, under the names the t
 from toma.kernels import LAUNCH_OBSERVERS  # noqa: E402
 from toma.kernels.aot import recorder  # noqa: E402
 
-# Every Triton launch the tests make, by signature: tests/test_kernel_compile.py, which
+# Every Triton launch the tests make, by signature: tests/core/test_kernel_compile.py, which
 # runs last, compiles each one for real GPU targets (the interpreter checks what a kernel
 # computes, not whether it compiles).
 LAUNCHES: dict[str, dict] = {}
@@ -77,6 +77,18 @@ def tile_orders(monkeypatch) -> list:
     for module in (state, engine):
         monkeypatch.setattr(module, "tile_order", counted)
     return calls
+
+
+@pytest.fixture(autouse=True)
+def _attention_backend_restored():
+    """diffusers' ``set_attention_backend`` also sets a process-wide active backend, which
+    ``reset_attention_backend`` leaves set: restored after every test, so that no test runs
+    on the backend an earlier one chose."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry._active_backend = active
 
 
 @pytest.fixture

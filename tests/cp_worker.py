@@ -1,4 +1,4 @@
-"""Context-parallel cases on CPU processes: what tests/test_context_parallel.py reads.
+"""Context-parallel cases on CPU processes: what tests/adapters/test_context_parallel.py reads.
 
 Run as ``torchrun --nproc_per_node=P tests/cp_worker.py OUT_DIR [CASE ...]``: every rank
 runs every case of world size P in the same order (each under a time limit), and writes

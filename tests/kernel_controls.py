@@ -1,4 +1,4 @@
-"""Two tiny Triton kernels for the compile check's control (tests/test_kernel_compile.py):
+"""Two tiny Triton kernels for the compile check's control (tests/core/test_kernel_compile.py):
 the same store, reading its constant from a plain Python global (which only the
 interpreter accepts) and from a ``tl.constexpr`` one (which the GPU compiler accepts)."""
 

@@ -39,7 +39,7 @@ def test_applying_to_one_family_imports_only_its_adapter():
     # other family's
     assert adapters == {"toma.adapters.base", "toma.adapters.caches", "toma.adapters.engine", "toma.adapters.spec",
                         "toma.adapters.merging", "toma.adapters.state", "toma.adapters.chunking", "toma.adapters.replay",
-                        "toma.adapters.sd3", "toma.adapters.parallel"}
+                        "toma.adapters.sd3", "toma.adapters.parallel", "toma.adapters.attention"}
 
 
 def loaded_by_cli(*argv: str) -> tuple[int, set[str]]:

@@ -156,7 +156,7 @@ def test_eval_data_parallel_two_cpu_processes(tmp_path):
     # launcher (--multi_gpu) starts 2 processes and toma joins them with the gloo backend
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "toma", *common, "--out-dir", str(double)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parents[1])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     one, two = read_results(single), read_results(double)
     assert two["machine"]["processes"] == 2

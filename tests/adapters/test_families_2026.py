@@ -243,15 +243,15 @@ def test_cosmos_raster_ordered_inputs_merge_in_raster_order(case):
 
 
 # ------------------------------------------------------------------ proportional attention
-@pytest.mark.parametrize("name", ["longcat-image", "hunyuanimage"])  # the Wan clones are rows of tests/test_proportional_families.py
+@pytest.mark.parametrize("name", ["longcat-image", "hunyuanimage"])  # the Wan clones are rows of tests/adapters/test_proportional_families.py
 def test_proportional_attention_reaches_the_new_families_processors(name, monkeypatch):
     # the key bias reaches the family's own processor and diffusers' dispatch: every form
     # the backend rule can pick computes what the float mask does (fp32 rounding, under
     # 1e-5 of the output's range through these tiny blocks, as in
-    # tests/test_proportional_families.py), and the bias moves the output by more than 1e-3
+    # tests/adapters/test_proportional_families.py), and the bias moves the output by more than 1e-3
     import warnings as _w
 
-    from tests.test_proportional_families import force
+    from tests.cases import force
     from toma.adapters import attention as A
 
     fam = FAMILIES[name]

@@ -4,7 +4,7 @@ PyTorch's ``meta`` device has shapes but no data, so any read (``.item()``, ``no
 ``tolist``, a data-dependent branch) fails there: running a patched forward on ``meta``
 proves it launches everything without waiting for the device.
 
-Copies from the host to the device are counted in tests/test_device_placement.py: meta
+Copies from the host to the device are counted in tests/adapters/test_device_placement.py: meta
 cannot see them (``torch.tensor(data, device="meta")`` copies nothing, and dispatches
 nothing).
 """
@@ -89,7 +89,7 @@ def test_flux_forward_after_the_ids_read_reads_no_device_data():
 
 # every transformer family, in tile order and on padded grids (raster order, one plan for the
 # batch), every block merged, the MLP and cross-attention too where the family has them, and
-# proportional attention where its processor takes a mask (tests/test_device_placement.py)
+# proportional attention where its processor takes a mask (tests/adapters/test_device_placement.py)
 DITS = [name for name, (row, *_) in CASES.items() if row not in ("sdxl", "sd15")]  # the UNets: above
 
 

@@ -26,7 +26,7 @@ from conftest import LAUNCHES  # noqa: E402
 
 from toma.kernels.targets import CI_TARGETS, TARGETS  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def compile_launches(tmp_path: Path, records: list[dict], extra: list[str], timeout: float) -> tuple[int, str, list]:
@@ -47,7 +47,7 @@ def test_every_launch_compiles_for_the_ci_targets_within_shared_memory(tmp_path)
     records = list(LAUNCHES.values())
     if len(records) < 10:
         # run alone: the launches of the kernel tests are missing, so the check would be thin
-        pytest.skip("run with tests/test_kernels.py (the whole suite), whose launches this compiles")
+        pytest.skip("run with tests/core/test_kernels.py (the whole suite), whose launches this compiles")
     kernels = {r["kernel"] for r in records}
     assert kernels == {"plan", "merge", "unmerge"}, kernels
     rc, log, results = compile_launches(

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from toma.core import proportional as P
+from tests.cases import tolerance
 
 HEAD_DIM = 16
 
@@ -96,29 +97,6 @@ def test_bias_on_merged_keys_equals_attention_over_their_copies(layout, text, pe
 
 
 # --- each path against the mask, per dtype ---------------------------------------------------------------------
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).eps / 2
-
-
-def tolerance(q, k, v, log_mass, layout, scale) -> float:
-    """How far two exact forms of biased attention may differ from rounding alone.
-
-    Each logit ``scale * q.k + b`` is formed with at most three roundings of the dtype
-    (the bias, or the key channel's ``b / scale``; the dot product's result; the sum), each
-    within ``u`` of the quantities involved, so a path's logits are within
-    ``d = 3u (L + B)`` of the exact ones (``L``: largest ``|scale * q.k|``, ``B``: largest
-    ``|b|``) and two paths' within ``2d``. Logits moved by at most ``e`` each move every
-    softmax weight by a factor within ``exp(+-2e)``, so an output (a weighted mean of values)
-    moves by at most ``(exp(4d) - 1) max|v|``; the weights' and outputs' own roundings add
-    ``2u max|v|`` per path.
-    """
-    u = unit_roundoff(q.dtype)
-    bhsd = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
-    logits = scale * (bhsd(q).double() @ bhsd(k).double().transpose(-1, -2))
-    d = 3 * u * (float(logits.abs().max()) + float(log_mass.double().abs().max()))
-    return (math.expm1(4 * d) + 4 * u) * float(v.double().abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

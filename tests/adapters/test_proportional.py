@@ -8,24 +8,11 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import AttnProcessor2_0
 
 import toma
+from tests.cases import clustered_tokens
 from tests.tiny_models import make_sd15_unet, unet_inputs
 from toma.config import ToMAConfig
 from toma.core.plan import build_plan
 from toma.core.tiling import make_layout, to_tiles
-
-
-def clustered_tokens(tiles: int, channels: int = 16, repeats: int = 9, seed: int = 0) -> torch.Tensor:
-    """``(1, tiles * 16, C)`` tokens on a ``4 x 4*tiles`` grid: each 4x4 tile holds one value
-    ``repeats`` times and ``16 - repeats`` other distinct values once, in shuffled places."""
-    gen = torch.Generator().manual_seed(seed)
-    h, w = 4, 4 * tiles
-    grid = torch.empty(h, w, channels)
-    for t in range(tiles):
-        distinct = torch.randn(17 - repeats, channels, generator=gen)
-        values = torch.cat([distinct[:1].expand(repeats, -1), distinct[1:]])
-        values = values[torch.randperm(16, generator=gen)]
-        grid[:, 4 * t : 4 * t + 4] = values.reshape(4, 4, channels)
-    return grid.reshape(1, h * w, channels)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.001])

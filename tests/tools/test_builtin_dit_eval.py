@@ -152,7 +152,7 @@ def test_eval_dit_data_parallel_two_cpu_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "toma", *common, "--out-dir", str(double)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=Path(__file__).parents[1])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     one, two = read_results(single), read_results(double)
     assert two["machine"]["processes"] == 2 and two["model"] == one["model"]

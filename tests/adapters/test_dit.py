@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import toma
+from tests.cases import duplicated_video
 from tests.tiny_models import ltx_inputs, make_ltx, make_pixart, make_sd3, make_wan, pixart_inputs, sd3_inputs, wan_inputs
 
 ALL_SD3 = {"blocks": {"transformer_blocks": range(4)}}
@@ -75,23 +76,6 @@ def test_wan_frames_and_grids_the_tiles_do_not_divide(frames, h, w, tile_frames)
         handle.remove()
     assert out.shape == ref.shape and torch.isfinite(out).all()
     assert queries == [patch.cache.layout(frames, h // 2, w // 2).num_merged] * 3
-
-
-
-
-
-def duplicated_video(seed: int = 0) -> torch.Tensor:
-    """Latents ``(1, 4, 2, 8, 8)`` whose ``2 x 2 x 2``-token tiles (tokens are 1x2x2 patches)
-    hold one patch 5 times and three other patches once each, in shuffled places."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.empty(2, 4, 4, 16)  # (t, h, w) tokens of 4 channels x 2 x 2 pixels
-    for i in range(2):
-        for j in range(2):
-            distinct = torch.randn(4, 16, generator=g)
-            values = torch.cat([distinct[:1].expand(5, -1), distinct[1:]])[torch.randperm(8, generator=g)]
-            tokens[:, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2] = values.reshape(2, 2, 2, 16)
-    patches = tokens.reshape(2, 4, 4, 4, 2, 2)  # (t, h, w, c, ph, pw)
-    return patches.permute(3, 0, 1, 4, 2, 5).reshape(1, 4, 2, 8, 8)
 
 
 def test_wan_proportional_attention_is_exact_on_duplicate_tokens():

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import toma
-from tests.conftest import flux_inputs, make_flux, make_wan, wan_inputs
-from tests.test_dit import duplicated_video
-from tests.test_proportional import clustered_tokens
+from tests.cases import clustered_tokens, duplicated_video, force
+from tests.tiny_models import flux_inputs, make_flux, make_wan, wan_inputs
 from tests.tiny_models import FAMILIES as TINY
 from tests.tiny_models import (cogvideox_inputs, flux2_inputs, hunyuan_inputs, make_cogvideox, make_flux2,
                                make_hunyuan)
@@ -22,14 +21,6 @@ def run(model, **kw):
     with torch.no_grad():
         out = model(**kw, return_dict=False)[0]
     return out
-
-
-def force(monkeypatch, form: str) -> None:
-    """Make the rule pick ``form`` on the CPU's default backend (``native``); flex eager."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    monkeypatch.setitem(A.RULES, "native", {"*": (form, "forced by the test")})
-    monkeypatch.setattr(A, "_compiled_flex", flex_attention)  # the same maths, no 20 s compile
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +69,7 @@ def test_each_form_equals_the_mask_in_a_family(name, monkeypatch):
     out = outputs(name, monkeypatch)
     scale = float(out["mask"].abs().max())
     # fp32: each merged attention's forms differ by rounding (about 1e-6 of its outputs,
-    # tests/test_proportional_paths.py); through these 2-4 tiny blocks that stays under
+    # tests/core/test_proportional_paths.py); through these 2-4 tiny blocks that stays under
     # 1e-5 of the output's range, against a bias that moves it by more than 1e-3 of it
     for form in (A.KEY_CHANNEL, A.FLEX):
         torch.testing.assert_close(out[form], out["mask"], atol=1e-5 * scale, rtol=0, msg=form)
@@ -114,7 +105,7 @@ def test_flux_is_exact_on_duplicate_tokens(form, monkeypatch):
 
 @pytest.mark.parametrize("form", [A.KEY_CHANNEL, A.FLEX])
 def test_wan_is_exact_on_duplicate_tokens_by_every_form(form, monkeypatch):
-    # tests/test_dit.py checks this through the CPU's rule (the mask); here the other forms
+    # tests/adapters/test_dit.py checks this through the CPU's rule (the mask); here the other forms
     force(monkeypatch, form)
     model = make_wan(layers=2)
     model.rope.freqs_cos.fill_(1.0)
@@ -190,7 +181,7 @@ def test_remove_toma_restores_the_modules_dispatch():
 
 def test_the_key_bias_traces_under_torch_compile(monkeypatch):
     # Dynamo carries the KeyBias through Wan's processor into the wrapped dispatch (the key
-    # channel: the form with most ops of its own); the eager backend (tests/test_compile.py's
+    # channel: the form with most ops of its own); the eager backend (tests/adapters/test_compile.py's
     # reason) keeps it fast. The same ops run, so compiled and eager outputs agree to the
     # last bits fp32 reordering can change
     force(monkeypatch, A.KEY_CHANNEL)
@@ -210,7 +201,7 @@ def test_the_key_bias_traces_under_torch_compile(monkeypatch):
 def test_hunyuanvideo_is_exact_on_duplicate_tokens(form, monkeypatch):
     # the video family with text keys after the video's and two of them padded: the bias
     # (with the padding folded in as -inf) makes every merged block compute what the
-    # unmerged one does, as in the Flux test above (tiles as tests/test_dit.py's Wan one)
+    # unmerged one does, as in the Flux test above (tiles as tests/adapters/test_dit.py's Wan one)
     force(monkeypatch, form)
     model = make_hunyuan()
     identity_rotary(model.rope)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import toma
-from tests.test_compat import CACHED
+from tests.cases import CACHED
 
 cache_dit = pytest.importorskip("cache_dit")  # CI installs it (.ci/run)
 logging.getLogger("cache_dit").setLevel(logging.WARNING)

@@ -522,7 +522,7 @@ def test_merged_blocks_compile_without_graph_breaks(name):
     # costs 5-30 s here; the merge path's hooks sit on the blocks' sub-modules, so the first
     # merged block of each stack is traced, from its recorded call, building its plan (the
     # step hook on the model reads the grid and timestep into Python on purpose, outside
-    # the merge path: tests/test_compile.py). The forward before builds what lives as long
+    # the merge path: tests/adapters/test_compile.py). The forward before builds what lives as long
     # as the patch (tile layouts' index tensors); a plan is built at every step
     fam = FAMILIES[name]
     model, kw = fam.make(), fam.inputs(1)

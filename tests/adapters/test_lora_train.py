@@ -15,7 +15,7 @@ from tests.tiny_models import CROSS_DIM, make_sd15_unet
 
 pytest.importorskip("peft")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_train.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lora_train.py"
 STEPS = 3
 
 

@@ -66,8 +66,8 @@ def test_native_flash_runs_the_key_channel_where_a_mask_is_refused():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_forms_in_low_precision(form, dtype, monkeypatch):
     # each form forced onto the native backend, against the float mask in the same dtype;
-    # the tolerance is the rounding bound of tests/test_proportional_paths.py
-    from tests.test_proportional_paths import tolerance
+    # the tolerance is the rounding bound of tests/core/test_proportional_paths.py
+    from tests.cases import tolerance
     from torch.nn.attention.flex_attention import flex_attention
 
     monkeypatch.setattr(A, "_compiled_flex", flex_attention)

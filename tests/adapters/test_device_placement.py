@@ -37,7 +37,8 @@ from tests.cases import CASES, case, read_ids_on_host
 from toma.kernels import KERNELS_ENV
 
 DEVICE = torch.device("lazy", 0)
-TORCH, TOMA, TESTS = (pathlib.Path(p).resolve().parent for p in (torch.__file__, toma.__file__, __file__))
+TORCH, TOMA = (pathlib.Path(p).resolve().parent for p in (torch.__file__, toma.__file__))
+TESTS = pathlib.Path(__file__).resolve().parents[1]  # every test module and helper
 TO_COPY, COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from toma.tools.cli import build_parser
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:

@@ -34,7 +34,7 @@ from toma.core.tiling import (
     token_mask,
 )
 
-WORKER = Path(__file__).with_name("cp_worker.py")
+WORKER = Path(__file__).parents[1] / "cp_worker.py"
 SPAWN_SECONDS = 240  # about 35 s (2 processes) and 50 s (4) on the 2-core CI machine; the rest is load
 FAMILIES = ("flux", "flux2", "wan", "qwenimage", "ltx")
 MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2}  # merged self-attention calls per forward

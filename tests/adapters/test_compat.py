@@ -16,9 +16,7 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 import toma
 from tests.tiny_models import (
     flux_inputs,
-    ltx_inputs,
     make_flux,
-    make_ltx,
     make_sd3,
     make_sd15_unet,
     make_wan,
@@ -26,9 +24,7 @@ from tests.tiny_models import (
     unet_inputs,
     wan_inputs,
 )
-from tests.tiny_models import flux2_inputs, make_flux2, make_qwen, qwen_inputs
-from tests.tiny_models import cogvideox_inputs, hunyuan_inputs, make_cogvideox, make_hunyuan
-from tests.cases import engine_family
+from tests.cases import CACHED, engine_family
 
 NEWER = ["ltx", "qwenimage", "flux2", "hunyuanvideo", "cogvideox"]
 
@@ -180,20 +176,6 @@ def denoise(model, kw, steps: int, scale: float):
             with model.cache_context("cond"):
                 outs.append(model(**{**kw, "hidden_states": kw["hidden_states"] * (1 - i / steps), "timestep": t})[0])
     return torch.stack(outs)
-
-
-CACHED = {
-    "flux": (make_flux, lambda: flux_inputs(1, 8, 8), 1.0, FAMILIES["flux"][2], "single_transformer_blocks.1.proj_out"),
-    "wan": (make_wan, lambda: wan_inputs(1, 3, 8, 8), 1000.0, FAMILIES["wan"][2], "blocks.2.ffn"),
-    "flux2": (lambda: make_flux2(), lambda: flux2_inputs(1, 8, 8), 1.0,
-              {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}, "transformer_blocks.1.ff"),
-    "ltx": (make_ltx, lambda: ltx_inputs(1, 2, 4, 4), 1000.0, {"blocks": {"transformer_blocks": range(3)}}, "transformer_blocks.2.ff"),
-    "qwenimage": (make_qwen, lambda: qwen_inputs(1, 8, 8), 1.0, {"blocks": {"transformer_blocks": range(3)}}, "transformer_blocks.2.img_mlp"),
-    "hunyuanvideo": (make_hunyuan, lambda: hunyuan_inputs(1, 2, 8, 8), 1000.0,
-                     {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, "single_transformer_blocks.1.proj_out"),
-    "cogvideox": (make_cogvideox, lambda: cogvideox_inputs(1, 2, 8, 8), 1000.0, {"blocks": {"transformer_blocks": range(3)}},
-                  "transformer_blocks.2.ff"),
-}
 
 
 def cache_config(name: str, steps: int, family: str = ""):

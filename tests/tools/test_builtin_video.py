@@ -351,7 +351,7 @@ def test_training_gives_the_class_path_its_own_learning_rate():
 
     from diffusers import WanTransformer3DModel
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     try:
         from train_builtin import lr_at, optimise
         from train_builtin_video import param_groups
@@ -384,7 +384,7 @@ def _train_script():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     try:
         return importlib.import_module("train_builtin_video")
     finally:

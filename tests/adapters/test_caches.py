@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import toma
-from tests.test_compat import CACHED
+from tests.cases import CACHED
 
 STEPS = 6
 
