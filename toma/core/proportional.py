@@ -55,7 +55,9 @@ def masked_out(log_mass: torch.Tensor, keep: torch.Tensor | None) -> torch.Tenso
     if keep.dtype != torch.bool or keep.ndim != 2 or keep.shape[1] != log_mass.shape[1]:
         raise ValueError(f"keep must be a bool (Bk, {log_mass.shape[1]}) mask over the keys "
                          f"(got {keep.dtype}, {tuple(keep.shape)})")
-    return torch.where(keep, log_mass, torch.tensor(float("-inf"), dtype=log_mass.dtype, device=log_mass.device))
+    # a Python scalar, not a 0-dim tensor made on the device: that would be a copy from the
+    # host at every call
+    return torch.where(keep, log_mass, float("-inf"))
 
 
 def _check_log_mass(log_mass: torch.Tensor, batch: int, keys: int) -> None:
