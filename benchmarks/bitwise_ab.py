@@ -36,10 +36,14 @@ def old_tree(old: str) -> Path:
     path = Path(old)
     if path.is_dir():
         return path.resolve()
-    rev = subprocess.run(["git", "rev-parse", "--short", old], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", old], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
     tree = Path(tempfile.gettempdir()) / f"toma-ab-{rev}"
     if not tree.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True, capture_output=True
+        )
     return tree
 
 

@@ -82,9 +82,11 @@ def main() -> int:
     for t in targets:
         for d in dtypes:
             print(f"{t:8} {d:5} {best.get((t, d), '-')!s:35} {big.get((t, d), '-')}")
-    print(f"\n{len(results) - len(failed)} compiled, {len(failed)} failed, "
-          f"{sum(1 for r in results if 'error' not in r and not r['fits'])} over shared memory, "
-          f"in {time.perf_counter() - start:.0f} s")
+    print(
+        f"\n{len(results) - len(failed)} compiled, {len(failed)} failed, "
+        f"{sum(1 for r in results if 'error' not in r and not r['fits'])} over shared memory, "
+        f"in {time.perf_counter() - start:.0f} s"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

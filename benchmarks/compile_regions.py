@@ -27,7 +27,9 @@ from toma.core.selection import facility_location
 from toma.core.tiling import layout_index, make_layout, raster_order, tile_order
 
 
-def regions(batch: int, side: int, channels: int, heads: int, ratio: float, tile: int) -> dict[str, Callable[[], object]]:
+def regions(
+    batch: int, side: int, channels: int, heads: int, ratio: float, tile: int
+) -> dict[str, Callable[[], object]]:
     """The merge path's regions on one grid, as calls without arguments (inputs bound)."""
     from diffusers.models.attention_processor import Attention
 
@@ -38,14 +40,24 @@ def regions(batch: int, side: int, channels: int, heads: int, ratio: float, tile
     x = torch.randn(batch, side * side, channels, generator=g)
     xt = tile_order(x, layout)
     tiles = xt.unflatten(1, (layout.num_tiles, layout.tile_area))
-    plan = build_plan(tiles, layout, x.dtype, selection=config.selection, temperature=config.temperature, generator=None, index=index)
+    plan = build_plan(
+        tiles, layout, x.dtype, selection=config.selection, temperature=config.temperature, generator=None, index=index
+    )
     sim = cosine_similarity(tiles)
     merged = plan.merge(xt, tiled=True)
     bias = plan.log_mass[:, None, :].repeat_interleave(heads, dim=0)  # as the UNet adapter passes it
     attn = Attention(query_dim=channels, heads=heads, dim_head=channels // heads).eval()
 
     def plan_tensors() -> tuple[torch.Tensor, ...]:
-        p = build_plan(tiles, layout, x.dtype, selection=config.selection, temperature=config.temperature, generator=None, index=index)
+        p = build_plan(
+            tiles,
+            layout,
+            x.dtype,
+            selection=config.selection,
+            temperature=config.temperature,
+            generator=None,
+            index=index,
+        )
         return p.merge_w, p.unmerge_w, p.mass
 
     return {
@@ -86,8 +98,10 @@ def main() -> None:
         if unknown:
             parser.error(f"--only: unknown regions {unknown}; choose from {list(calls)}")
         calls = {k: calls[k] for k in wanted}
-    print(f"{args.side}x{args.side} tokens, {args.channels} channels, {args.heads} heads, batch {args.batch}, "
-          f"ratio {args.ratio}, tile {args.tile}: median CPU ms per call of {args.rounds} rounds of {args.calls} calls, eager | compiled")
+    print(
+        f"{args.side}x{args.side} tokens, {args.channels} channels, {args.heads} heads, batch {args.batch}, "
+        f"ratio {args.ratio}, tile {args.tile}: median CPU ms per call of {args.rounds} rounds of {args.calls} calls, eager | compiled"
+    )
     with torch.inference_mode():
         for name, fn in calls.items():
             compiled = torch.compile(fn, fullgraph=True)

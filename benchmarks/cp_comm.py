@@ -64,49 +64,84 @@ def wan(seed: int = 0):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=16, in_channels=4,
-                                 out_channels=4, text_dim=32, freq_dim=16, ffn_dim=128, num_layers=4,
-                                 rope_max_seq_len=64).eval()
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=HEADS,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=16,
+        ffn_dim=128,
+        num_layers=4,
+        rope_max_seq_len=64,
+    ).eval()
 
 
 def wan_call(frames: int, side: int) -> dict:
     g = torch.Generator().manual_seed(1)
-    return {"hidden_states": torch.randn(1, 4, frames, 2 * side, 2 * side, generator=g), "timestep": torch.tensor([500.0]),
-            "encoder_hidden_states": torch.randn(1, 8, 32, generator=g)}
+    return {
+        "hidden_states": torch.randn(1, 4, frames, 2 * side, 2 * side, generator=g),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=g),
+    }
 
 
 def flux(seed: int = 0):
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
-    return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-                                  num_attention_heads=HEADS, joint_attention_dim=32, pooled_projection_dim=32,
-                                  axes_dims_rope=(4, 6, 6)).eval()
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=HEADS,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()
 
 
 def flux_call(side: int, text: int = 8) -> dict:
     g = torch.Generator().manual_seed(1)
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
     ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
-    return {"hidden_states": torch.randn(1, side * side, 16, generator=g),
-            "encoder_hidden_states": torch.randn(1, text, 32, generator=g),
-            "pooled_projections": torch.randn(1, 32, generator=g), "timestep": torch.tensor([0.7]),
-            "img_ids": ids, "txt_ids": torch.zeros(text, 3)}
+    return {
+        "hidden_states": torch.randn(1, side * side, 16, generator=g),
+        "encoder_hidden_states": torch.randn(1, text, 32, generator=g),
+        "pooled_projections": torch.randn(1, 32, generator=g),
+        "timestep": torch.tensor([0.7]),
+        "img_ids": ids,
+        "txt_ids": torch.zeros(text, 3),
+    }
 
 
 def models(frames: int, side: int) -> dict:
     """Wan on ``frames x side x side`` tokens, Flux on ``2 side x 2 side`` (the same count at 4 frames)."""
     return {
-        "wan": (wan, lambda: wan_call(frames, side), {"blocks": {"blocks": range(4)}},
-                f"{frames}x{side}x{side} = {frames * side * side:,} video tokens, 4 blocks"),
-        "flux": (flux, lambda: flux_call(2 * side), {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)},
-                 f"{2 * side}x{2 * side} = {4 * side * side:,} image tokens + 8 text, 2+2 blocks"),
+        "wan": (
+            wan,
+            lambda: wan_call(frames, side),
+            {"blocks": {"blocks": range(4)}},
+            f"{frames}x{side}x{side} = {frames * side * side:,} video tokens, 4 blocks",
+        ),
+        "flux": (
+            flux,
+            lambda: flux_call(2 * side),
+            {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)},
+            f"{2 * side}x{2 * side} = {4 * side * side:,} image tokens + 8 text, 2+2 blocks",
+        ),
     }
 
 
 MODELS: dict = {}
-MODES = {"ulysses": lambda p: {"ulysses_degree": p}, "ring": lambda p: {"ring_degree": p},
-         "both": lambda p: {"ulysses_degree": 2, "ring_degree": p // 2}}
+MODES = {
+    "ulysses": lambda p: {"ulysses_degree": p},
+    "ring": lambda p: {"ring_degree": p},
+    "both": lambda p: {"ulysses_degree": 2, "ring_degree": p // 2},
+}
 
 
 def forward(model, kw: dict) -> torch.Tensor:
@@ -157,11 +192,18 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--time", type=int, default=5, help="timed forwards of each model (0: bytes only)")
     parser.add_argument("--out", default=None, help="a JSON file for rank 0's rows")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                        help="cuda: NCCL, one GPU per rank, bfloat16, diffusers' own attention backends")
-    parser.add_argument("--backend", default=None,
-                        help="set_attention_backend before enable_parallelism (GPU ring attention needs one that "
-                             "returns the log-sum-exp, e.g. _native_cudnn or flash)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: NCCL, one GPU per rank, bfloat16, diffusers' own attention backends",
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="set_attention_backend before enable_parallelism (GPU ring attention needs one that "
+        "returns the log-sum-exp, e.g. _native_cudnn or flash)",
+    )
     parser.add_argument("--frames", type=int, default=4)
     parser.add_argument("--side", type=int, default=24)
     parser.add_argument("--heads", type=int, default=4)
@@ -183,7 +225,9 @@ def main() -> None:
     _count("all_gather_tensor", funcol)
     _count("all_gather", dist, tensor_arg=1)
     modes = args.modes.split(",") if args.modes else (["ulysses", "ring"] if world == 2 else ["both"])
-    rows = [measure(m, mode, world, args.time, args.ratio, device, dtype) for m in args.models.split(",") for mode in modes]
+    rows = [
+        measure(m, mode, world, args.time, args.ratio, device, dtype) for m in args.models.split(",") for mode in modes
+    ]
     if dist.get_rank() == 0:
         print(f"{'model':6} {'mode':8} P  attention MB unmerged -> merged   output MB   s/forward unmerged -> merged")
         for r in rows:
@@ -194,8 +238,17 @@ def main() -> None:
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
-                json.dump({"rows": rows, "device": args.device, "load": os.getloadavg(), "threads": torch.get_num_threads(),
-                       "command": " ".join(sys.argv)}, f, indent=1)
+                json.dump(
+                    {
+                        "rows": rows,
+                        "device": args.device,
+                        "load": os.getloadavg(),
+                        "threads": torch.get_num_threads(),
+                        "command": " ".join(sys.argv),
+                    },
+                    f,
+                    indent=1,
+                )
     dist.destroy_process_group()
 
 

@@ -94,21 +94,41 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="batch size of the inputs (2 = a CFG batch)")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
-    parser.add_argument("--compile", action="store_true",
-                        help="also time every method under torch.compile (inductor), interleaved with the eager ones")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help="comma-separated subset of none,toma,ideal (none is always timed; efficiency needs ideal)")
-    parser.add_argument("--freezing", action="store_true",
-                        help="with --compile: inductor's freezing (weights as constants, prepacked for the CPU's "
-                             "convolution and matmul libraries), PyTorch's advice for CPU inference")
-    parser.add_argument("--profile", action="store_true",
-                        help="after the rounds, profile one forward of each variant and print its time by region")
-    parser.add_argument("--separate-adds", action="store_true",
-                        help="also time ToMA with unmerge and residual add as two kernels (toma-separate; UNets, eager)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time every method under torch.compile (inductor), interleaved with the eager ones",
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated subset of none,toma,ideal (none is always timed; efficiency needs ideal)",
+    )
+    parser.add_argument(
+        "--freezing",
+        action="store_true",
+        help="with --compile: inductor's freezing (weights as constants, prepacked for the CPU's "
+        "convolution and matmul libraries), PyTorch's advice for CPU inference",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the rounds, profile one forward of each variant and print its time by region",
+    )
+    parser.add_argument(
+        "--separate-adds",
+        action="store_true",
+        help="also time ToMA with unmerge and residual add as two kernels (toma-separate; UNets, eager)",
+    )
     parser.add_argument("--out", default=None, help="JSON file for the raw samples")
-    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
-                        help="override a placement option of toma and the ideal, e.g. --set levels=2 --set merge_mlp=True "
-                             "(VALUE is a Python literal); repeatable")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="override a placement option of toma and the ideal, e.g. --set levels=2 --set merge_mlp=True "
+        "(VALUE is a Python literal); repeatable",
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1; got {args.rounds}")
@@ -142,8 +162,16 @@ def main() -> None:
             MethodPatcher(copy_, arch, placement, {}, None).apply(v)
             calls[v.method] = lambda inputs, copy_=copy_: call_denoiser(arch, copy_, inputs)
         with torch.inference_mode():
-            compiled = compile_variants(MethodPatcher(model, arch, placement, {}, None), picked, [args.batch],
-                                        {args.batch: [inputs]}, 0, torch.device("cpu"), print, args.freezing)
+            compiled = compile_variants(
+                MethodPatcher(model, arch, placement, {}, None),
+                picked,
+                [args.batch],
+                {args.batch: [inputs]},
+                0,
+                torch.device("cpu"),
+                print,
+                args.freezing,
+            )
         calls.update({f"{cv.method}+compile": call for cv, call in compiled.items()})
         variants = (*methods, *(f"{m}+compile" for m in methods))
     else:
@@ -170,12 +198,18 @@ def main() -> None:
     if _graph_count() != graphs:  # a timed sample then included compiling
         print(f"warning: {_graph_count() - graphs} graphs were compiled during the timed rounds")
     cpu = {v: statistics.median(c for c, _ in samples[v]) for v in variants}
-    print(f"{args.arch} depth {args.depth} {resolution}p frames {args.frames} batch {args.batch}: "
-          f"medians of {args.rounds} CPU-time samples")
+    print(
+        f"{args.arch} depth {args.depth} {resolution}p frames {args.frames} batch {args.batch}: "
+        f"medians of {args.rounds} CPU-time samples"
+    )
     for v in variants:
         base, _, compiled = v.partition("+")
         none, ideal = (f"none+{compiled}", f"ideal+{compiled}") if compiled else ("none", "ideal")
-        eff = "" if base == "none" or ideal not in cpu else f", efficiency {(cpu[none] - cpu[v]) / (cpu[none] - cpu[ideal]):.0%}"
+        eff = (
+            ""
+            if base == "none" or ideal not in cpu
+            else f", efficiency {(cpu[none] - cpu[v]) / (cpu[none] - cpu[ideal]):.0%}"
+        )
         print(f"  {v:14s} {cpu[v]:8.2f} s  speedup {cpu[none] / cpu[v]:.3f}x{eff}")
     if args.compile:
         print("  compiled/eager time: " + ", ".join(f"{m} {cpu[m + '+compile'] / cpu[m]:.3f}" for m in methods))
@@ -184,20 +218,37 @@ def main() -> None:
         for v in variants:
             if not args.compile:
                 apply_variant(patcher, v, args.ratio)
-            regions[v] = profile_regions(lambda: calls[v](inputs) if args.compile else call_denoiser(arch, model, inputs))
+            regions[v] = profile_regions(
+                lambda: calls[v](inputs) if args.compile else call_denoiser(arch, model, inputs)
+            )
             if not args.compile:
                 patcher.remove()
-        names = sorted({r for shares in regions.values() for r in shares}, key=lambda r: -regions[variants[0]].get(r, 0))
+        names = sorted(
+            {r for shares in regions.values() for r in shares}, key=lambda r: -regions[variants[0]].get(r, 0)
+        )
         print("profiler ms of one forward by region (self time of its ops; inflated by the machine's load):")
         print(f"  {'region':34s}" + "".join(f"{v:>15s}" for v in variants))
         for r in names:
             print(f"  {r:34s}" + "".join(f"{regions[v].get(r, 0.0):15.1f}" for v in variants))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"arch": args.arch, "depth": args.depth, "resolution": resolution, "frames": args.frames,
-                       "batch": args.batch, "ratio": args.ratio, "compile": args.compile,
-                       "placement": {k: repr(v) for k, v in placement.items()},
-                       "samples_cpu_wall_s": samples, "median_cpu_s": cpu, "profile_regions_ms": regions}, f, indent=1)
+            json.dump(
+                {
+                    "arch": args.arch,
+                    "depth": args.depth,
+                    "resolution": resolution,
+                    "frames": args.frames,
+                    "batch": args.batch,
+                    "ratio": args.ratio,
+                    "compile": args.compile,
+                    "placement": {k: repr(v) for k, v in placement.items()},
+                    "samples_cpu_wall_s": samples,
+                    "median_cpu_s": cpu,
+                    "profile_regions_ms": regions,
+                },
+                f,
+                indent=1,
+            )
 
 
 def apply_variant(patcher: MethodPatcher, variant: str, ratio: float) -> None:

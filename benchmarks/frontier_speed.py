@@ -59,7 +59,9 @@ def windowed(options: dict) -> bool:
     return "start_step" in options or "stop_step" in options
 
 
-def settings(ratios: list[float], extra: list[float], only: list[str] | None = None) -> list[tuple[str, str, float, dict]]:
+def settings(
+    ratios: list[float], extra: list[float], only: list[str] | None = None
+) -> list[tuple[str, str, float, dict]]:
     """(placement, method, ratio, options) of every timed setting, unmerged first.
 
     ``only``: placement names (and ``"tomesd"``) to time; None means every placement
@@ -81,9 +83,14 @@ def main() -> int:
     parser.add_argument("--extra-ratios", default="0.6,0.7", help=f"more ratios for {', '.join(EXTRA)}")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--batch", type=int, default=20, help="digits per sample (the eval's --batch-size)")
-    parser.add_argument("--steps", type=int, default=5, help=f"denoising steps ({WINDOW_STEPS} for step-window placements)")
-    parser.add_argument("--only", default=None,
-                        help="comma-separated placements (and/or tomesd) to time; default: all without a step window")
+    parser.add_argument(
+        "--steps", type=int, default=5, help=f"denoising steps ({WINDOW_STEPS} for step-window placements)"
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated placements (and/or tomesd) to time; default: all without a step window",
+    )
     parser.add_argument("--json", default=None, help="write {placement/method/ratio: speedup, ...} here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -118,14 +125,25 @@ def main() -> int:
         print(f"round {rnd}/{args.rounds} done", flush=True)
 
     none = statistics.median(times[0])
-    result = {"protocol": f"built-in digits UNet, batch {args.batch} (guided: {2 * args.batch} in the UNet), "
-                          f"{args.steps} DDIM steps, process CPU time, 1 thread, median of {args.rounds} "
-                          "interleaved rounds", "settings": []}
+    result = {
+        "protocol": f"built-in digits UNet, batch {args.batch} (guided: {2 * args.batch} in the UNet), "
+        f"{args.steps} DDIM steps, process CPU time, 1 thread, median of {args.rounds} "
+        "interleaved rounds",
+        "settings": [],
+    }
     for i, (place, method, ratio, _) in enumerate(todo):
         med = statistics.median(times[i])
         spread = (max(times[i]) - min(times[i])) / med
-        result["settings"].append({"placement": place, "method": method, "ratio": ratio, "cpu_s": round(med, 3),
-                                   "speedup": round(none / med, 3), "spread": round(spread, 3)})
+        result["settings"].append(
+            {
+                "placement": place,
+                "method": method,
+                "ratio": ratio,
+                "cpu_s": round(med, 3),
+                "speedup": round(none / med, 3),
+                "spread": round(spread, 3),
+            }
+        )
         print(f"{place:13s} {method:7s} {ratio:5.2f}  {med:7.3f} s  {none / med:6.3f}x  spread {spread:.1%}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -32,8 +32,13 @@ def load_rows(root: Path) -> list[dict]:
             if row["method"] == "none":
                 continue
             # "<placement>@<anything>": more ratios of the same placement, from another run
-            rows.append({**row, "placement": path.parent.name.split("@")[0], "reference_accuracy": next(
-                r["accuracy"] for r in data["results"] if r["method"] == "none")})
+            rows.append(
+                {
+                    **row,
+                    "placement": path.parent.name.split("@")[0],
+                    "reference_accuracy": next(r["accuracy"] for r in data["results"] if r["method"] == "none"),
+                }
+            )
     if not rows:
         raise SystemExit(f"no */results.json under {root}")
     return rows
@@ -43,8 +48,7 @@ def frontier(rows: list[dict]) -> set[int]:
     """Indices of rows that no other row beats on both speed (>=) and PSNR (>)."""
     keep = set()
     for i, row in enumerate(rows):
-        if not any(o["speedup"] >= row["speedup"] and o["psnr"] > row["psnr"]
-                   for j, o in enumerate(rows) if j != i):
+        if not any(o["speedup"] >= row["speedup"] and o["psnr"] > row["psnr"] for j, o in enumerate(rows) if j != i):
             keep.add(i)
     return keep
 
@@ -53,8 +57,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path)
     parser.add_argument("--default", default="l1:toma:0.5", help="placement:method:ratio of the default setting")
-    parser.add_argument("--speed", type=Path, action="append", default=[],
-                        help="frontier_speed.py's JSON: use its speedups (repeatable: the first file that times a setting wins)")
+    parser.add_argument(
+        "--speed",
+        type=Path,
+        action="append",
+        default=[],
+        help="frontier_speed.py's JSON: use its speedups (repeatable: the first file that times a setting wins)",
+    )
     args = parser.parse_args()
     rows = load_rows(args.root)
     if args.speed:
@@ -65,7 +74,9 @@ def main() -> int:
         missing = [r for r in rows if (r["placement"], r["method"], r["ratio"]) not in timed]
         if missing:
             names = ", ".join(map(str, args.speed))
-            raise SystemExit(f"{names} have no speed for {[(r['placement'], r['method'], r['ratio']) for r in missing]}")
+            raise SystemExit(
+                f"{names} have no speed for {[(r['placement'], r['method'], r['ratio']) for r in missing]}"
+            )
         rows = [{**r, "speedup": timed[(r["placement"], r["method"], r["ratio"])]} for r in rows]
     on_front = frontier(rows)
     place, method, ratio = args.default.split(":")
@@ -74,24 +85,35 @@ def main() -> int:
     print("| placement | method | ratio | speedup | PSNR (dB) | accuracy | frontier |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for i, r in sorted(enumerate(rows), key=lambda ir: -ir[1]["speedup"]):
-        print(f"| {r['placement']} | {r['method']} | {r['ratio']} | {r['speedup']:.3f}x | "
-              f"{r['psnr']:.2f} ± {r['psnr_sem']:.2f} | {r['accuracy']:.3f} (ref {r['reference_accuracy']:.3f}) | "
-              f"{'*' if i in on_front else ''} |")
+        print(
+            f"| {r['placement']} | {r['method']} | {r['ratio']} | {r['speedup']:.3f}x | "
+            f"{r['psnr']:.2f} ± {r['psnr_sem']:.2f} | {r['accuracy']:.3f} (ref {r['reference_accuracy']:.3f}) | "
+            f"{'*' if i in on_front else ''} |"
+        )
 
     print("\ntomesd against ToMA (most faithful ToMA row at least as fast):")
     for r in (r for r in rows if r["method"] == "tomesd"):
         faster = [t for t in rows if t["method"] == "toma" and t["speedup"] >= r["speedup"]]
         best = max(faster, key=lambda t: t["psnr"], default=None)
-        verdict = "none as fast" if best is None else (
-            f"{best['placement']} {best['ratio']}: {best['speedup']:.3f}x, {best['psnr']:.2f} dB "
-            f"({'higher' if best['psnr'] > r['psnr'] else 'NOT higher'})")
+        verdict = (
+            "none as fast"
+            if best is None
+            else (
+                f"{best['placement']} {best['ratio']}: {best['speedup']:.3f}x, {best['psnr']:.2f} dB "
+                f"({'higher' if best['psnr'] > r['psnr'] else 'NOT higher'})"
+            )
+        )
         print(f"  tomesd {r['ratio']}: {r['speedup']:.3f}x, {r['psnr']:.2f} dB -> {verdict}")
 
-    print(f"\nrows at >= 1.3x against the default ({args.default}: {default['psnr']:.2f} dB, "
-          f"accuracy {default['accuracy']:.3f}):")
+    print(
+        f"\nrows at >= 1.3x against the default ({args.default}: {default['psnr']:.2f} dB, "
+        f"accuracy {default['accuracy']:.3f}):"
+    )
     for r in sorted((r for r in rows if r["speedup"] >= 1.3), key=lambda r: -r["psnr"]):
-        print(f"  {r['placement']} {r['method']} {r['ratio']}: {r['speedup']:.3f}x, "
-              f"{r['psnr'] - default['psnr']:+.2f} dB, accuracy {100 * (r['accuracy'] - default['accuracy']):+.1f} pts")
+        print(
+            f"  {r['placement']} {r['method']} {r['ratio']}: {r['speedup']:.3f}x, "
+            f"{r['psnr'] - default['psnr']:+.2f} dB, accuracy {100 * (r['accuracy'] - default['accuracy']):+.1f} pts"
+        )
     return 0
 
 

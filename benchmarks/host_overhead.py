@@ -123,7 +123,11 @@ def main() -> None:
     print(
         f"{arch.name}: every block, narrowed; {args.resolution}px, batch {args.batch}, ratio {args.ratio}, {where}; "
         f"torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s)"
-        + (", ToMA's Triton kernels in the interpreter (host ms not meaningful; syncs not checked)" if interpreted else "")
+        + (
+            ", ToMA's Triton kernels in the interpreter (host ms not meaningful; syncs not checked)"
+            if interpreted
+            else ""
+        )
     )
     print(f"{'method':<8}{'kernels':>9}{'extra':>7}{'host ms':>9}{'extra ms':>10}  {'syncs':<8}top extra ops")
     base_ops: Counter[str] | None = None
@@ -154,7 +158,9 @@ def main() -> None:
             total, extra = sum(ops.values()), ops - base_ops
             top = ", ".join(f"{k} {v}" for k, v in extra.most_common(5))
             verdict = "none" if sync is None else "READS"
-            print(f"{method:<8}{total:>9}{total - sum(base_ops.values()):>+7}{ms:>9.1f}{ms - base_ms:>+10.1f}  {verdict:<8}{top}")
+            print(
+                f"{method:<8}{total:>9}{total - sum(base_ops.values()):>+7}{ms:>9.1f}{ms - base_ms:>+10.1f}  {verdict:<8}{top}"
+            )
             if sync is not None:
                 print(f"         {sync}")
 

@@ -77,7 +77,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--narrow", action="store_true", help="every layer a few channels wide (host_overhead.py's model)")
+    parser.add_argument(
+        "--narrow", action="store_true", help="every layer a few channels wide (host_overhead.py's model)"
+    )
     parser.add_argument("--no-hot-path", action="store_true")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -94,8 +96,12 @@ def main() -> None:
     resolution = args.resolution or arch.resolution
     model = build_model(arch, depth=args.depth, dtype=dtype, device=device)
     placement = {} if arch.family == "flux" else {"levels": args.levels}
-    print(f"{arch.name} {resolution}px, ratio 0.5, {placement}: forward median ms over {args.rounds} interleaved rounds")
-    print(f"{'batch':<7}{'none':>10}{'torch':>10}{'triton':>10}{'torch x':>9}{'triton x':>10}{'max |torch - triton|':>22}")
+    print(
+        f"{arch.name} {resolution}px, ratio 0.5, {placement}: forward median ms over {args.rounds} interleaved rounds"
+    )
+    print(
+        f"{'batch':<7}{'none':>10}{'torch':>10}{'triton':>10}{'torch x':>9}{'triton x':>10}{'max |torch - triton|':>22}"
+    )
     with torch.inference_mode():
         for batch in map(int, args.batch.split(",")):
             inputs = make_inputs(arch, resolution, batch, dtype=dtype, device=device)
@@ -112,8 +118,11 @@ def main() -> None:
                 toma.remove_toma(model)
             ms = {k: 1000 * statistics.median(v) for k, v in samples.items()}
             gap = (outputs["torch"] - outputs["triton"]).abs().max().item()
-            print(f"{batch:<7}{ms['none']:>10.2f}{ms['torch']:>10.2f}{ms['triton']:>10.2f}"
-                  f"{ms['none'] / ms['torch']:>9.3f}{ms['none'] / ms['triton']:>10.3f}{gap:>22.3g}", flush=True)
+            print(
+                f"{batch:<7}{ms['none']:>10.2f}{ms['torch']:>10.2f}{ms['triton']:>10.2f}"
+                f"{ms['none'] / ms['torch']:>9.3f}{ms['none'] / ms['triton']:>10.3f}{gap:>22.3g}",
+                flush=True,
+            )
     os.environ.pop(KERNELS_ENV, None)
 
 

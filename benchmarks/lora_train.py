@@ -164,9 +164,22 @@ def measure_memory(args: argparse.Namespace, configs: list[str]) -> dict[str, di
     """Run :func:`memory_child` for each configuration, one subprocess after the other."""
     results = {}
     for config in configs:
-        cmd = [sys.executable, __file__, "--memory-child", config, "--threads", str(args.threads),
-               "--rank", str(args.rank), "--seed", str(args.seed), "--batch-size", str(args.batch_size),
-               "--memory-steps", str(args.memory_steps)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--memory-child",
+            config,
+            "--threads",
+            str(args.threads),
+            "--rank",
+            str(args.rank),
+            "--seed",
+            str(args.seed),
+            "--batch-size",
+            str(args.batch_size),
+            "--memory-steps",
+            str(args.memory_steps),
+        ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results[config] = json.loads(out.strip().splitlines()[-1])
         print(f"memory {config}: +{results[config]['peak_growth_mib']:.0f} MiB peak", flush=True)
@@ -204,7 +217,7 @@ def train_interleaved(args: argparse.Namespace, model: Any, configs: list[str]) 
     logged = 0
     for step, batch in enumerate(batches):
         # rotate who goes first so no configuration always follows the same neighbour
-        order = configs[step % len(configs):] + configs[: step % len(configs)]
+        order = configs[step % len(configs) :] + configs[: step % len(configs)]
         for config in order:
             run = runs[config]
             t0 = time.perf_counter()
@@ -256,8 +269,9 @@ def heldout_loss(args: argparse.Namespace, model: Any, unet: Any) -> float:
     data = load_digits_32(args.seed)
     gen = torch.Generator().manual_seed(args.seed + 7)
     draw = argparse.Namespace(batch_size=args.heldout, cond_dropout=0.0)
-    batch = training_batch(data["x_test"] * 2.0 - 1.0, data["y_test"],
-                           DDPMScheduler.from_config(SCHEDULER_CONFIG), gen, draw)
+    batch = training_batch(
+        data["x_test"] * 2.0 - 1.0, data["y_test"], DDPMScheduler.from_config(SCHEDULER_CONFIG), gen, draw
+    )
     total = 0.0
     for start in range(0, args.heldout, 64):
         part = {k: v[start : start + 64] for k, v in batch.items()}
@@ -273,8 +287,16 @@ def sample_images(args: argparse.Namespace, model: Any, unet: Any) -> torch.Tens
     chunks = []
     for start in range(0, args.num_images, 50):
         idx = range(start, min(start + 50, args.num_images))
-        chunks.append(sample(model, [i % NUM_CLASSES for i in idx], [args.sample_seed + i for i in idx],
-                             steps=args.sample_steps, progress=False, unet=unet))
+        chunks.append(
+            sample(
+                model,
+                [i % NUM_CLASSES for i in idx],
+                [args.sample_seed + i for i in idx],
+                steps=args.sample_steps,
+                progress=False,
+                unet=unet,
+            )
+        )
     return torch.cat(chunks)
 
 
@@ -376,8 +398,9 @@ def markdown(result: dict[str, Any]) -> str:
 def git_commit() -> str:
     """The checkout's short commit, or ``unknown``."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -393,10 +416,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="learning-rate warm-up steps")
     p.add_argument("--rank", type=int, default=4, help="LoRA rank")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
-    p.add_argument("--sample-configs", default=None,
-                   help="configurations whose LoRA is sampled and scored ('all' for every one; default: those "
-                   "of plain, toma, checkpointing, toma+checkpointing that are trained); a LoRA bitwise equal "
-                   "to one sampled already reuses its samples")
+    p.add_argument(
+        "--sample-configs",
+        default=None,
+        help="configurations whose LoRA is sampled and scored ('all' for every one; default: those "
+        "of plain, toma, checkpointing, toma+checkpointing that are trained); a LoRA bitwise equal "
+        "to one sampled already reuses its samples",
+    )
     p.add_argument("--warmup-rounds", type=int, default=3, help="timing rounds left out of the medians")
     p.add_argument("--memory-steps", type=int, default=2)
     p.add_argument("--num-images", type=int, default=100)
@@ -420,9 +446,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         sampled = [c for c in args.sample_configs.split(",") if c]
     if any(c not in configs for c in sampled) or "plain" not in sampled:
-        p.error(f"--sample-configs must include 'plain' and name only configurations in --configs; got {args.sample_configs!r}")
+        p.error(
+            f"--sample-configs must include 'plain' and name only configurations in --configs; got {args.sample_configs!r}"
+        )
     args.sample_configs = sampled
-    for name in ("threads", "steps", "batch_size", "memory_steps", "num_images", "sample_steps", "heldout", "log_every"):
+    for name in (
+        "threads",
+        "steps",
+        "batch_size",
+        "memory_steps",
+        "num_images",
+        "sample_steps",
+        "heldout",
+        "log_every",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if not 0 <= args.warmup_rounds < args.steps:
@@ -468,8 +505,11 @@ def main(argv: list[str] | None = None) -> int:
             "heldout_loss": heldout_loss(args, model, run["unet"]),
             "lora_distance_to_plain": lora_distance(run["unet"], runs["plain"]["unet"]),
         }
-        print(f"{config}: step {timing[config]['median_s']:.3f}s ({timing[config]['speedup']:.3f}x), "
-              f"held-out loss {configs[config]['heldout_loss']:.4f}", flush=True)
+        print(
+            f"{config}: step {timing[config]['median_s']:.3f}s ({timing[config]['speedup']:.3f}x), "
+            f"held-out loss {configs[config]['heldout_loss']:.4f}",
+            flush=True,
+        )
 
     base_images = sample_images(args, model, model.unet)
     samples: dict[str, torch.Tensor] = {}
@@ -480,7 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         configs[config]["samples_from"] = twin or config
     quality = {"base (no LoRA)": quality_row(model, base_images, base_images, samples["plain"])}
     for config, images in samples.items():
-        name = f"LoRA: {config}" + (f" (= {configs[config]['samples_from']}, bitwise)" if configs[config]["samples_from"] != config else "")
+        name = f"LoRA: {config}" + (
+            f" (= {configs[config]['samples_from']}, bitwise)" if configs[config]["samples_from"] != config else ""
+        )
         quality[name] = quality_row(model, images, base_images, None if config == "plain" else samples["plain"])
         print(f"{name}: {quality[name]}", flush=True)
 

@@ -29,7 +29,9 @@ CASES = (  # (t, h, w) token grid, frames per tile
 )
 
 
-def time_path(grid: tuple[int, int, int], tile_frames: int, channels: int, rounds: int, tiled: bool) -> dict[str, float]:
+def time_path(
+    grid: tuple[int, int, int], tile_frames: int, channels: int, rounds: int, tiled: bool
+) -> dict[str, float]:
     """Median milliseconds of building a plan, merging and unmerging ``(1, N, channels)`` tokens."""
     cache = PlanCache(ToMAConfig(ratio=0.5, tile_frames=tile_frames), tile_frames)
     x = torch.randn(1, grid[0] * grid[1] * grid[2], channels, generator=torch.Generator().manual_seed(0))
@@ -60,11 +62,13 @@ def main() -> None:
     print(f"ms per merged module, {args.channels} channels, ratio 0.5, 4x4 tiles, median of {args.rounds}")
     for grid, frames in CASES:
         padded = PlanCache(ToMAConfig(ratio=0.5, tile_frames=frames), frames).tile_order_layout(grid) is None
-        for tiled in ((False,) if padded else (False, True)):
+        for tiled in (False,) if padded else (False, True):
             ms = time_path(grid, frames, args.channels, args.rounds, tiled)
             path = "tile order" if tiled else ("raster, padded" if padded else "raster")
-            print(f"  grid {grid}, {frames}-frame tiles, {path:14s}: plan {ms['plan']:6.1f}  merge {ms['merge']:6.1f}  "
-                  f"unmerge {ms['unmerge']:6.1f}")
+            print(
+                f"  grid {grid}, {frames}-frame tiles, {path:14s}: plan {ms['plan']:6.1f}  merge {ms['merge']:6.1f}  "
+                f"unmerge {ms['unmerge']:6.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,14 @@ def main() -> None:
         attn(hidden_states=image, encoder_hidden_states=text, image_rotary_emb=(tables[0], text_table))
 
     def per_sample() -> None:
-        outs = [attn(hidden_states=image[b : b + 1], encoder_hidden_states=text[b : b + 1], image_rotary_emb=(tables[b], text_table))
-                for b in range(batch)]
+        outs = [
+            attn(
+                hidden_states=image[b : b + 1],
+                encoder_hidden_states=text[b : b + 1],
+                image_rotary_emb=(tables[b], text_table),
+            )
+            for b in range(batch)
+        ]
         torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
     times: dict[str, list[float]] = {"one call on the batch": [], "one call per sample": []}
@@ -58,13 +64,17 @@ def main() -> None:
                 fn()
                 times[name].append(time.perf_counter() - start)
         kernels = {name: sum(count_kernels(fn).values()) for name, fn in zip(times, (batched, per_sample))}
-    print(f"torch {torch.__version__}, cpu, float32, {torch.get_num_threads()} threads, batch {batch}, "
-          f"K={args.merged} image + {args.text} text tokens, width {width}, {args.repeats} interleaved samples")
+    print(
+        f"torch {torch.__version__}, cpu, float32, {torch.get_num_threads()} threads, batch {batch}, "
+        f"K={args.merged} image + {args.text} text tokens, width {width}, {args.repeats} interleaved samples"
+    )
     base = statistics.median(times["one call on the batch"])
     for name, samples in times.items():
         med = statistics.median(samples)
-        print(f"{name:<24} median {1000 * med:9.1f} ms  (min {1000 * min(samples):9.1f}, max {1000 * max(samples):9.1f})"
-              f"  {med / base:6.3f}x  {kernels[name]} kernels")
+        print(
+            f"{name:<24} median {1000 * med:9.1f} ms  (min {1000 * min(samples):9.1f}, max {1000 * max(samples):9.1f})"
+            f"  {med / base:6.3f}x  {kernels[name]} kernels"
+        )
 
 
 if __name__ == "__main__":

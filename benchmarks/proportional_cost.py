@@ -42,8 +42,9 @@ def methods(flex: Callable) -> dict[str, Method]:
         "none": lambda q, k, v, lm: F.scaled_dot_product_attention(q, k, v),
         "mask": lambda q, k, v, lm: F.scaled_dot_product_attention(q, k, v, attn_mask=P.additive_mask(lm, q.dtype)),
         "key channel 136": lambda q, k, v, lm: P.key_channel_attention(F.scaled_dot_product_attention, q, k, v, lm),
-        "key channel 129": lambda q, k, v, lm: P.key_channel_attention(F.scaled_dot_product_attention, q, k, v, lm,
-                                                                       multiple=1),
+        "key channel 129": lambda q, k, v, lm: P.key_channel_attention(
+            F.scaled_dot_product_attention, q, k, v, lm, multiple=1
+        ),
         "flex": lambda q, k, v, lm: P.flex_attention_with_bias(q, k, v, lm, flex=flex),
     }
 
@@ -60,8 +61,10 @@ def interleaved(calls: dict[str, Callable[[], object]], repeats: int) -> dict[st
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
             if round_:
                 samples[name].append((wall, cpu))
-    return {n: {"wall_s": statistics.median(w for w, _ in s), "cpu_s": statistics.median(c for _, c in s)}
-            for n, s in samples.items()}
+    return {
+        n: {"wall_s": statistics.median(w for w, _ in s), "cpu_s": statistics.median(c for _, c in s)}
+        for n, s in samples.items()
+    }
 
 
 def attention_inputs(shape: tuple[int, int, int, int, int], dtype: torch.dtype, seed: int = 0):
@@ -93,10 +96,15 @@ def print_shape(result: dict) -> None:
     times = result["times"]
     base = times["none"]["wall_s"]
     b, h, sq, sk, d = result["shape"]
-    print(f"  {result['dtype']}, {h} heads x {d}, {sq} queries x {sk} keys (flex compile {result['flex_compile_s']:.1f} s)")
+    print(
+        f"  {result['dtype']}, {h} heads x {d}, {sq} queries x {sk} keys (flex compile {result['flex_compile_s']:.1f} s)"
+    )
     for name, t in times.items():
-        print(f"    {name:<17}{t['wall_s'] * 1e3:9.1f} ms wall {t['wall_s'] / base - 1:+7.1%}"
-              f"   {t['cpu_s'] * 1e3:9.1f} ms CPU {t['cpu_s'] / times['none']['cpu_s'] - 1:+7.1%}", flush=True)
+        print(
+            f"    {name:<17}{t['wall_s'] * 1e3:9.1f} ms wall {t['wall_s'] / base - 1:+7.1%}"
+            f"   {t['cpu_s'] * 1e3:9.1f} ms CPU {t['cpu_s'] / times['none']['cpu_s'] - 1:+7.1%}",
+            flush=True,
+        )
 
 
 FORWARDS = {"flux": ("flux", 10, 1024, None), "wan": ("wan", 30, 480, 25)}
@@ -140,6 +148,7 @@ def forward_share(name: str, forms: dict[str, Method], repeats: int) -> dict:
                 call_denoiser(arch, model, inputs)
             finally:
                 toma.remove_toma(model)
+
         return run
 
     with torch.inference_mode():
@@ -153,18 +162,32 @@ def forward_share(name: str, forms: dict[str, Method], repeats: int) -> dict:
     for method in forms:
         if method == "none":
             continue
-        extra = {kind: sum(per_shape[s]["times"][method][kind] - per_shape[s]["times"]["none"][kind] for s in shapes)
-                 for kind in ("wall_s", "cpu_s")}
+        extra = {
+            kind: sum(per_shape[s]["times"][method][kind] - per_shape[s]["times"]["none"][kind] for s in shapes)
+            for kind in ("wall_s", "cpu_s")
+        }
         shares[method] = {kind: extra[kind] / base[kind] for kind in extra}
     measured = {kind: forwards["toma + mask"][kind] / base[kind] - 1 for kind in ("wall_s", "cpu_s")}
-    print(f"  {name}: {len(shapes)} biased attention calls {sorted(set(shapes))}; merged forward "
-          f"{base['wall_s']:.2f} s wall / {base['cpu_s']:.2f} s CPU; with the mask, end to end: "
-          f"{measured['wall_s']:+.1%} wall, {measured['cpu_s']:+.1%} CPU")
+    print(
+        f"  {name}: {len(shapes)} biased attention calls {sorted(set(shapes))}; merged forward "
+        f"{base['wall_s']:.2f} s wall / {base['cpu_s']:.2f} s CPU; with the mask, end to end: "
+        f"{measured['wall_s']:+.1%} wall, {measured['cpu_s']:+.1%} CPU"
+    )
     for method, share in shares.items():
-        print(f"    {method:<17}{share['wall_s']:+7.2%} of the forward (wall)   {share['cpu_s']:+7.2%} (CPU)", flush=True)
-    return {"arch": arch_name, "depth": depth, "resolution": resolution, "frames": frames, "calls": shapes,
-            "forward": forwards, "mask_end_to_end": measured, "shares": shares,
-            "attention": [{**r, "shape": list(r["shape"])} for r in per_shape.values()]}
+        print(
+            f"    {method:<17}{share['wall_s']:+7.2%} of the forward (wall)   {share['cpu_s']:+7.2%} (CPU)", flush=True
+        )
+    return {
+        "arch": arch_name,
+        "depth": depth,
+        "resolution": resolution,
+        "frames": frames,
+        "calls": shapes,
+        "forward": forwards,
+        "mask_end_to_end": measured,
+        "shares": shares,
+        "attention": [{**r, "shape": list(r["shape"])} for r in per_shape.values()],
+    }
 
 
 def main() -> None:
@@ -190,10 +213,20 @@ def main() -> None:
     flex = torch.compile(flex_attention, dynamic=False)
     forms = methods(flex)
     load = os.getloadavg()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch 1, median of {args.repeats} "
-          f"interleaved rounds; load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
-    out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": args.repeats,
-           "load_before": load, "commit": _commit(), "attention": [], "forwards": {}}
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch 1, median of {args.repeats} "
+        f"interleaved rounds; load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}",
+        flush=True,
+    )
+    out = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "load_before": load,
+        "commit": _commit(),
+        "attention": [],
+        "forwards": {},
+    }
     for name in args.dtypes.split(","):
         result = time_shape(forms, shape, getattr(torch, name.strip()), args.repeats)
         print_shape(result)
@@ -209,8 +242,13 @@ def main() -> None:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -53,7 +53,9 @@ def main() -> None:
     toma.apply_toma(model, 0.5, **placement)
     tiled = PlanCache.tile_order_layout
     paths = {"tile order": tiled, "raster order": lambda self, grid, device=None: None}
-    print(f"{arch.name} {resolution}px {args.dtype} on {device}, {torch.get_num_threads()} threads, ratio 0.5, {placement}")
+    print(
+        f"{arch.name} {resolution}px {args.dtype} on {device}, {torch.get_num_threads()} threads, ratio 0.5, {placement}"
+    )
     print(f"{'round':<7}{'path':<14}{'eager median / min s':>24}{'compiled median / min s':>26}")
     with torch.no_grad():
         for r in range(args.rounds):

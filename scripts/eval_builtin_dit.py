@@ -29,15 +29,25 @@ from toma.tools.builtin.dit import DIT_DIR, BuiltinDiT, load_dit, sample  # noqa
 from toma.tools.eval.metrics import psnr, ssim  # noqa: E402
 
 
-def generate(model: BuiltinDiT, labels: torch.Tensor, seeds: list[int], args: argparse.Namespace) -> tuple[torch.Tensor, float]:
+def generate(
+    model: BuiltinDiT, labels: torch.Tensor, seeds: list[int], args: argparse.Namespace
+) -> tuple[torch.Tensor, float]:
     """Images ``(N, 1, 32, 32)`` for ``labels`` ``(N,)`` and the sampling seconds per image."""
     sample(model, labels[:1], seeds[:1], steps=1, guidance_scale=args.guidance_scale, progress=False)
     start = time.perf_counter()
-    images = torch.cat([
-        sample(model, labels[i : i + args.batch_size], seeds[i : i + args.batch_size], steps=args.steps,
-               guidance_scale=args.guidance_scale, progress=False)
-        for i in range(0, len(seeds), args.batch_size)
-    ])
+    images = torch.cat(
+        [
+            sample(
+                model,
+                labels[i : i + args.batch_size],
+                seeds[i : i + args.batch_size],
+                steps=args.steps,
+                guidance_scale=args.guidance_scale,
+                progress=False,
+            )
+            for i in range(0, len(seeds), args.batch_size)
+        ]
+    )
     return images, (time.perf_counter() - start) / len(seeds)
 
 

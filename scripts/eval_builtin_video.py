@@ -99,13 +99,24 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
     parser.add_argument("--seed", type=int, default=20_000, help="seed of clip 0; clip i uses seed + i")
     parser.add_argument("--guidance-scale", type=float, default=None, help="default: the model's recommendation")
-    parser.add_argument("--proportional-attention", action=argparse.BooleanOptionalAction, default=None,
-                        help="log-mass bias in merged self-attention for every ToMA variant (default: Wan's, off)")
-    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
-                        help="a ToMA option for every ToMA variant, e.g. --set tile_size=2 --set 'blocks={\"blocks\": (3,)}'")
+    parser.add_argument(
+        "--proportional-attention",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="log-mass bias in merged self-attention for every ToMA variant (default: Wan's, off)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="a ToMA option for every ToMA variant, e.g. --set tile_size=2 --set 'blocks={\"blocks\": (3,)}'",
+    )
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--strip", type=Path, default=None, help="write frames of the first 3 clips of each variant here")
+    parser.add_argument(
+        "--strip", type=Path, default=None, help="write frames of the first 3 clips of each variant here"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
 
@@ -129,7 +140,9 @@ def main() -> int:
     def run(name: str, lab: torch.Tensor, sds: list[int], steps: int):
         options = VARIANTS[name]
         if options is not None:
-            bias = {} if args.proportional_attention is None else {"proportional_attention": args.proportional_attention}
+            bias = (
+                {} if args.proportional_attention is None else {"proportional_attention": args.proportional_attention}
+            )
             options = {**options, **bias, **extra}
         patch = None if options is None else toma.apply_toma(model.transformer, ratio=args.ratio, **options)
         try:
@@ -154,8 +167,11 @@ def main() -> int:
             per_clip_s[name].append(seconds / len(sds))
             if patch is not None:
                 merged_blocks[name] = [p.name for p in patch.patched]
-        print(f"{min(i + args.batch_size, args.num_clips)}/{args.num_clips} clips [{time.time() - started:.0f}s]",
-              file=sys.stderr, flush=True)
+        print(
+            f"{min(i + args.batch_size, args.num_clips)}/{args.num_clips} clips [{time.time() - started:.0f}s]",
+            file=sys.stderr,
+            flush=True,
+        )
     videos = {n: torch.cat(c) for n, c in clips.items()}
 
     real_mu, real_sigma = real_frame_stats(model.classifier, int(model.metadata.get("settings", {}).get("seed", 0)))
@@ -177,7 +193,9 @@ def main() -> int:
         row = {
             "per_frame_accuracy": round(acc, 4),
             "per_frame_accuracy_se": round(acc_se, 4),
-            "frechet_distance_to_real_frames": round(frechet_distance(*feature_stats(feats.flatten(0, 1)), real_mu, real_sigma), 3),
+            "frechet_distance_to_real_frames": round(
+                frechet_distance(*feature_stats(feats.flatten(0, 1)), real_mu, real_sigma), 3
+            ),
             "median_seconds_per_clip": round(statistics.median(per_clip_s[name]), 3),
             "finite": bool(torch.isfinite(video).all()),
         }
@@ -187,13 +205,20 @@ def main() -> int:
             p_mean, p_se = mean_se(psnr(flat(video), flat(base)))
             s_mean, s_se = mean_se(ssim(frames(video), frames(base)).reshape(args.num_clips, -1).mean(dim=1))
             t_mean, t_se = mean_se(temporal_difference_error(video, base))
-            row.update({
-                "per_frame_agreement_with_unmerged": round((pred == base_pred).double().mean().item(), 4),
-                "psnr_vs_unmerged_db": round(p_mean, 2), "psnr_se": round(p_se, 2),
-                "ssim_vs_unmerged": round(s_mean, 4), "ssim_se": round(s_se, 4),
-                "temporal_difference_error": round(t_mean, 5), "temporal_difference_error_se": round(t_se, 5),
-                "time_ratio_vs_unmerged": round(statistics.median(per_clip_s[name]) / statistics.median(per_clip_s["none"]), 3),
-            })
+            row.update(
+                {
+                    "per_frame_agreement_with_unmerged": round((pred == base_pred).double().mean().item(), 4),
+                    "psnr_vs_unmerged_db": round(p_mean, 2),
+                    "psnr_se": round(p_se, 2),
+                    "ssim_vs_unmerged": round(s_mean, 4),
+                    "ssim_se": round(s_se, 4),
+                    "temporal_difference_error": round(t_mean, 5),
+                    "temporal_difference_error_se": round(t_se, 5),
+                    "time_ratio_vs_unmerged": round(
+                        statistics.median(per_clip_s[name]) / statistics.median(per_clip_s["none"]), 3
+                    ),
+                }
+            )
         results["variants"][name] = row
     print(json.dumps(results, indent=2))
     if args.json is not None:

@@ -76,9 +76,7 @@ def random_shift(images: torch.Tensor, max_shift: int, gen: torch.Generator) -> 
     n, _, h, w = images.shape
     padded = F.pad(images, (max_shift,) * 4)
     offsets = torch.randint(0, 2 * max_shift + 1, (n, 2), generator=gen)
-    return torch.stack(
-        [padded[i, :, dy : dy + h, dx : dx + w] for i, (dy, dx) in enumerate(offsets.tolist())]
-    )
+    return torch.stack([padded[i, :, dy : dy + h, dx : dx + w] for i, (dy, dx) in enumerate(offsets.tolist())])
 
 
 def train_classifier(data: dict[str, torch.Tensor], args: argparse.Namespace) -> tuple[DigitClassifier, float]:
@@ -134,8 +132,10 @@ def sample_accuracy(
         samples = torch.cat([draw(labels[i : i + chunk], seeds[i : i + chunk], scale) for i in range(0, count, chunk)])
         seconds[str(scale)] = round((time.time() - start) / count, 3)
         accuracy[str(scale)] = round(score(samples, labels), 4)
-        print(f"{name} (guidance {scale}, {steps} Euler steps): {accuracy[str(scale)]:.4f} [{time.time() - start:.0f}s]",
-              flush=True)
+        print(
+            f"{name} (guidance {scale}, {steps} Euler steps): {accuracy[str(scale)]:.4f} [{time.time() - start:.0f}s]",
+            flush=True,
+        )
     return accuracy, seconds
 
 
@@ -326,15 +326,24 @@ def main() -> int:
         t_s = time.time()
         images = torch.cat(
             [
-                sample(model, labels[i : i + 50], seeds[i : i + 50], steps=args.eval_steps,
-                       guidance_scale=scale, progress=False)
+                sample(
+                    model,
+                    labels[i : i + 50],
+                    seeds[i : i + 50],
+                    steps=args.eval_steps,
+                    guidance_scale=scale,
+                    progress=False,
+                )
                 for i in range(0, args.eval_samples, 50)
             ]
         )
         preds, _ = classify(classifier, images)
         sample_acc[str(scale)] = round((preds == labels).float().mean().item(), 4)
-        print(f"sample accuracy (guidance {scale}, {args.eval_steps} DDIM steps): "
-              f"{sample_acc[str(scale)]:.4f} [{time.time() - t_s:.0f}s]", flush=True)
+        print(
+            f"sample accuracy (guidance {scale}, {args.eval_steps} DDIM steps): "
+            f"{sample_acc[str(scale)]:.4f} [{time.time() - t_s:.0f}s]",
+            flush=True,
+        )
 
     metadata = {
         "description": "class-conditional pixel-space DDPM on sklearn digits upsampled to 32x32",

@@ -104,7 +104,11 @@ def train(data: dict[str, torch.Tensor], args: argparse.Namespace):
             pred = velocity(transformer, noisy, t, tokens[labels], pooled[labels])
         loss = F.mse_loss(pred.float(), noise - clean)
         optimise(opt, params, loss, step, args)
-        pairs = [*zip(ema.parameters(), transformer.parameters()), (ema_tokens, tokens.detach()), (ema_pooled, pooled.detach())]
+        pairs = [
+            *zip(ema.parameters(), transformer.parameters()),
+            (ema_tokens, tokens.detach()),
+            (ema_pooled, pooled.detach()),
+        ]
         ema_update(pairs, step, args)
         log.add(step, loss.item())
     return ema.eval(), ema_tokens, ema_pooled, log.entries, log.elapsed, n_params
@@ -121,8 +125,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--ema", type=float, default=0.995)
     parser.add_argument("--cond-dropout", type=float, default=0.1)
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
-                        help="bfloat16 autocast for forward and backward")
+    parser.add_argument(
+        "--bf16", action=argparse.BooleanOptionalAction, default=True, help="bfloat16 autocast for forward and backward"
+    )
     parser.add_argument("--guidance-scale", type=float, default=2.0, help="recommended sampling guidance")
     parser.add_argument("--eval-samples", type=int, default=100, help="generated images for the accuracy check")
     parser.add_argument("--eval-steps", type=int, default=20, help="Euler steps for the accuracy check")
@@ -142,7 +147,9 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     transformer.to(torch.float16).save_pretrained(args.out / "transformer", safe_serialization=True)
-    save_file({"tokens": tokens.contiguous(), "pooled": pooled.contiguous()}, str(args.out / "class_embeddings.safetensors"))
+    save_file(
+        {"tokens": tokens.contiguous(), "pooled": pooled.contiguous()}, str(args.out / "class_embeddings.safetensors")
+    )
     metadata = {
         "description": "class-conditional pixel-space rectified-flow Flux transformer on sklearn digits "
         "upsampled to 32x32 (1024 image tokens, patch size 1, 3x3 neighbourhood per token)",
@@ -159,20 +166,27 @@ def main() -> int:
     # classes, the UNet's evaluation seeds
     model = load_dit(args.out)
     sample_acc, seconds_per_image = sample_accuracy(
-        lambda labels, seeds, scale: sample(model, labels, seeds, steps=args.eval_steps, guidance_scale=scale,
-                                            progress=False),
+        lambda labels, seeds, scale: sample(
+            model, labels, seeds, steps=args.eval_steps, guidance_scale=scale, progress=False
+        ),
         lambda images, labels: (classify(model.classifier, images)[0] == labels).float().mean().item(),
-        args.eval_samples, (1.0, args.guidance_scale), 25, "sample accuracy", args.eval_steps,
+        args.eval_samples,
+        (1.0, args.guidance_scale),
+        25,
+        "sample accuracy",
+        args.eval_steps,
     )
 
-    metadata.update({
-        "total_seconds": round(time.time() - started, 1),
-        "sample_accuracy": sample_acc,
-        "sample_seconds_per_image": seconds_per_image,
-        "sample_accuracy_protocol": f"{args.eval_samples} images, classes balanced, seeds 10000.., "
-        f"{args.eval_steps} Euler steps, unmerged, float32 inference, {args.threads} thread(s)",
-        "loss_log": log,
-    })
+    metadata.update(
+        {
+            "total_seconds": round(time.time() - started, 1),
+            "sample_accuracy": sample_acc,
+            "sample_seconds_per_image": seconds_per_image,
+            "sample_accuracy_protocol": f"{args.eval_samples} images, classes balanced, seeds 10000.., "
+            f"{args.eval_steps} Euler steps, unmerged, float32 inference, {args.threads} thread(s)",
+            "loss_log": log,
+        }
+    )
     write_metadata(args.out, metadata, show=True)
     return 0
 

@@ -162,8 +162,13 @@ def adaln_zero_(transformer: torch.nn.Module) -> None:
     projection has grown; a run started that way still ignored the class after 900 steps
     (right- and wrong-label losses within 0.5%, samples at chance).
     """
-    tensors = [transformer.condition_embedder.time_proj.weight, transformer.condition_embedder.time_proj.bias,
-               transformer.proj_out.weight, transformer.proj_out.bias, transformer.scale_shift_table]
+    tensors = [
+        transformer.condition_embedder.time_proj.weight,
+        transformer.condition_embedder.time_proj.bias,
+        transformer.proj_out.weight,
+        transformer.proj_out.bias,
+        transformer.scale_shift_table,
+    ]
     for block in transformer.blocks:
         tensors.append(block.scale_shift_table)
     with torch.no_grad():
@@ -216,12 +221,20 @@ def save(out: Path, transformer, tokens: torch.Tensor, classifier: DigitClassifi
     out.mkdir(parents=True, exist_ok=True)
     copy.deepcopy(transformer).to(torch.float16).save_pretrained(out / "transformer", safe_serialization=True)
     save_file({"tokens": tokens.contiguous()}, str(out / "class_embeddings.safetensors"))
-    save_file({k: v.contiguous() for k, v in classifier.state_dict().items()}, str(out / "frame_classifier.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in classifier.state_dict().items()}, str(out / "frame_classifier.safetensors")
+    )
     write_metadata(out, metadata)
 
 
-def train(digits: torch.Tensor, labels: torch.Tensor, classifier: DigitClassifier, metadata: dict,
-          probe: dict[str, torch.Tensor], args: argparse.Namespace):
+def train(
+    digits: torch.Tensor,
+    labels: torch.Tensor,
+    classifier: DigitClassifier,
+    metadata: dict,
+    probe: dict[str, torch.Tensor],
+    args: argparse.Namespace,
+):
     """Rectified-flow training; returns EMA transformer, EMA tokens, log, seconds, params, steps done.
 
     ``probe`` (:func:`make_probe`) measures at every checkpoint how much the EMA model uses
@@ -248,8 +261,9 @@ def train(digits: torch.Tensor, labels: torch.Tensor, classifier: DigitClassifie
     ema = copy.deepcopy(transformer).requires_grad_(False)
     ema_tokens = tokens.detach().clone()
     params = list(transformer.parameters()) + [tokens]
-    opt = torch.optim.AdamW(param_groups(transformer, tokens, args.cond_lr_mult), lr=args.lr, betas=(0.9, 0.99),
-                            weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        param_groups(transformer, tokens, args.cond_lr_mult), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0
+    )
     n_params = sum(p.numel() for p in transformer.parameters())
     print(f"transformer parameters: {n_params / 1e6:.3f} M", flush=True)
 
@@ -282,9 +296,20 @@ def train(digits: torch.Tensor, labels: torch.Tensor, classifier: DigitClassifie
         done = step + 1
         if done % args.checkpoint_every == 0 and done < args.steps:
             gaps.append({"step": done, "class_gap": round(class_gap(ema.eval(), ema_tokens, probe), 4)})
-            save(args.out, ema, ema_tokens, classifier,
-                 {**metadata, "partial": True, "steps_done": done, "loss_log": log.entries,
-                  "class_gap_log": gaps, "train_seconds": round(log.elapsed, 1)})
+            save(
+                args.out,
+                ema,
+                ema_tokens,
+                classifier,
+                {
+                    **metadata,
+                    "partial": True,
+                    "steps_done": done,
+                    "loss_log": log.entries,
+                    "class_gap_log": gaps,
+                    "train_seconds": round(log.elapsed, 1),
+                },
+            )
             print(f"checkpoint at step {done}, class gap {gaps[-1]['class_gap']:.4f}", flush=True)
         if args.max_minutes and log.elapsed > 60 * args.max_minutes:
             print(f"stopping at step {done}: --max-minutes {args.max_minutes} reached", flush=True)
@@ -300,24 +325,48 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=VIDEO_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--stages", nargs="+", default=["2x32:2400", "8x8:700"], metavar="FRAMESxBATCH:STEPS",
-                        help="clip-length curriculum, run in order: STEPS steps of BATCH clips of FRAMES frames "
-                             "each; the total is the schedule's step count (see the module docstring)")
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        default=["2x32:2400", "8x8:700"],
+        metavar="FRAMESxBATCH:STEPS",
+        help="clip-length curriculum, run in order: STEPS steps of BATCH clips of FRAMES frames "
+        "each; the total is the schedule's step count (see the module docstring)",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--cond-lr-mult", type=float, default=3.0,
-                        help="learning-rate multiplier of the class path (class tokens, text embedder, cross-attention)")
+    parser.add_argument(
+        "--cond-lr-mult",
+        type=float,
+        default=3.0,
+        help="learning-rate multiplier of the class path (class tokens, text embedder, cross-attention)",
+    )
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--ema", type=float, default=0.995)
     parser.add_argument("--cond-dropout", type=float, default=0.1)
-    parser.add_argument("--stem-frames", type=int, default=3, choices=(1, 3),
-                        help="frames in each token's input neighbourhood (own frame only, or also its neighbours)")
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
-                        help="bfloat16 autocast for forward and backward")
-    parser.add_argument("--guidance-scales", type=float, nargs="+", default=[1.0, 2.0, 4.0, 7.0],
-                        help="guidance scales of the closing accuracy check; the most accurate is recorded as the "
-                             "model's recommended scale")
-    parser.add_argument("--time-shift", type=float, default=3.0,
-                        help="flow shift of the training times and of the sampler's grid (1: none)")
+    parser.add_argument(
+        "--stem-frames",
+        type=int,
+        default=3,
+        choices=(1, 3),
+        help="frames in each token's input neighbourhood (own frame only, or also its neighbours)",
+    )
+    parser.add_argument(
+        "--bf16", action=argparse.BooleanOptionalAction, default=True, help="bfloat16 autocast for forward and backward"
+    )
+    parser.add_argument(
+        "--guidance-scales",
+        type=float,
+        nargs="+",
+        default=[1.0, 2.0, 4.0, 7.0],
+        help="guidance scales of the closing accuracy check; the most accurate is recorded as the "
+        "model's recommended scale",
+    )
+    parser.add_argument(
+        "--time-shift",
+        type=float,
+        default=3.0,
+        help="flow shift of the training times and of the sampler's grid (1: none)",
+    )
     parser.add_argument("--classifier-epochs", type=int, default=24)
     parser.add_argument("--classifier-frames", type=int, default=4, help="frames per digit per classifier epoch")
     parser.add_argument("--checkpoint-every", type=int, default=100)
@@ -325,9 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-samples", type=int, default=20, help="generated clips for the accuracy check")
     parser.add_argument("--eval-steps", type=int, default=10, help="Euler steps for the accuracy check")
     parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument("--resume", type=Path, default=None,
-                        help="continue from a checkpoint folder this script wrote (its EMA weights, class tokens "
-                             "and frame classifier, at its steps_done)")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="continue from a checkpoint folder this script wrote (its EMA weights, class tokens "
+        "and frame classifier, at its steps_done)",
+    )
     return parser
 
 
@@ -355,8 +408,11 @@ def main() -> int:
     test_clips = moving_digit_clips(shrink_digits(data["x_test"]), torch.Generator().manual_seed(args.seed + 2))
     preds, _ = classify_frames(classifier, test_clips)
     clf_acc = (preds == data["y_test"][:, None]).float().mean().item()
-    print(f"frame classifier accuracy on frames of test-split clips: {clf_acc:.4f} "
-          f"({len(data['y_test'])} clips) [{time.time() - started:.0f}s]", flush=True)
+    print(
+        f"frame classifier accuracy on frames of test-split clips: {clf_acc:.4f} "
+        f"({len(data['y_test'])} clips) [{time.time() - started:.0f}s]",
+        flush=True,
+    )
 
     metadata = {
         "description": "class-conditional pixel-space rectified-flow Wan transformer on moving digits: "
@@ -365,8 +421,9 @@ def main() -> int:
         "time_shift": args.time_shift,
         "sampler": f"Euler on the rectified flow, uniform times 1 -> 0 shifted by {args.time_shift} "
         "(s t / (1 + (s - 1) t))",
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                     if k not in ("out", "stages")},
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out", "stages")
+        },
         "clip_schedule": [stage._asdict() for stage in args.stages],
         "clip_schedule_protocol": "stages run in order: 'steps' optimisation steps of 'batch' clips of 'frames' "
         "frames each; learning-rate schedule and EMA over the total",
@@ -377,30 +434,44 @@ def main() -> int:
     }
     probe = make_probe(shrink_digits(data["x_test"]), data["y_test"], args.seed + 3)
     transformer, tokens, log, gaps, train_s, n_params, done = train(digits, labels, classifier, metadata, probe, args)
-    metadata.update({"transformer_parameters": n_params, "steps_done": done, "stopped_early": done < args.steps,
-                     "train_seconds": round(train_s, 1), "class_gap_log": gaps,
-                     "class_gap_protocol": "relative velocity-loss increase with wrong labels (label + 3 mod 10), "
-                     f"16 test-split clips at t = 0.8 (seed {args.seed + 3}), EMA weights"})
+    metadata.update(
+        {
+            "transformer_parameters": n_params,
+            "steps_done": done,
+            "stopped_early": done < args.steps,
+            "train_seconds": round(train_s, 1),
+            "class_gap_log": gaps,
+            "class_gap_protocol": "relative velocity-loss increase with wrong labels (label + 3 mod 10), "
+            f"16 test-split clips at t = 0.8 (seed {args.seed + 3}), EMA weights",
+        }
+    )
     save(args.out, transformer, tokens, classifier, {**metadata, "loss_log": log})
 
     # per-frame accuracy of the saved (float16-rounded) weights: unmerged, balanced classes
     model = load_video_dit(args.out)
     sample_acc, seconds_per_clip = sample_accuracy(
-        lambda labels, seeds, scale: sample_video(model, labels, seeds, steps=args.eval_steps, guidance_scale=scale,
-                                                  progress=False),
+        lambda labels, seeds, scale: sample_video(
+            model, labels, seeds, steps=args.eval_steps, guidance_scale=scale, progress=False
+        ),
         lambda clips, labels: (classify_frames(model.classifier, clips)[0] == labels[:, None]).float().mean().item(),
-        args.eval_samples, args.guidance_scales, 10, "per-frame sample accuracy", args.eval_steps,
+        args.eval_samples,
+        args.guidance_scales,
+        10,
+        "per-frame sample accuracy",
+        args.eval_steps,
     )
 
-    metadata.update({
-        "guidance_scale": float(max(sample_acc, key=lambda scale: (sample_acc[scale], -float(scale)))),
-        "total_seconds": round(time.time() - started, 1),
-        "sample_accuracy_per_frame": sample_acc,
-        "sample_seconds_per_clip": seconds_per_clip,
-        "sample_accuracy_protocol": f"{args.eval_samples} clips, classes balanced, seeds 10000.., "
-        f"{args.eval_steps} Euler steps, unmerged, float32 inference, {args.threads} thread(s)",
-        "loss_log": log,
-    })
+    metadata.update(
+        {
+            "guidance_scale": float(max(sample_acc, key=lambda scale: (sample_acc[scale], -float(scale)))),
+            "total_seconds": round(time.time() - started, 1),
+            "sample_accuracy_per_frame": sample_acc,
+            "sample_seconds_per_clip": seconds_per_clip,
+            "sample_accuracy_protocol": f"{args.eval_samples} clips, classes balanced, seeds 10000.., "
+            f"{args.eval_steps} Euler steps, unmerged, float32 inference, {args.threads} thread(s)",
+            "loss_log": log,
+        }
+    )
     write_metadata(args.out, metadata, show=True)
     return 0
 

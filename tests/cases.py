@@ -38,8 +38,11 @@ def _qwen_edit(batch: int) -> dict:
     """A Qwen-Image-Edit call: the generated image's 8x8 tokens, then a reference's 2x4."""
     kw = qwen_inputs(batch, 8, 8)
     g = torch.Generator().manual_seed(7)
-    return {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(batch, 8, 16, generator=g)], dim=1),
-            "img_shapes": [[(1, 8, 8), (1, 2, 4)]] * batch}
+    return {
+        **kw,
+        "hidden_states": torch.cat([kw["hidden_states"], torch.randn(batch, 8, 16, generator=g)], dim=1),
+        "img_shapes": [[(1, 8, 8), (1, 2, 4)]] * batch,
+    }
 
 
 def _flux2_references(batch: int) -> dict:
@@ -48,8 +51,11 @@ def _flux2_references(batch: int) -> dict:
     one = torch.arange(1)
     ref_ids = torch.cartesian_prod(torch.tensor([10]), torch.arange(2), torch.arange(4), one)
     g = torch.Generator().manual_seed(7)
-    return {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(batch, 8, 16, generator=g)], dim=1),
-            "img_ids": torch.cat([kw["img_ids"], ref_ids[None].expand(batch, -1, -1)], dim=1)}
+    return {
+        **kw,
+        "hidden_states": torch.cat([kw["hidden_states"], torch.randn(batch, 8, 16, generator=g)], dim=1),
+        "img_ids": torch.cat([kw["img_ids"], ref_ids[None].expand(batch, -1, -1)], dim=1),
+    }
 
 
 PADDED = {"share_batch_plan": True}  # with one plan for the batch: its broadcasts and expansions
@@ -93,8 +99,14 @@ def case(name: str) -> tuple[torch.nn.Module, dict, dict]:
     and cross-attention too, and proportional attention where the family takes it."""
     row, inputs, extra = CASES[name]
     fam = FAMILIES[row]
-    options = {"ratio": 0.5, **fam.options, "merge_mlp": True, "merge_crossattn": row in CROSS,
-               "proportional_attention": fam.proportional, **extra}
+    options = {
+        "ratio": 0.5,
+        **fam.options,
+        "merge_mlp": True,
+        "merge_crossattn": row in CROSS,
+        "proportional_attention": fam.proportional,
+        **extra,
+    }
     return fam.make(), inputs(), options
 
 
@@ -185,16 +197,49 @@ def tolerance(q, k, v, log_mass, layout, scale) -> float:
 # the families a step cache runs on with ToMA: (maker, inputs, the timestep scale of
 # its scheduler, the blocks merged, the module whose output the cache compares)
 CACHED = {
-    "flux": (make_flux, lambda: flux_inputs(1, 8, 8), 1.0, {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}, "single_transformer_blocks.1.proj_out"),
+    "flux": (
+        make_flux,
+        lambda: flux_inputs(1, 8, 8),
+        1.0,
+        {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}},
+        "single_transformer_blocks.1.proj_out",
+    ),
     "wan": (make_wan, lambda: wan_inputs(1, 3, 8, 8), 1000.0, {"blocks": {"blocks": range(3)}}, "blocks.2.ffn"),
-    "flux2": (lambda: make_flux2(), lambda: flux2_inputs(1, 8, 8), 1.0,
-              {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}, "transformer_blocks.1.ff"),
-    "ltx": (make_ltx, lambda: ltx_inputs(1, 2, 4, 4), 1000.0, {"blocks": {"transformer_blocks": range(3)}}, "transformer_blocks.2.ff"),
-    "qwenimage": (make_qwen, lambda: qwen_inputs(1, 8, 8), 1.0, {"blocks": {"transformer_blocks": range(3)}}, "transformer_blocks.2.img_mlp"),
-    "hunyuanvideo": (make_hunyuan, lambda: hunyuan_inputs(1, 2, 8, 8), 1000.0,
-                     {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, "single_transformer_blocks.1.proj_out"),
-    "cogvideox": (make_cogvideox, lambda: cogvideox_inputs(1, 2, 8, 8), 1000.0, {"blocks": {"transformer_blocks": range(3)}},
-                  "transformer_blocks.2.ff"),
+    "flux2": (
+        lambda: make_flux2(),
+        lambda: flux2_inputs(1, 8, 8),
+        1.0,
+        {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}},
+        "transformer_blocks.1.ff",
+    ),
+    "ltx": (
+        make_ltx,
+        lambda: ltx_inputs(1, 2, 4, 4),
+        1000.0,
+        {"blocks": {"transformer_blocks": range(3)}},
+        "transformer_blocks.2.ff",
+    ),
+    "qwenimage": (
+        make_qwen,
+        lambda: qwen_inputs(1, 8, 8),
+        1.0,
+        {"blocks": {"transformer_blocks": range(3)}},
+        "transformer_blocks.2.img_mlp",
+    ),
+    "hunyuanvideo": (
+        make_hunyuan,
+        lambda: hunyuan_inputs(1, 2, 8, 8),
+        1000.0,
+        {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+        "single_transformer_blocks.1.proj_out",
+    ),
+    "cogvideox": (
+        make_cogvideox,
+        lambda: cogvideox_inputs(1, 2, 8, 8),
+        1000.0,
+        {"blocks": {"transformer_blocks": range(3)}},
+        "transformer_blocks.2.ff",
+    ),
 }
 
 

@@ -64,8 +64,20 @@ CASE_SECONDS = 20  # one case's limit; a hang in a collective ends there, not at
 CALLS: list[tuple[int, int, bool]] = []  # (local queries, local keys, under CP) per attention call
 
 
-def _math_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
+def _math_forward_op(
+    ctx,
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    return_lse=False,
+    _save_ctx=True,
+    _parallel_config=None,
+):
     """Attention on ``(B, S, H, D)`` tensors by its definition, with the log-sum-exp
     ``(B, S, H)`` of each query's scores when ``return_lse`` (ring attention's need)."""
     if dropout_p or is_causal or enable_gqa:
@@ -79,8 +91,18 @@ def _math_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_c
     return (out, lse.permute(0, 2, 1)) if return_lse else out
 
 
-def math_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False, return_lse=False, _parallel_config=None):
+def math_backend(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    return_lse=False,
+    _parallel_config=None,
+):
     """The test's ``native`` backend: the math above, through diffusers' Ulysses and ring
     templates under CP."""
     CALLS.append((query.shape[1], key.shape[1], _parallel_config is not None))
@@ -89,14 +111,24 @@ def math_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     if _parallel_config is None:
         return _math_forward_op(None, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
     return dispatch._templated_context_parallel_attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-        forward_op=_math_forward_op, backward_op=dispatch._native_attention_backward_op,
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        return_lse,
+        forward_op=_math_forward_op,
+        backward_op=dispatch._native_attention_backward_op,
         _parallel_config=_parallel_config,
     )
 
 
-dispatch._AttentionBackendRegistry.register(
-    dispatch.AttentionBackendName.NATIVE, supports_context_parallel=True)(math_backend)
+dispatch._AttentionBackendRegistry.register(dispatch.AttentionBackendName.NATIVE, supports_context_parallel=True)(
+    math_backend
+)
 
 
 # ---- the families, at sizes whose shards (P ranks) are tile-aligned runs of whole rows ----
@@ -108,8 +140,13 @@ ALL_BLOCKS = {
     "qwenimage": {"blocks": {"transformer_blocks": range(2)}},
     "ltx": {"blocks": {"transformer_blocks": range(2)}},
 }
-MAKERS = {"flux": make_flux, "flux2": make_flux2, "wan": lambda: make_wan(layers=2),
-          "qwenimage": lambda: make_qwen(layers=2), "ltx": lambda: make_ltx(layers=2)}
+MAKERS = {
+    "flux": make_flux,
+    "flux2": make_flux2,
+    "wan": lambda: make_wan(layers=2),
+    "qwenimage": lambda: make_qwen(layers=2),
+    "ltx": lambda: make_ltx(layers=2),
+}
 # merged self-attention calls per forward with ALL_BLOCKS (double and single blocks alike)
 MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2}
 
@@ -151,12 +188,18 @@ def kontext(world: int) -> dict:
     rows, cols = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
     ref = torch.stack([torch.ones_like(rows), rows, cols], -1).reshape(-1, 3).float()
     g = torch.Generator().manual_seed(7)
-    return {**kw, "img_ids": torch.cat([kw["img_ids"], ref]),
-            "hidden_states": torch.cat([kw["hidden_states"], torch.randn(1, 16, 16, generator=g)], dim=1)}
+    return {
+        **kw,
+        "img_ids": torch.cat([kw["img_ids"], ref]),
+        "hidden_states": torch.cat([kw["hidden_states"], torch.randn(1, 16, 16, generator=g)], dim=1),
+    }
 
 
-MODES = {"ulysses": lambda p: {"ulysses_degree": p}, "ring": lambda p: {"ring_degree": p},
-         "both": lambda p: {"ulysses_degree": 2, "ring_degree": p // 2}}
+MODES = {
+    "ulysses": lambda p: {"ulysses_degree": p},
+    "ring": lambda p: {"ring_degree": p},
+    "both": lambda p: {"ulysses_degree": 2, "ring_degree": p // 2},
+}
 
 
 def _sample(model: torch.nn.Module, kw: dict) -> torch.Tensor:
@@ -191,8 +234,9 @@ def _enable(model: torch.nn.Module, mode: str, world: int, order: str, options: 
     return patch
 
 
-def compare(family: str, mode: str, world: int, order: str = "cp_first", kw: dict | None = None,
-            **toma_options: Any) -> dict:
+def compare(
+    family: str, mode: str, world: int, order: str = "cp_first", kw: dict | None = None, **toma_options: Any
+) -> dict:
     """CP + ToMA against single-process ToMA, unmerged CP and the plain model, in ``order``
     of enabling; with the local query counts of the CP attention calls."""
     make, options = MAKERS[family], {**ALL_BLOCKS[family], **toma_options}
@@ -285,37 +329,55 @@ def table(world: int) -> dict[str, Callable[[], dict]]:
     for mode in modes:
         # shards off the tile grid: Wan's 9-row bands of 6-row frames, Flux's 3-row bands
         cases[f"unaligned/wan/{mode}"] = functools.partial(
-            compare, "wan", mode, world, kw=inputs("wan", world, rows=6, frames=3 if world == 2 else 6))
+            compare, "wan", mode, world, kw=inputs("wan", world, rows=6, frames=3 if world == 2 else 6)
+        )
         # a 9x8 grid: 4.5 rows per rank at P=2, 2.25 at P=4
         cases[f"midrow/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=9))
-        cases[f"midrow/wan/{mode}"] = functools.partial(compare, "wan", mode, world, kw=inputs("wan", world, rows=9, frames=1))
+        cases[f"midrow/wan/{mode}"] = functools.partial(
+            compare, "wan", mode, world, kw=inputs("wan", world, rows=9, frames=1)
+        )
         # shards shorter than a row; the same where the ids are no view of what diffusers
         # split (a slice of a longer tensor), so that Flux reads its grid from a shard alone
-        cases[f"subrow/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=1, cols=4 * world))
+        cases[f"subrow/flux/{mode}"] = functools.partial(
+            compare, "flux", mode, world, kw=inputs("flux", world, rows=1, cols=4 * world)
+        )
         cases[f"subrow-sliced/flux/{mode}"] = functools.partial(
-            compare, "flux", mode, world, kw=sliced_ids(inputs("flux", world, rows=1, cols=4 * world)))
+            compare, "flux", mode, world, kw=sliced_ids(inputs("flux", world, rows=1, cols=4 * world))
+        )
         cases[f"midrow-sliced/flux/{mode}"] = functools.partial(
-            compare, "flux", mode, world, kw=sliced_ids(inputs("flux", world, rows=9)))
+            compare, "flux", mode, world, kw=sliced_ids(inputs("flux", world, rows=9))
+        )
         cases[f"kontext/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=kontext(world))
         if world == 2:
-            cases[f"unaligned/flux/{mode}"] = functools.partial(compare, "flux", mode, world, kw=inputs("flux", world, rows=6))
+            cases[f"unaligned/flux/{mode}"] = functools.partial(
+                compare, "flux", mode, world, kw=inputs("flux", world, rows=6)
+            )
             for family in ("flux2", "qwenimage", "ltx"):
                 cases[f"midrow/{family}/{mode}"] = functools.partial(
-                    compare, family, mode, world, kw=inputs(family, world, rows=9, frames=1))
+                    compare, family, mode, world, kw=inputs(family, world, rows=9, frames=1)
+                )
         if mode == "ulysses":  # Ulysses gathers a mask over the local keys with the keys
             cases["proportional/wan/ulysses/compare"] = functools.partial(
-                compare, "wan", mode, world, proportional_attention=True)
+                compare, "wan", mode, world, proportional_attention=True
+            )
         cases[f"proportional/wan/{mode}/cp_first"] = functools.partial(
-            refused, "wan", mode, world, "cp_first", proportional_attention=True)
+            refused, "wan", mode, world, "cp_first", proportional_attention=True
+        )
         cases[f"proportional/wan/{mode}/toma_first"] = functools.partial(
-            refused, "wan", mode, world, "toma_first", proportional_attention=True)
+            refused, "wan", mode, world, "toma_first", proportional_attention=True
+        )
     if world == 2:  # two samples: Flux's merged attention then runs once per sample, on every rank
-        cases["batch2/flux/ulysses"] = functools.partial(compare, "flux", "ulysses", world, kw=flux_inputs(2, 8, 8, text=4))
+        cases["batch2/flux/ulysses"] = functools.partial(
+            compare, "flux", "ulysses", world, kw=flux_inputs(2, 8, 8, text=4)
+        )
         cases["batch2/wan/ring"] = functools.partial(compare, "wan", "ring", world, kw=wan_inputs(2, 3, 16, 16))
     if world == 2:  # the Triton path, on a shard that is a grid and on a span
-        cases["triton/wan/ulysses/aligned"] = functools.partial(on_triton, functools.partial(compare, "wan", "ulysses", world))
+        cases["triton/wan/ulysses/aligned"] = functools.partial(
+            on_triton, functools.partial(compare, "wan", "ulysses", world)
+        )
         cases["triton/wan/ring/midrow"] = functools.partial(
-            on_triton, functools.partial(compare, "wan", "ring", world, kw=inputs("wan", world, rows=9, frames=1)))
+            on_triton, functools.partial(compare, "wan", "ring", world, kw=inputs("wan", world, rows=9, frames=1))
+        )
     uneven = ("ulysses", {"ulysses_anything": True}) if world == 2 else ("ring", {"ring_anything": True})
     cases["anything/wan/cp_first"] = functools.partial(refused, "wan", uneven[0], world, "cp_first", cp_extra=uneven[1])
     return cases

@@ -15,7 +15,9 @@ HEAVY = ("torch", "diffusers", "transformers", "matplotlib")
 def loaded_after(code: str) -> list[str]:
     """Modules loaded by a fresh interpreter after running ``code`` (after ``import torch``)."""
     script = f"import torch, sys; before = set(sys.modules); {code}; print(__import__('json').dumps(sorted(set(sys.modules) - before)))"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1]
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -37,9 +39,19 @@ def test_applying_to_one_family_imports_only_its_adapter():
     # the engine (its spec types, merge hooks, MLP-chunking, checkpoint-replay and
     # context-parallel parts), the guard of the model's hook (caches) and SD3's spec; no
     # other family's
-    assert adapters == {"toma.adapters.base", "toma.adapters.caches", "toma.adapters.engine", "toma.adapters.spec",
-                        "toma.adapters.merging", "toma.adapters.state", "toma.adapters.chunking", "toma.adapters.replay",
-                        "toma.adapters.sd3", "toma.adapters.parallel", "toma.adapters.attention"}
+    assert adapters == {
+        "toma.adapters.base",
+        "toma.adapters.caches",
+        "toma.adapters.engine",
+        "toma.adapters.spec",
+        "toma.adapters.merging",
+        "toma.adapters.state",
+        "toma.adapters.chunking",
+        "toma.adapters.replay",
+        "toma.adapters.sd3",
+        "toma.adapters.parallel",
+        "toma.adapters.attention",
+    }
 
 
 def loaded_by_cli(*argv: str) -> tuple[int, set[str]]:
@@ -50,17 +62,29 @@ def loaded_by_cli(*argv: str) -> tuple[int, set[str]]:
         "try:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
         "print(json.dumps([code, sorted(sys.modules)]), file=sys.stderr)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
-                         cwd=Path(__file__).parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=Path(__file__).parents[1]
+    )
     code, mods = json.loads(out.stderr.strip().splitlines()[-1])
     return code, set(mods)
 
 
 def test_cli_help_version_and_argument_errors_do_not_import_torch():
     # torch takes ~1.3 s to import: help, version and argparse errors must answer without it
-    cases = [("--help",), ("--version",), ("bench", "--help"), ("eval", "--help"), ("generate", "--help"),
-             ("doctor", "--help"), ("tune", "--help"), ("bench", "--arch", "no-such-arch"), ("eval", "--steps", "x"),
-             ("doctor", "--grid", "0"), ("tune", "--ratios"), ("no-such-command",)]
+    cases = [
+        ("--help",),
+        ("--version",),
+        ("bench", "--help"),
+        ("eval", "--help"),
+        ("generate", "--help"),
+        ("doctor", "--help"),
+        ("tune", "--help"),
+        ("bench", "--arch", "no-such-arch"),
+        ("eval", "--steps", "x"),
+        ("doctor", "--grid", "0"),
+        ("tune", "--ratios"),
+        ("no-such-command",),
+    ]
     for argv in cases:
         code, mods = loaded_by_cli(*argv)
         assert code in (0, 2), (argv, code)
@@ -70,22 +94,39 @@ def test_cli_help_version_and_argument_errors_do_not_import_torch():
 
 def test_python_dash_m_toma_answers_help_without_torch():
     for argv in (("--help",), ("bench", "--help"), ("tune", "--help")):
-        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "toma", *argv], capture_output=True,
-                             text=True, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "toma", *argv], capture_output=True, text=True, cwd=ROOT
+        )
         assert out.returncode == 0 and out.stdout.startswith("usage: toma"), (argv, out.stderr[-500:])
         # -X importtime lists every module imported, one "import time: ... | name" line each
-        imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+        imported = {
+            line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")
+        }
         heavy = sorted(m for m in imported if m.split(".")[0] in HEAVY)
         assert not heavy, (argv, heavy[:5])
 
 
 def test_command_packages_and_shared_helpers_import_without_torch():
     # a command's package holds its parser and constants; what needs torch waits for its run
-    modules = ["toma.tools.cli", "toma.tools.archs", "toma.tools.generate", "toma.tools.bench",
-               "toma.tools.bench.constants", "toma.tools.bench.report", "toma.tools.eval", "toma.tools.eval.constants",
-               "toma.tools.tune", "toma.tools.tune.constants", "toma.tools.common", "toma.tools.common.options",
-               "toma.tools.common.pipelines", "toma.tools.common.images", "toma.tools.common.report",
-               "toma.tools.builtin", "toma.tools.builtin.samplers"]
+    modules = [
+        "toma.tools.cli",
+        "toma.tools.archs",
+        "toma.tools.generate",
+        "toma.tools.bench",
+        "toma.tools.bench.constants",
+        "toma.tools.bench.report",
+        "toma.tools.eval",
+        "toma.tools.eval.constants",
+        "toma.tools.tune",
+        "toma.tools.tune.constants",
+        "toma.tools.common",
+        "toma.tools.common.options",
+        "toma.tools.common.pipelines",
+        "toma.tools.common.images",
+        "toma.tools.common.report",
+        "toma.tools.builtin",
+        "toma.tools.builtin.samplers",
+    ]
     script = f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
     heavy = sorted(m for m in json.loads(out.stdout.strip().splitlines()[-1]) if m.split(".")[0] in HEAVY)

@@ -109,9 +109,18 @@ def make_sd3(seed: int = 0, layers: int = 4, dual: tuple[int, ...] = (0, 1)):
 
     torch.manual_seed(seed)
     return SD3Transformer2DModel(
-        sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=layers, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=CROSS_DIM, caption_projection_dim=16, pooled_projection_dim=16,
-        pos_embed_max_size=32, dual_attention_layers=dual,
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=layers,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=CROSS_DIM,
+        caption_projection_dim=16,
+        pooled_projection_dim=16,
+        pos_embed_max_size=32,
+        dual_attention_layers=dual,
     ).eval()
 
 
@@ -131,8 +140,16 @@ def make_wan(seed: int = 0, layers: int = 3, in_channels: int = 4, text_dim: int
 
     torch.manual_seed(seed)
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=in_channels,
-        out_channels=in_channels, text_dim=text_dim, freq_dim=16, ffn_dim=32, num_layers=layers, rope_max_seq_len=32,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=in_channels,
+        out_channels=in_channels,
+        text_dim=text_dim,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        rope_max_seq_len=32,
     ).eval()
 
 
@@ -151,9 +168,21 @@ def make_pixart(seed: int = 0, layers: int = 3):
 
     torch.manual_seed(seed)
     return PixArtTransformer2DModel(
-        sample_size=8, num_layers=layers, patch_size=2, attention_head_dim=8, num_attention_heads=2, caption_channels=CROSS_DIM,
-        in_channels=4, cross_attention_dim=16, out_channels=8, attention_bias=True, activation_fn="gelu-approximate",
-        num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+        sample_size=8,
+        num_layers=layers,
+        patch_size=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        caption_channels=CROSS_DIM,
+        in_channels=4,
+        cross_attention_dim=16,
+        out_channels=8,
+        attention_bias=True,
+        activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000,
+        norm_type="ada_norm_single",
+        norm_elementwise_affine=False,
+        norm_eps=1e-6,
     ).eval()
 
 
@@ -176,8 +205,15 @@ def make_ltx(seed: int = 0, layers: int = 3):
 
     torch.manual_seed(seed)
     return LTXVideoTransformer3DModel(
-        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
-        cross_attention_dim=16, num_layers=layers, caption_channels=CROSS_DIM,
+        in_channels=8,
+        out_channels=8,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        num_layers=layers,
+        caption_channels=CROSS_DIM,
     ).eval()
 
 
@@ -202,8 +238,14 @@ def make_qwen(layers: int = 3):
 
     torch.manual_seed(0)
     return QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=layers, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6),
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        axes_dims_rope=(4, 6, 6),
     ).eval()
 
 
@@ -224,8 +266,15 @@ def make_flux2(double: int = 2, single: int = 2, text_dim: int = TEXT_DIM):
 
     torch.manual_seed(0)
     return Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=double, num_single_layers=single, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=text_dim, timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4),
+        patch_size=1,
+        in_channels=16,
+        num_layers=double,
+        num_single_layers=single,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_dim,
+        timestep_guidance_channels=16,
+        axes_dims_rope=(4, 4, 4, 4),
     ).eval()
 
 
@@ -251,9 +300,19 @@ def make_hunyuan(seed: int = 0, layers: int = 2, single: int = 2, in_channels: i
 
     torch.manual_seed(seed)
     return HunyuanVideoTransformer3DModel(
-        in_channels=in_channels, out_channels=in_channels, num_attention_heads=2, attention_head_dim=8, num_layers=layers,
-        num_single_layers=single, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=TEXT_DIM,
-        pooled_projection_dim=16, rope_axes_dim=(2, 2, 4), **config,
+        in_channels=in_channels,
+        out_channels=in_channels,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=layers,
+        num_single_layers=single,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        text_embed_dim=TEXT_DIM,
+        pooled_projection_dim=16,
+        rope_axes_dim=(2, 2, 4),
+        **config,
     ).eval()
 
 
@@ -274,15 +333,29 @@ def hunyuan_inputs(batch: int, frames: int, h: int, w: int, text: int = 6, padde
     }
 
 
-def make_cogvideox(seed: int = 0, layers: int = 3, patch_size_t: int | None = None, in_channels: int = 4, text_dim: int = 16):
+def make_cogvideox(
+    seed: int = 0, layers: int = 3, patch_size_t: int | None = None, in_channels: int = 4, text_dim: int = 16
+):
     """CogVideoX-5B-like (rotary positions from the caller); ``patch_size_t=2`` is CogVideoX 1.5."""
     from diffusers import CogVideoXTransformer3DModel
 
     torch.manual_seed(seed)
     return CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=16, in_channels=in_channels, out_channels=in_channels, time_embed_dim=8,
-        text_embed_dim=text_dim, num_layers=layers, sample_width=8, sample_height=8, sample_frames=5, patch_size=2,
-        patch_size_t=patch_size_t, temporal_compression_ratio=4, max_text_seq_length=8, use_rotary_positional_embeddings=True,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=in_channels,
+        out_channels=in_channels,
+        time_embed_dim=8,
+        text_embed_dim=text_dim,
+        num_layers=layers,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=5,
+        patch_size=2,
+        patch_size_t=patch_size_t,
+        temporal_compression_ratio=4,
+        max_text_seq_length=8,
+        use_rotary_positional_embeddings=True,
         patch_bias=patch_size_t is None,
     ).eval()
 
@@ -311,8 +384,18 @@ def make_hunyuan15(seed: int = 0, layers: int = 2):
 
     torch.manual_seed(seed)
     return HunyuanVideo15Transformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=layers, num_refiner_layers=1,
-        patch_size=2, patch_size_t=1, text_embed_dim=TEXT_DIM, text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(2, 2, 4),
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=layers,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        text_embed_dim=TEXT_DIM,
+        text_embed_2_dim=16,
+        image_embed_dim=16,
+        rope_axes_dim=(2, 2, 4),
     ).eval()
 
 
@@ -337,15 +420,28 @@ def make_wan_vace(seed: int = 0, layers: int = 3, vace_layers: tuple[int, ...] =
 
     torch.manual_seed(seed)
     return WanVACETransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=CROSS_DIM,
-        freq_dim=16, ffn_dim=32, num_layers=layers, rope_max_seq_len=32, vace_layers=list(vace_layers), vace_in_channels=6,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=CROSS_DIM,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        rope_max_seq_len=32,
+        vace_layers=list(vace_layers),
+        vace_in_channels=6,
     ).eval()
 
 
 def wan_vace_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
     """Wan's call plus control latents of the same ``frames x h x w`` (6 channels)."""
     g = torch.Generator().manual_seed(seed + 1)
-    return {**wan_inputs(batch, frames, h, w, text, seed), "control_hidden_states": torch.randn(batch, 6, frames, h, w, generator=g)}
+    return {
+        **wan_inputs(batch, frames, h, w, text, seed),
+        "control_hidden_states": torch.randn(batch, 6, frames, h, w, generator=g),
+    }
 
 
 def make_skyreels(seed: int = 0, layers: int = 3, **config):
@@ -354,8 +450,17 @@ def make_skyreels(seed: int = 0, layers: int = 3, **config):
 
     torch.manual_seed(seed)
     return SkyReelsV2Transformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=CROSS_DIM,
-        freq_dim=16, ffn_dim=32, num_layers=layers, rope_max_seq_len=32, **config,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=CROSS_DIM,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        rope_max_seq_len=32,
+        **config,
     ).eval()
 
 
@@ -365,10 +470,26 @@ def make_wan_animate(seed: int = 0, layers: int = 4):
 
     torch.manual_seed(seed)
     return WanAnimateTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=12, latent_channels=4, out_channels=4,
-        text_dim=CROSS_DIM, freq_dim=16, ffn_dim=32, num_layers=layers, image_dim=16, rope_max_seq_len=32,
-        motion_encoder_channel_sizes={"16": 8, "8": 8, "4": 8}, motion_encoder_size=16, motion_style_dim=8, motion_dim=4,
-        motion_encoder_dim=8, face_encoder_hidden_dim=8, face_encoder_num_heads=2, inject_face_latents_blocks=2,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=12,
+        latent_channels=4,
+        out_channels=4,
+        text_dim=CROSS_DIM,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        image_dim=16,
+        rope_max_seq_len=32,
+        motion_encoder_channel_sizes={"16": 8, "8": 8, "4": 8},
+        motion_encoder_size=16,
+        motion_style_dim=8,
+        motion_dim=4,
+        motion_encoder_dim=8,
+        face_encoder_hidden_dim=8,
+        face_encoder_num_heads=2,
+        inject_face_latents_blocks=2,
     ).eval()
 
 
@@ -394,9 +515,19 @@ def make_cosmos(seed: int = 0, layers: int = 3, **config):
 
     torch.manual_seed(seed)
     return CosmosTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=layers, mlp_ratio=2.0,
-        text_embed_dim=CROSS_DIM, adaln_lora_dim=8, max_size=(8, 32, 32), patch_size=(1, 2, 2), concat_padding_mask=False,
-        extra_pos_embed_type=config.pop("extra_pos_embed_type", None), **config,
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=12,
+        num_layers=layers,
+        mlp_ratio=2.0,
+        text_embed_dim=CROSS_DIM,
+        adaln_lora_dim=8,
+        max_size=(8, 32, 32),
+        patch_size=(1, 2, 2),
+        concat_padding_mask=False,
+        extra_pos_embed_type=config.pop("extra_pos_embed_type", None),
+        **config,
     ).eval()
 
 
@@ -416,8 +547,15 @@ def make_longcat(seed: int = 0, double: int = 2, single: int = 2):
 
     torch.manual_seed(seed)
     return LongCatImageTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=double, num_single_layers=single, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=CROSS_DIM, pooled_projection_dim=CROSS_DIM, axes_dims_rope=(4, 6, 6),
+        patch_size=1,
+        in_channels=16,
+        num_layers=double,
+        num_single_layers=single,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=CROSS_DIM,
+        pooled_projection_dim=CROSS_DIM,
+        axes_dims_rope=(4, 6, 6),
     ).eval()
 
 
@@ -427,7 +565,9 @@ def longcat_ids(modality: int, start: int, h: int, w: int) -> torch.Tensor:
     return torch.stack([torch.full_like(rows, modality), rows + start, cols + start], -1).reshape(-1, 3).float()
 
 
-def longcat_inputs(batch: int, h: int, w: int, text: int = 5, refs: tuple[int, int] | None = None, seed: int = 1) -> dict:
+def longcat_inputs(
+    batch: int, h: int, w: int, text: int = 5, refs: tuple[int, int] | None = None, seed: int = 1
+) -> dict:
     """Packed latents of ``h x w`` tokens with ids of modality 1 after ``text`` text ids; with
     ``refs``, an edit call: a reference image's ``refs[0] x refs[1]`` tokens (modality 2) after them."""
     g = torch.Generator().manual_seed(seed)
@@ -452,8 +592,16 @@ def make_hunyuanimage(seed: int = 0, layers: int = 2, single: int = 2):
 
     torch.manual_seed(seed)
     return HunyuanImageTransformer2DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=layers,
-        num_single_layers=single, num_refiner_layers=1, patch_size=(2, 2), text_embed_dim=TEXT_DIM, rope_axes_dim=(4, 4),
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=layers,
+        num_single_layers=single,
+        num_refiner_layers=1,
+        patch_size=(2, 2),
+        text_embed_dim=TEXT_DIM,
+        rope_axes_dim=(4, 4),
     ).eval()
 
 
@@ -478,10 +626,19 @@ def make_animatediff_unet(seed: int = 0):
 
     torch.manual_seed(seed)
     return UNetMotionModel(
-        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlockMotion", "DownBlockMotion"), up_block_types=("UpBlockMotion", "CrossAttnUpBlockMotion"),
-        norm_num_groups=8, cross_attention_dim=CROSS_DIM, num_attention_heads=2, motion_num_attention_heads=2,
-        motion_max_seq_length=32, use_motion_mid_block=False,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlockMotion", "DownBlockMotion"),
+        up_block_types=("UpBlockMotion", "CrossAttnUpBlockMotion"),
+        norm_num_groups=8,
+        cross_attention_dim=CROSS_DIM,
+        num_attention_heads=2,
+        motion_num_attention_heads=2,
+        motion_max_seq_length=32,
+        use_motion_mid_block=False,
     ).eval()
 
 
@@ -502,11 +659,19 @@ def make_svd_unet(seed: int = 0):
 
     torch.manual_seed(seed)
     return UNetSpatioTemporalConditionModel(
-        sample_size=16, in_channels=8, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        sample_size=16,
+        in_channels=8,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
         down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
-        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"), addition_time_embed_dim=8,
-        projection_class_embeddings_input_dim=24, cross_attention_dim=CROSS_DIM, transformer_layers_per_block=1,
-        num_attention_heads=(2, 4), num_frames=3,
+        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=24,
+        cross_attention_dim=CROSS_DIM,
+        transformer_layers_per_block=1,
+        num_attention_heads=(2, 4),
+        num_frames=3,
     ).eval()
 
 
@@ -528,8 +693,11 @@ def kontext_inputs(batch: int, h: int, w: int, rh: int, rw: int) -> dict:
     rows, cols = torch.meshgrid(torch.arange(rh), torch.arange(rw), indexing="ij")
     ref_ids = torch.stack([torch.ones_like(rows), rows, cols], -1).reshape(-1, 3).float()
     g = torch.Generator().manual_seed(7)
-    return {**kw, "img_ids": torch.cat([kw["img_ids"], ref_ids]),
-            "hidden_states": torch.cat([kw["hidden_states"], torch.randn(batch, rh * rw, 16, generator=g)], dim=1)}
+    return {
+        **kw,
+        "img_ids": torch.cat([kw["img_ids"], ref_ids]),
+        "hidden_states": torch.cat([kw["hidden_states"], torch.randn(batch, rh * rw, 16, generator=g)], dim=1),
+    }
 
 
 @dataclass(frozen=True)
@@ -583,65 +751,249 @@ class Family:
 
 FLUX_ALL = {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)}
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("sdxl", "unet", make_sdxl_unet, lambda b: unet_inputs(b, 16, 16, sdxl=True), {"levels": 2, "merge_mlp": True},
-           cross=True, odd=lambda b: unet_inputs(b, 8, 24, sdxl=True), odd_tokens=4 * 12, grid=(1, 16, 16),
-           text_mask="encoder_attention_mask"),
-    Family("sd15", "unet", make_sd15_unet, lambda b: unet_inputs(b, 10, 14, sdxl=False), {"merge_mlp": True}, cross=True,
-           odd=lambda b: unet_inputs(b, 10, 14, sdxl=False), odd_tokens=10 * 14,
-           divided=lambda b: unet_inputs(b, 16, 16, sdxl=False), grid=(1, 10, 14), text_mask="encoder_attention_mask"),
-    Family("flux", "flux", make_flux, lambda b: flux_inputs(b, 8, 8), FLUX_ALL, odd=lambda b: flux_inputs(b, 5, 7), odd_tokens=35,
-           grid=(1, 8, 8), joint_mask=True),
-    Family("flux-kontext", "flux", make_flux, lambda b: kontext_inputs(b, 8, 8, 4, 4), FLUX_ALL,
-           odd=lambda b: kontext_inputs(b, 5, 7, 3, 3), odd_tokens=35, grid=(1, 8, 8), joint_mask=True),
-    Family("sd3", "sd3", make_sd3, lambda b: sd3_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(4)}},
-           proportional=False, odd=lambda b: sd3_inputs(b, 10, 14), odd_tokens=35, divided=lambda b: sd3_inputs(b, 16, 16),
-           grid=(1, 8, 10)),
-    Family("pixart", "pixart", make_pixart, lambda b: pixart_inputs(b, 16, 20), {"blocks": {"transformer_blocks": range(3)}},
-           cross=True, odd=lambda b: pixart_inputs(b, 10, 14), odd_tokens=35, divided=lambda b: pixart_inputs(b, 16, 16),
-           grid=(1, 8, 10), text_mask="encoder_attention_mask"),
-    Family("wan", "wan", make_wan, lambda b: wan_inputs(b, 4, 12, 16), {"blocks": {"blocks": range(3)}}, cross=True,
-           odd=lambda b: wan_inputs(b, 3, 10, 14), odd_tokens=3 * 35, divided=lambda b: wan_inputs(b, 4, 16, 16),
-           grid=(4, 6, 8)),
-    Family("ltx", "ltx", make_ltx, lambda b: ltx_inputs(b, 4, 6, 8), {"blocks": {"transformer_blocks": range(3)}},
-           proportional=False, cross=True, odd=lambda b: ltx_inputs(b, 3, 5, 7), odd_tokens=3 * 35,
-           divided=lambda b: ltx_inputs(b, 4, 8, 8), grid=(4, 6, 8), text_mask="encoder_attention_mask"),
-    Family("qwenimage", "qwenimage", make_qwen, lambda b: qwen_inputs(b, 8, 10), {"blocks": {"transformer_blocks": range(3)}},
-           proportional=False, odd=lambda b: qwen_inputs(b, 5, 7), odd_tokens=35, divided=lambda b: qwen_inputs(b, 8, 8),
-           grid=(1, 8, 10), text_mask="encoder_hidden_states_mask"),
-    Family("flux2", "flux2", make_flux2, lambda b: flux2_inputs(b, 8, 10),
-           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=True,
-           odd=lambda b: flux2_inputs(b, 5, 7), odd_tokens=35, divided=lambda b: flux2_inputs(b, 8, 8), grid=(1, 8, 10),
-           joint_mask=True),
-    Family("hunyuanvideo", "hunyuanvideo", make_hunyuan, lambda b: hunyuan_inputs(b, 3, 8, 8),
-           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}, proportional=True,
-           odd=lambda b: hunyuan_inputs(b, 1, 10, 14), odd_tokens=35, grid=(3, 4, 4),
-           text_mask="encoder_attention_mask"),
-    Family("cogvideox", "cogvideox", make_cogvideox, lambda b: cogvideox_inputs(b, 3, 8, 8),
-           {"blocks": {"transformer_blocks": range(3)}}, proportional=True, odd=lambda b: cogvideox_inputs(b, 3, 10, 14),
-           odd_tokens=3 * 35, grid=(3, 4, 4)),
-    Family("hunyuanvideo15", "hunyuanvideo15", make_hunyuan15, lambda b: hunyuan15_inputs(b, 3, 8, 8),
-           {"blocks": {"transformer_blocks": range(2)}}, proportional=False, odd=lambda b: hunyuan15_inputs(b, 1, 10, 14),
-           odd_tokens=35, grid=(3, 4, 4), text_mask="encoder_attention_mask"),
-    Family("wan-vace", "wan-vace", make_wan_vace, lambda b: wan_vace_inputs(b, 4, 12, 16),
-           {"blocks": {"blocks": range(3), "vace_blocks": range(2)}}, cross=True, odd=lambda b: wan_vace_inputs(b, 3, 10, 14),
-           odd_tokens=3 * 35, divided=lambda b: wan_vace_inputs(b, 4, 16, 16), grid=(4, 6, 8), tile_order=False),
-    Family("skyreels-v2", "skyreels-v2", make_skyreels, lambda b: wan_inputs(b, 4, 12, 16), {"blocks": {"blocks": range(3)}},
-           cross=True, odd=lambda b: wan_inputs(b, 3, 10, 14), odd_tokens=3 * 35, divided=lambda b: wan_inputs(b, 4, 16, 16),
-           grid=(4, 6, 8)),
-    Family("wan-animate", "wan-animate", make_wan_animate, lambda b: wan_animate_inputs(b, 4, 12, 16),
-           {"blocks": {"blocks": range(4)}}, cross=True, odd=lambda b: wan_animate_inputs(b, 3, 10, 14), odd_tokens=3 * 35,
-           divided=lambda b: wan_animate_inputs(b, 4, 16, 16), grid=(4, 6, 8)),
-    Family("cosmos", "cosmos", make_cosmos, lambda b: cosmos_inputs(b, 3, 8, 8), {"blocks": {"transformer_blocks": range(3)}},
-           proportional=False, cross=True, odd=lambda b: cosmos_inputs(b, 3, 10, 14), odd_tokens=3 * 35, grid=(3, 4, 4)),
-    Family("longcat-image", "longcat-image", make_longcat, lambda b: longcat_inputs(b, 8, 8),
-           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
-           odd=lambda b: longcat_inputs(b, 5, 7), odd_tokens=35, grid=(1, 8, 8)),
-    Family("longcat-image-edit", "longcat-image", make_longcat, lambda b: longcat_inputs(b, 8, 8, refs=(4, 4)),
-           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
-           odd=lambda b: longcat_inputs(b, 5, 7, refs=(3, 3)), odd_tokens=35, grid=(1, 8, 8)),
-    Family("hunyuanimage", "hunyuanimage", make_hunyuanimage, lambda b: hunyuanimage_inputs(b, 16, 20),
-           {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
-           odd=lambda b: hunyuanimage_inputs(b, 10, 14), odd_tokens=35, divided=lambda b: hunyuanimage_inputs(b, 16, 16),
-           grid=(1, 8, 10), text_mask="encoder_attention_mask", checkpointing=False),
-)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "sdxl",
+            "unet",
+            make_sdxl_unet,
+            lambda b: unet_inputs(b, 16, 16, sdxl=True),
+            {"levels": 2, "merge_mlp": True},
+            cross=True,
+            odd=lambda b: unet_inputs(b, 8, 24, sdxl=True),
+            odd_tokens=4 * 12,
+            grid=(1, 16, 16),
+            text_mask="encoder_attention_mask",
+        ),
+        Family(
+            "sd15",
+            "unet",
+            make_sd15_unet,
+            lambda b: unet_inputs(b, 10, 14, sdxl=False),
+            {"merge_mlp": True},
+            cross=True,
+            odd=lambda b: unet_inputs(b, 10, 14, sdxl=False),
+            odd_tokens=10 * 14,
+            divided=lambda b: unet_inputs(b, 16, 16, sdxl=False),
+            grid=(1, 10, 14),
+            text_mask="encoder_attention_mask",
+        ),
+        Family(
+            "flux",
+            "flux",
+            make_flux,
+            lambda b: flux_inputs(b, 8, 8),
+            FLUX_ALL,
+            odd=lambda b: flux_inputs(b, 5, 7),
+            odd_tokens=35,
+            grid=(1, 8, 8),
+            joint_mask=True,
+        ),
+        Family(
+            "flux-kontext",
+            "flux",
+            make_flux,
+            lambda b: kontext_inputs(b, 8, 8, 4, 4),
+            FLUX_ALL,
+            odd=lambda b: kontext_inputs(b, 5, 7, 3, 3),
+            odd_tokens=35,
+            grid=(1, 8, 8),
+            joint_mask=True,
+        ),
+        Family(
+            "sd3",
+            "sd3",
+            make_sd3,
+            lambda b: sd3_inputs(b, 16, 20),
+            {"blocks": {"transformer_blocks": range(4)}},
+            proportional=False,
+            odd=lambda b: sd3_inputs(b, 10, 14),
+            odd_tokens=35,
+            divided=lambda b: sd3_inputs(b, 16, 16),
+            grid=(1, 8, 10),
+        ),
+        Family(
+            "pixart",
+            "pixart",
+            make_pixart,
+            lambda b: pixart_inputs(b, 16, 20),
+            {"blocks": {"transformer_blocks": range(3)}},
+            cross=True,
+            odd=lambda b: pixart_inputs(b, 10, 14),
+            odd_tokens=35,
+            divided=lambda b: pixart_inputs(b, 16, 16),
+            grid=(1, 8, 10),
+            text_mask="encoder_attention_mask",
+        ),
+        Family(
+            "wan",
+            "wan",
+            make_wan,
+            lambda b: wan_inputs(b, 4, 12, 16),
+            {"blocks": {"blocks": range(3)}},
+            cross=True,
+            odd=lambda b: wan_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            divided=lambda b: wan_inputs(b, 4, 16, 16),
+            grid=(4, 6, 8),
+        ),
+        Family(
+            "ltx",
+            "ltx",
+            make_ltx,
+            lambda b: ltx_inputs(b, 4, 6, 8),
+            {"blocks": {"transformer_blocks": range(3)}},
+            proportional=False,
+            cross=True,
+            odd=lambda b: ltx_inputs(b, 3, 5, 7),
+            odd_tokens=3 * 35,
+            divided=lambda b: ltx_inputs(b, 4, 8, 8),
+            grid=(4, 6, 8),
+            text_mask="encoder_attention_mask",
+        ),
+        Family(
+            "qwenimage",
+            "qwenimage",
+            make_qwen,
+            lambda b: qwen_inputs(b, 8, 10),
+            {"blocks": {"transformer_blocks": range(3)}},
+            proportional=False,
+            odd=lambda b: qwen_inputs(b, 5, 7),
+            odd_tokens=35,
+            divided=lambda b: qwen_inputs(b, 8, 8),
+            grid=(1, 8, 10),
+            text_mask="encoder_hidden_states_mask",
+        ),
+        Family(
+            "flux2",
+            "flux2",
+            make_flux2,
+            lambda b: flux2_inputs(b, 8, 10),
+            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+            proportional=True,
+            odd=lambda b: flux2_inputs(b, 5, 7),
+            odd_tokens=35,
+            divided=lambda b: flux2_inputs(b, 8, 8),
+            grid=(1, 8, 10),
+            joint_mask=True,
+        ),
+        Family(
+            "hunyuanvideo",
+            "hunyuanvideo",
+            make_hunyuan,
+            lambda b: hunyuan_inputs(b, 3, 8, 8),
+            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+            proportional=True,
+            odd=lambda b: hunyuan_inputs(b, 1, 10, 14),
+            odd_tokens=35,
+            grid=(3, 4, 4),
+            text_mask="encoder_attention_mask",
+        ),
+        Family(
+            "cogvideox",
+            "cogvideox",
+            make_cogvideox,
+            lambda b: cogvideox_inputs(b, 3, 8, 8),
+            {"blocks": {"transformer_blocks": range(3)}},
+            proportional=True,
+            odd=lambda b: cogvideox_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            grid=(3, 4, 4),
+        ),
+        Family(
+            "hunyuanvideo15",
+            "hunyuanvideo15",
+            make_hunyuan15,
+            lambda b: hunyuan15_inputs(b, 3, 8, 8),
+            {"blocks": {"transformer_blocks": range(2)}},
+            proportional=False,
+            odd=lambda b: hunyuan15_inputs(b, 1, 10, 14),
+            odd_tokens=35,
+            grid=(3, 4, 4),
+            text_mask="encoder_attention_mask",
+        ),
+        Family(
+            "wan-vace",
+            "wan-vace",
+            make_wan_vace,
+            lambda b: wan_vace_inputs(b, 4, 12, 16),
+            {"blocks": {"blocks": range(3), "vace_blocks": range(2)}},
+            cross=True,
+            odd=lambda b: wan_vace_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            divided=lambda b: wan_vace_inputs(b, 4, 16, 16),
+            grid=(4, 6, 8),
+            tile_order=False,
+        ),
+        Family(
+            "skyreels-v2",
+            "skyreels-v2",
+            make_skyreels,
+            lambda b: wan_inputs(b, 4, 12, 16),
+            {"blocks": {"blocks": range(3)}},
+            cross=True,
+            odd=lambda b: wan_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            divided=lambda b: wan_inputs(b, 4, 16, 16),
+            grid=(4, 6, 8),
+        ),
+        Family(
+            "wan-animate",
+            "wan-animate",
+            make_wan_animate,
+            lambda b: wan_animate_inputs(b, 4, 12, 16),
+            {"blocks": {"blocks": range(4)}},
+            cross=True,
+            odd=lambda b: wan_animate_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            divided=lambda b: wan_animate_inputs(b, 4, 16, 16),
+            grid=(4, 6, 8),
+        ),
+        Family(
+            "cosmos",
+            "cosmos",
+            make_cosmos,
+            lambda b: cosmos_inputs(b, 3, 8, 8),
+            {"blocks": {"transformer_blocks": range(3)}},
+            proportional=False,
+            cross=True,
+            odd=lambda b: cosmos_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            grid=(3, 4, 4),
+        ),
+        Family(
+            "longcat-image",
+            "longcat-image",
+            make_longcat,
+            lambda b: longcat_inputs(b, 8, 8),
+            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+            odd=lambda b: longcat_inputs(b, 5, 7),
+            odd_tokens=35,
+            grid=(1, 8, 8),
+        ),
+        Family(
+            "longcat-image-edit",
+            "longcat-image",
+            make_longcat,
+            lambda b: longcat_inputs(b, 8, 8, refs=(4, 4)),
+            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+            odd=lambda b: longcat_inputs(b, 5, 7, refs=(3, 3)),
+            odd_tokens=35,
+            grid=(1, 8, 8),
+        ),
+        Family(
+            "hunyuanimage",
+            "hunyuanimage",
+            make_hunyuanimage,
+            lambda b: hunyuanimage_inputs(b, 16, 20),
+            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+            odd=lambda b: hunyuanimage_inputs(b, 10, 14),
+            odd_tokens=35,
+            divided=lambda b: hunyuanimage_inputs(b, 16, 16),
+            grid=(1, 8, 10),
+            text_mask="encoder_attention_mask",
+            checkpointing=False,
+        ),
+    )
+}

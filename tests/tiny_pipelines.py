@@ -27,8 +27,15 @@ def tiny_clip_tokenizer(folder) -> CLIPTokenizer:
 
 def clip_config(**overrides) -> CLIPTextConfig:
     settings = dict(
-        vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        vocab_size=60,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
     )
     return CLIPTextConfig(**{**settings, **overrides})
 

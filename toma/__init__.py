@@ -20,7 +20,16 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigFileError", "ToMAConfig", "ToMAPatch", "apply_toma", "get_toma", "load_config", "remove_toma", "__version__"]
+__all__ = [
+    "ConfigFileError",
+    "ToMAConfig",
+    "ToMAPatch",
+    "apply_toma",
+    "get_toma",
+    "load_config",
+    "remove_toma",
+    "__version__",
+]
 
 # public name -> module defining it. They load on first use (PEP 562), so that the ``toma``
 # command can print its help and version without importing torch (about 1.3 s).

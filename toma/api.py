@@ -56,10 +56,15 @@ class ToMAPatch:
     def summary(self) -> str:
         """A readable list of merged and skipped blocks and the settings."""
         settings = ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())
-        lines = [f"ToMA ({self.adapter} adapter): {len(self.patched)} merged, {len(self.skipped)} skipped", f"  settings: {settings}"]
+        lines = [
+            f"ToMA ({self.adapter} adapter): {len(self.patched)} merged, {len(self.skipped)} skipped",
+            f"  settings: {settings}",
+        ]
         if self.config.windowed:
             stop = "the last" if self.config.stop_step is None else f"{self.config.stop_step - 1}"
-            lines.append(f"  steps: merging on denoising steps {self.config.start_step} to {stop} (0 = first); the others run unmerged")
+            lines.append(
+                f"  steps: merging on denoising steps {self.config.start_step} to {stop} (0 = first); the others run unmerged"
+            )
         lines += [f"  merged  {p.name}  [{p.where}]" for p in self.patched]
         lines += [f"  skipped {s.name}  ({s.reason})" for s in self.skipped]
         return "\n".join(lines)

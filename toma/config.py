@@ -137,9 +137,13 @@ class ToMAConfig:
         if self.tile_frames is not None:
             _check_int("tile_frames", self.tile_frames, minimum=1)
         if self.mlp_levels is not None:
-            levels = _check_indices("mlp_levels", self.mlp_levels, minimum=1, what="attention levels (1 = the highest resolution)")
+            levels = _check_indices(
+                "mlp_levels", self.mlp_levels, minimum=1, what="attention levels (1 = the highest resolution)"
+            )
             if not self.merge_mlp:
-                raise ValueError("mlp_levels is set but merge_mlp is off: pass merge_mlp=True, or leave mlp_levels unset")
+                raise ValueError(
+                    "mlp_levels is set but merge_mlp is off: pass merge_mlp=True, or leave mlp_levels unset"
+                )
             beyond = [v for v in levels if v > self.levels]
             if beyond or not levels:
                 raise ValueError(f"mlp_levels must name merged levels, in 1..levels={self.levels}; got {list(levels)}")
@@ -198,7 +202,11 @@ class ToMAConfig:
         it measured, on which machine, model, resolution and batch). Returns ``path``.
         """
         path = Path(path)
-        doc: dict[str, Any] = {"format": CONFIG_FORMAT, "version": CONFIG_VERSION, "settings": _jsonable(self.to_dict())}
+        doc: dict[str, Any] = {
+            "format": CONFIG_FORMAT,
+            "version": CONFIG_VERSION,
+            "settings": _jsonable(self.to_dict()),
+        }
         if provenance is not None:
             if not isinstance(provenance, dict):
                 raise TypeError(f"provenance must be a dict or None; got {type(provenance).__name__}")
@@ -252,7 +260,9 @@ def load_config(path: str | os.PathLike) -> ToMAConfig:
         )
     settings = doc.get("settings")
     if not isinstance(settings, dict):
-        raise ConfigFileError(f"toma config file {path}: field 'settings' must be an object of ToMAConfig fields; got {settings!r}")
+        raise ConfigFileError(
+            f"toma config file {path}: field 'settings' must be an object of ToMAConfig fields; got {settings!r}"
+        )
     known = {f.name for f in fields(ToMAConfig)}
     unknown = sorted(set(settings) - known)
     if unknown:
@@ -260,7 +270,9 @@ def load_config(path: str | os.PathLike) -> ToMAConfig:
             f"toma config file {path}: unknown setting(s) {', '.join(unknown)} in 'settings'; allowed: {', '.join(sorted(known))}"
         )
     if "provenance" in doc and not isinstance(doc["provenance"], dict):
-        raise ConfigFileError(f"toma config file {path}: field 'provenance' must be an object; got {doc['provenance']!r}")
+        raise ConfigFileError(
+            f"toma config file {path}: field 'provenance' must be an object; got {doc['provenance']!r}"
+        )
     # each field on its own first, so that the error names the one that is wrong
     for f in fields(ToMAConfig):
         if f.name in settings:
@@ -324,7 +336,11 @@ def parse_option(text: str) -> tuple[str, Any]:
 
 
 # per-part ratio fields and the switch each needs
-_PART_RATIOS = {"attn": ("attn_ratio", "merge_attn"), "cross": ("crossattn_ratio", "merge_crossattn"), "mlp": ("mlp_ratio", "merge_mlp")}
+_PART_RATIOS = {
+    "attn": ("attn_ratio", "merge_attn"),
+    "cross": ("crossattn_ratio", "merge_crossattn"),
+    "mlp": ("mlp_ratio", "merge_mlp"),
+}
 _PART_SWITCH = {name: switch for name, switch in _PART_RATIOS.values()}
 
 
@@ -371,7 +387,9 @@ def _check_blocks(value: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
     try:
         pairs = [(stack, indices) for stack, indices in items]
     except (TypeError, ValueError):
-        raise TypeError(f"blocks must map block-stack names to block indices, e.g. {{'transformer_blocks': range(5, 19)}}; got {value!r}") from None
+        raise TypeError(
+            f"blocks must map block-stack names to block indices, e.g. {{'transformer_blocks': range(5, 19)}}; got {value!r}"
+        ) from None
     out = []
     for stack, indices in pairs:
         if not isinstance(stack, str):

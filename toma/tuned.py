@@ -25,7 +25,11 @@ CACHE_FILE = "tune.json"
 
 # settings that only choose where to merge: the merged sub-modules' names say that exactly
 _PLACEMENT = ("levels", "blocks", "flux_double_blocks", "flux_single_blocks")
-_PARTS = (("attn", "merge_attn", "attn_ratio"), ("cross", "merge_crossattn", "crossattn_ratio"), ("mlp", "merge_mlp", "mlp_ratio"))
+_PARTS = (
+    ("attn", "merge_attn", "attn_ratio"),
+    ("cross", "merge_crossattn", "crossattn_ratio"),
+    ("mlp", "merge_mlp", "mlp_ratio"),
+)
 
 
 class SlowerSettingWarning(UserWarning):
@@ -88,8 +92,12 @@ def read_entries(path: Path | None = None) -> list[dict[str, Any]]:
         return []
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"tune record file {path} cannot be read: {err}") from None
-    if not isinstance(doc, dict) or doc.get("format") != CACHE_FORMAT or doc.get("version") != CACHE_VERSION \
-            or not isinstance(doc.get("entries"), list):
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != CACHE_FORMAT
+        or doc.get("version") != CACHE_VERSION
+        or not isinstance(doc.get("entries"), list)
+    ):
         raise ValueError(f"tune record file {path} is not a version-{CACHE_VERSION} {CACHE_FORMAT!r} file")
     return [e for e in doc["entries"] if isinstance(e, dict)]
 
@@ -115,8 +123,10 @@ def record(entries: list[dict[str, Any]], path: Path | None = None) -> Path:
     kept = [e for e in old if ident(e) not in new] + list(entries)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": kept}, indent=1) + "\n",
-                   encoding="utf-8")
+    tmp.write_text(
+        json.dumps({"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": kept}, indent=1) + "\n",
+        encoding="utf-8",
+    )
     os.replace(tmp, path)  # readers never see half a file
     return path
 
@@ -135,8 +145,14 @@ def warn_if_measured_slower(model: Any, merged: Iterable[str], settings: dict[st
         return
     key = model_key(model, merged, settings)
     device, dtype = _device_dtype(model)
-    slower = [e for e in entries if e.get("key") == key and e.get("reliable") and isinstance(e.get("speedup"), (int, float))
-              and e["speedup"] < 1.0]
+    slower = [
+        e
+        for e in entries
+        if e.get("key") == key
+        and e.get("reliable")
+        and isinstance(e.get("speedup"), (int, float))
+        and e["speedup"] < 1.0
+    ]
     if not slower:
         return
     where = "; ".join(
@@ -144,9 +160,12 @@ def warn_if_measured_slower(model: Any, merged: Iterable[str], settings: dict[st
         + (f" ({e['measured_at']})" if e.get("measured_at") else "")
         for e in slower
     )
-    _warn_once(key, f"toma tune measured these ToMA settings on {type(model).__name__} ({device}, "
-                    f"{dtype.replace('torch.', '')}) as slower than unpatched on this machine: {where}. "
-                    f"Run `toma tune` for a faster setting (records: {path})")
+    _warn_once(
+        key,
+        f"toma tune measured these ToMA settings on {type(model).__name__} ({device}, "
+        f"{dtype.replace('torch.', '')}) as slower than unpatched on this machine: {where}. "
+        f"Run `toma tune` for a faster setting (records: {path})",
+    )
 
 
 def _grid(grid: Any) -> str:

@@ -29,8 +29,13 @@ STEPS = 6
 def config(kind: str) -> dict:
     """cache-dit's settings: the first block computes, the rest are cached below a residual
     change of 0.5 (random weights change little between steps), after 2 warm-up steps."""
-    common = dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=0.5, max_warmup_steps=2,
-                  num_inference_steps=STEPS)
+    common = dict(
+        Fn_compute_blocks=1,
+        Bn_compute_blocks=0,
+        residual_diff_threshold=0.5,
+        max_warmup_steps=2,
+        num_inference_steps=STEPS,
+    )
     if kind == "dbprune":
         return {"cache_config": cache_dit.DBPruneConfig(**common)}
     out = {"cache_config": cache_dit.DBCacheConfig(**common)}

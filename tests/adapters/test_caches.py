@@ -26,8 +26,11 @@ def denoise(model, kw, scale: float, clock: list) -> torch.Tensor:
         for i in range(STEPS):
             t = scale * (1 - i / STEPS)
             clock[0] = 1000.0 * t / scale
-            call = {**kw, "hidden_states": kw["hidden_states"] * (1 - i / STEPS),
-                    "timestep": torch.full((kw["hidden_states"].shape[0],), t)}
+            call = {
+                **kw,
+                "hidden_states": kw["hidden_states"] * (1 - i / STEPS),
+                "timestep": torch.full((kw["hidden_states"].shape[0],), t),
+            }
             with model.cache_context("cond"):
                 outs.append(model(**call)[0])
     return torch.stack(outs)
@@ -37,36 +40,64 @@ def config(name: str, family: str, clock: list):
     from diffusers.hooks import FasterCacheConfig, PyramidAttentionBroadcastConfig
 
     if name == "pab":  # attention recomputed every 2nd step, on every step of these runs
-        return PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
-                                               current_timestep_callback=lambda: clock[0])
+        return PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: clock[0],
+        )
     # FasterCache computes the steps above t=681 (its default) and extrapolates attention
     # on every other step below; these runs are single-batch (no classifier-free guidance)
     layout = "BCHW" if family in ("flux", "flux2", "qwenimage") else "BFCHW" if family == "cogvideox" else "BCFHW"
-    return FasterCacheConfig(spatial_attention_block_skip_range=2, current_timestep_callback=lambda: clock[0],
-                             is_guidance_distilled=True, tensor_format=layout, attention_weight_callback=lambda m: 0.5)
+    return FasterCacheConfig(
+        spatial_attention_block_skip_range=2,
+        current_timestep_callback=lambda: clock[0],
+        is_guidance_distilled=True,
+        tensor_format=layout,
+        attention_weight_callback=lambda m: 0.5,
+    )
 
 
 # the attention module whose calls are counted: merged, and hooked by both caches
-ATTENTION = {"flux": "transformer_blocks.1.attn", "wan": "blocks.2.attn1", "flux2": "transformer_blocks.1.attn",
-             "ltx": "transformer_blocks.2.attn1", "qwenimage": "transformer_blocks.2.attn",
-             "hunyuanvideo": "transformer_blocks.1.attn", "cogvideox": "transformer_blocks.2.attn1"}
+ATTENTION = {
+    "flux": "transformer_blocks.1.attn",
+    "wan": "blocks.2.attn1",
+    "flux2": "transformer_blocks.1.attn",
+    "ltx": "transformer_blocks.2.attn1",
+    "qwenimage": "transformer_blocks.2.attn",
+    "hunyuanvideo": "transformer_blocks.1.attn",
+    "cogvideox": "transformer_blocks.2.attn1",
+}
 
 
 @pytest.mark.filterwarnings("ignore:.*FasterCache")
-@pytest.mark.parametrize("family,cache", [("flux", "pab"), ("flux2", "pab"), ("qwenimage", "pab"), ("hunyuanvideo", "pab"),
-                                          ("flux", "fastercache"), ("wan", "fastercache"), ("ltx", "fastercache"),
-                                          ("cogvideox", "fastercache")])
+@pytest.mark.parametrize(
+    "family,cache",
+    [
+        ("flux", "pab"),
+        ("flux2", "pab"),
+        ("qwenimage", "pab"),
+        ("hunyuanvideo", "pab"),
+        ("flux", "fastercache"),
+        ("wan", "fastercache"),
+        ("ltx", "fastercache"),
+        ("cogvideox", "fastercache"),
+    ],
+)
 def test_attention_caches_compose_with_toma(family, cache):
     make, inputs, scale, opts, _ = CACHED[family]
     kw, clock = inputs(), [0.0]
     unmerged = make()
     plain_tokens = []
-    unmerged.get_submodule(ATTENTION[family]).to_q.register_forward_hook(lambda m, a, o: plain_tokens.append(a[0].shape[1]))
+    unmerged.get_submodule(ATTENTION[family]).to_q.register_forward_hook(
+        lambda m, a, o: plain_tokens.append(a[0].shape[1])
+    )
     plain = denoise(unmerged, kw, scale, clock)
     merged = make()
     toma.apply_toma(merged, ratio=0.5, **opts)
     merged_tokens = []
-    merged.get_submodule(ATTENTION[family]).to_q.register_forward_hook(lambda m, a, o: merged_tokens.append(a[0].shape[1]))
+    merged.get_submodule(ATTENTION[family]).to_q.register_forward_hook(
+        lambda m, a, o: merged_tokens.append(a[0].shape[1])
+    )
     toma_only = denoise(merged, kw, scale, clock)
 
     outputs = []

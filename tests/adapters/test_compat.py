@@ -37,7 +37,11 @@ def _engine_case(family: str):
 
 FAMILIES = {  # the families whose diffusers model takes a LoRA through add_adapter (PixArt's does not)
     "unet": (make_sd15_unet, lambda: unet_inputs(2, 16, 16, False), {}),
-    "flux": (make_flux, lambda: flux_inputs(2, 8, 8), {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}),
+    "flux": (
+        make_flux,
+        lambda: flux_inputs(2, 8, 8),
+        {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}},
+    ),
     "sd3": (make_sd3, lambda: sd3_inputs(2, 16, 16), {"blocks": {"transformer_blocks": range(4)}}),
     "wan": (make_wan, lambda: wan_inputs(2, 3, 8, 8), {"blocks": {"blocks": range(3)}}),
     **{family: _engine_case(family) for family in NEWER},
@@ -93,18 +97,31 @@ def test_lora_loaded_with_load_lora_weights(tmp_path):
     def build():
         torch.manual_seed(0)
         return StableDiffusionPipeline(
-            vae=tiny_vae(), text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
-            tokenizer=tiny_clip_tokenizer(tmp_path / "tok"), unet=make_sd15_unet(), scheduler=DDIMScheduler(),
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+            vae=tiny_vae(),
+            text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
+            tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+            unet=make_sd15_unet(),
+            scheduler=DDIMScheduler(),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
         )
 
     trained = build()
     add_lora(trained.unet)
-    StableDiffusionPipeline.save_lora_weights(tmp_path / "lora", unet_lora_layers=get_peft_model_state_dict(trained.unet))
+    StableDiffusionPipeline.save_lora_weights(
+        tmp_path / "lora", unet_lora_layers=get_peft_model_state_dict(trained.unet)
+    )
 
     def generate(pipe):
-        return pipe("a fox", height=32, width=32, num_inference_steps=2, output_type="np",
-                    generator=torch.Generator().manual_seed(0)).images
+        return pipe(
+            "a fox",
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        ).images
 
     pipe = build()
     toma.apply_toma(pipe, ratio=0.5)
@@ -192,18 +209,32 @@ def cache_config(name: str, steps: int, family: str = ""):
     # TaylorSeer's default patterns ("^transformer_blocks.*attn", matched whole) miss the
     # attn1 of LTX and CogVideoX, so that unpatched too it caches nothing there: name them
     attn1 = [r"^transformer_blocks\.\d+\.attn1"] if family in ("ltx", "cogvideox") else None
-    return TaylorSeerCacheConfig(cache_interval=3, disable_cache_before_step=2, taylor_factors_dtype=torch.float32,
-                                 cache_identifiers=attn1)
+    return TaylorSeerCacheConfig(
+        cache_interval=3, disable_cache_before_step=2, taylor_factors_dtype=torch.float32, cache_identifiers=attn1
+    )
 
 
 # FirstBlockCache fails on FLUX.2 in diffusers 0.42, unpatched too: the head block (double
 # stream) returns a pair, the tail block (single stream) one tensor, and the hook subtracts
 # the pair from the tensor
-@pytest.mark.parametrize("family,cache", [("flux", "fbcache"), ("wan", "fbcache"), ("flux", "magcache"), ("flux", "taylorseer"),
-                                          ("flux2", "taylorseer"), ("ltx", "fbcache"), ("qwenimage", "fbcache"),
-                                          ("hunyuanvideo", "fbcache"), ("cogvideox", "fbcache"),
-                                          ("ltx", "taylorseer"), ("qwenimage", "taylorseer"), ("hunyuanvideo", "taylorseer"),
-                                          ("cogvideox", "taylorseer")])
+@pytest.mark.parametrize(
+    "family,cache",
+    [
+        ("flux", "fbcache"),
+        ("wan", "fbcache"),
+        ("flux", "magcache"),
+        ("flux", "taylorseer"),
+        ("flux2", "taylorseer"),
+        ("ltx", "fbcache"),
+        ("qwenimage", "fbcache"),
+        ("hunyuanvideo", "fbcache"),
+        ("cogvideox", "fbcache"),
+        ("ltx", "taylorseer"),
+        ("qwenimage", "taylorseer"),
+        ("hunyuanvideo", "taylorseer"),
+        ("cogvideox", "taylorseer"),
+    ],
+)
 def test_diffusers_caches_compose_with_toma(family, cache):
     # The caches skip whole blocks (FirstBlockCache, MagCache) or predict attention outputs
     # (TaylorSeer) on some steps; ToMA merges inside the steps that do compute. Either order

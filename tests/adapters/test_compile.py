@@ -113,8 +113,10 @@ def test_finite_or_zero_is_nan_to_num_eager_and_compiled(dtype):
     torch._dynamo.reset()
     for out in (finite_or_zero(x), compiled):
         assert out.dtype == dtype
-        assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                           expected.view(torch.int16 if dtype != torch.float32 else torch.int32))
+        assert torch.equal(
+            out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+            expected.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        )
 
 
 def _cpp_compiler() -> bool:
@@ -136,7 +138,9 @@ def test_inductor_plan_has_no_scalar_nan_loop():
     tiles = tile_order(x, layout).unflatten(1, (layout.num_tiles, layout.tile_area))
 
     def plan_tensors(t):
-        plan = build_plan(t, layout, t.dtype, selection=config.selection, temperature=config.temperature, generator=None, index=index)
+        plan = build_plan(
+            t, layout, t.dtype, selection=config.selection, temperature=config.temperature, generator=None, index=index
+        )
         return plan.dest, plan.merge_w, plan.unmerge_w, plan.mass
 
     torch._dynamo.reset()
@@ -171,8 +175,9 @@ def test_inductor_freezing_compiles_toma(monkeypatch):
         harness.apply(variant)
         eager = call_denoiser(arch, model, inputs)[0]
         harness.remove()
-        calls = bench_harness.compile_variants(harness, [variant], [1], {1: [inputs]}, 0, torch.device("cpu"),
-                                               lambda s: None, freezing=True)
+        calls = bench_harness.compile_variants(
+            harness, [variant], [1], {1: [inputs]}, 0, torch.device("cpu"), lambda s: None, freezing=True
+        )
         (call,) = calls.values()
         compiled = call(inputs)[0]
     torch._dynamo.reset()

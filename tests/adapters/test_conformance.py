@@ -107,7 +107,9 @@ def test_tile_order_computes_what_raster_order_does(name, monkeypatch):
     model, kw = fam.make(), fam.divided_inputs(2)
     toma.apply_toma(model, ratio=0.5, **fam.every_part())
     real, used = PlanCache.tile_order_layout, []
-    monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1])
+    monkeypatch.setattr(
+        PlanCache, "tile_order_layout", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1]
+    )
     tiled = fam.output(model, kw)
     assert any(layout is not None for layout in used)  # the first run did keep tile order
     monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)
@@ -206,7 +208,9 @@ def attention_targets(patch) -> list[tuple[str, torch.nn.Module, int]]:
     found = []
     for target in patch.patched:
         site = target.site
-        part = site.part if site is not None else {"attn1": "attn", "attn2": "cross"}.get(target.name.rsplit(".", 1)[-1])
+        part = (
+            site.part if site is not None else {"attn1": "attn", "attn2": "cross"}.get(target.name.rsplit(".", 1)[-1])
+        )
         if part in ("attn", "cross"):
             module = target.module.get_submodule(site.call) if site is not None and site.until else target.module
             found.append((target.name, module, target.downsample))
@@ -460,8 +464,11 @@ def counting_backend(monkeypatch, backend: str) -> list[int]:
     calls: list[int] = []
     name = AttentionBackendName(backend)
     real = _AttentionBackendRegistry._backends[name]
-    monkeypatch.setitem(_AttentionBackendRegistry._backends, name,
-                        lambda query, *a, **k: calls.append(query.shape[1]) or real(query, *a, **k))
+    monkeypatch.setitem(
+        _AttentionBackendRegistry._backends,
+        name,
+        lambda query, *a, **k: calls.append(query.shape[1]) or real(query, *a, **k),
+    )
     return calls
 
 
@@ -529,8 +536,11 @@ def test_merged_blocks_compile_without_graph_breaks(name):
     patch = toma.apply_toma(model, ratio=0.5, **fam.every_part())
     calls, handles = {}, []
     for owner in first_blocks(patch):
-        handles.append(model.get_submodule(owner).register_forward_pre_hook(
-            lambda mod, a, k, owner=owner: calls.setdefault(owner, (a, k)), with_kwargs=True))
+        handles.append(
+            model.get_submodule(owner).register_forward_pre_hook(
+                lambda mod, a, k, owner=owner: calls.setdefault(owner, (a, k)), with_kwargs=True
+            )
+        )
     fam.output(model, kw)
     for handle in handles:
         handle.remove()
@@ -548,16 +558,22 @@ def test_merged_blocks_compile_without_graph_breaks(name):
     assert breaks == {owner: [] for owner in calls}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the first call on a padded grid builds the layout's index tensors inside the "
-                   "compiled region, with boolean selections (nonzero) that Dynamo cannot trace: graph breaks in "
-                   "toma.core.tiling.layout_index, once per grid")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the first call on a padded grid builds the layout's index tensors inside the "
+    "compiled region, with boolean selections (nonzero) that Dynamo cannot trace: graph breaks in "
+    "toma.core.tiling.layout_index, once per grid",
+)
 def test_a_new_padded_grid_compiles_without_graph_breaks():
     fam = FAMILIES["sd3"]  # 8 x 10 tokens: the 4x4 tiles pad the last column of tiles
     model, kw = fam.make(), fam.inputs(1)
     patch = toma.apply_toma(model, ratio=0.5, **fam.options)
     assert patch.cache.layout(*fam.grid).padded
     calls = []
-    handle = model.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k: calls.append((a, k)), with_kwargs=True)
+    handle = model.transformer_blocks[0].register_forward_pre_hook(
+        lambda m, a, k: calls.append((a, k)), with_kwargs=True
+    )
     fam.output(model, kw)
     handle.remove()
     patch.cache.forward.plans.clear()

@@ -58,9 +58,20 @@ MODES = {2: ("ulysses", "ring"), 4: ("both",)}
 
 def spawn(world: int, out: Path) -> dict[int, dict]:
     """Every rank's records of one ``torchrun`` of the worker over ``world`` processes."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(WORKER), str(out)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        str(WORKER),
+        str(out),
+    ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SPAWN_SECONDS)
     except subprocess.TimeoutExpired as e:
@@ -114,8 +125,13 @@ def check_lengths(family: str, recs: list[dict]) -> None:
     assert recs[0]["cp_queries_unmerged"] - recs[0]["cp_queries"] == MERGED_CALLS[family] * (tokens - kept)
 
 
-CASES = [(world, family, mode, order) for world in (2, 4) for family in FAMILIES for mode in MODES[world]
-         for order in (("cp_first", "toma_first") if world == 2 or family == "wan" else ("cp_first",))]
+CASES = [
+    (world, family, mode, order)
+    for world in (2, 4)
+    for family in FAMILIES
+    for mode in MODES[world]
+    for order in (("cp_first", "toma_first") if world == 2 or family == "wan" else ("cp_first",))
+]
 
 
 @pytest.mark.parametrize("world,family,mode,order", CASES)
@@ -167,7 +183,9 @@ MIDROW = [(2, family, mode) for family in FAMILIES for mode in MODES[2]] + [(4, 
 def test_mid_row_shards_merge_to_equal_lengths(runs, world, family, mode):
     # a 9x8 grid: 4.5 rows per rank at P=2, 2.25 at P=4; tiles the cuts go through are masked
     recs = records(runs, world, f"midrow/{family}/{mode}")
-    assert [r["shard"][2] for r in recs] == [[i * recs[0]["shard"][1], (i + 1) * recs[0]["shard"][1]] for i in range(world)]
+    assert [r["shard"][2] for r in recs] == [
+        [i * recs[0]["shard"][1], (i + 1) * recs[0]["shard"][1]] for i in range(world)
+    ]
     assert recs[0]["shard"][3] == [1, 9, 8]
     for r in recs:
         assert r["gap_to_unmerged_cp"] > 1e-3 and r["removed_equals_unmerged_cp"] and r["warnings"] == []
@@ -210,7 +228,11 @@ def test_kontext_references_under_cp_run_unmerged_on_every_rank(runs, world, mod
 def test_proportional_attention_under_ring_is_refused(runs, world, mode, order, where):
     for r in records(runs, world, f"proportional/wan/{mode}/{order}"):
         assert r["raised"] == where
-        assert "ring attention" in r["error"] and "context parallelism" in r["error"] and "proportional_attention" in r["error"]
+        assert (
+            "ring attention" in r["error"]
+            and "context parallelism" in r["error"]
+            and "proportional_attention" in r["error"]
+        )
 
 
 def test_proportional_attention_under_ulysses_merges_as_one_process(runs):
@@ -243,11 +265,12 @@ def test_triton_path_under_cp(runs, case):
 
 # ---- the rules, in this process ----
 
+
 def _runs_of(grid: tuple[int, int, int], world: int) -> list[list[tuple[int, int, int]]]:
     t, h, w = grid
     tokens = [(f, r, c) for f in range(t) for r in range(h) for c in range(w)]
     n = len(tokens) // world
-    return [tokens[i * n:(i + 1) * n] for i in range(world)]
+    return [tokens[i * n : (i + 1) * n] for i in range(world)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -273,7 +296,9 @@ def test_shard_grid_against_enumerated_shards(world):
 
 
 def _cp(ring: int = 1, ulysses: int = 1, **extra):
-    return SimpleNamespace(ring_degree=ring, ulysses_degree=ulysses, ulysses_anything=False, ring_anything=False, **extra)
+    return SimpleNamespace(
+        ring_degree=ring, ulysses_degree=ulysses, ulysses_anything=False, ring_anything=False, **extra
+    )
 
 
 def test_refusals_name_context_parallelism():
@@ -282,9 +307,13 @@ def test_refusals_name_context_parallelism():
     assert refusal("wan", _cp(ulysses=2), proportional) is None
     assert refusal("wan", _cp(ring=2), plain) is None
     uneven = SimpleNamespace(ring_degree=2, ulysses_degree=1, ulysses_anything=False, ring_anything=True)
-    for reason in (refusal("wan", _cp(ring=2), proportional), refusal("wan", _cp(ring=2, ulysses=2), proportional),
-                   refusal("sd3", _cp(ulysses=2), plain), refusal("unet", _cp(ring=2), plain),
-                   refusal("flux", uneven, plain)):
+    for reason in (
+        refusal("wan", _cp(ring=2), proportional),
+        refusal("wan", _cp(ring=2, ulysses=2), proportional),
+        refusal("sd3", _cp(ulysses=2), plain),
+        refusal("unet", _cp(ring=2), plain),
+        refusal("flux", uneven, plain),
+    ):
         assert reason is not None and "context parallelism" in reason
 
 
@@ -318,15 +347,21 @@ def test_span_layout_tiles_and_slots_against_enumeration(grid):
     t, h, w = grid
     tile = (1, 4, 4)
     whole = make_layout(h, w, tile, 0.5, t=t)
-    tile_of = {(f * h + r) * w + c: (f * whole.gh + r // 4) * whole.gw + c // 4
-               for f in range(t) for r in range(h) for c in range(w)}
+    tile_of = {
+        (f * h + r) * w + c: (f * whole.gh + r // 4) * whole.gw + c // 4
+        for f in range(t)
+        for r in range(h)
+        for c in range(w)
+    }
     for start, stop in _spans(t * h * w):
         layout = make_span_layout(h, w, tile, 0.5, (start, stop), t=t)
         counts: dict[int, int] = {}
         for token in range(start, stop):
             counts[tile_of[token]] = counts.get(tile_of[token], 0) + 1
         assert layout.tiles == tuple(sorted(counts)) and layout.num_tokens == stop - start
-        assert layout.keep == tuple(max(1, min(p, math.floor(p * 0.5 + 0.5))) for p in (counts[i] for i in layout.tiles))
+        assert layout.keep == tuple(
+            max(1, min(p, math.floor(p * 0.5 + 0.5))) for p in (counts[i] for i in layout.tiles)
+        )
         mask = token_mask(layout)
         slots = slot_raster_index(layout).view(layout.num_tiles, layout.tile_area)
         assert mask.sum(1).tolist() == [counts[i] for i in layout.tiles]
@@ -347,7 +382,9 @@ def test_span_shards_keep_equal_lengths_within_the_rule(grid, world):
     n = t * h * w // world
     for ratio in (0.25, 0.5, 0.75):
         target = shard_target(h, w, (1, 4, 4), ratio, world, t=t)
-        layouts = [make_span_layout(h, w, (1, 4, 4), ratio, (r * n, (r + 1) * n), t=t, target=target) for r in range(world)]
+        layouts = [
+            make_span_layout(h, w, (1, 4, 4), ratio, (r * n, (r + 1) * n), t=t, target=target) for r in range(world)
+        ]
         assert {lay.num_merged for lay in layouts} == {target}
         for lay in layouts:
             real = token_mask(lay).sum(1).tolist()
@@ -364,8 +401,17 @@ def test_a_span_of_whole_tiles_merges_as_its_own_grid():
     span = make_span_layout(12, 8, (4, 4), 0.5, (32, 96))
     own = make_layout(8, 8, (4, 4), 0.5)
     assert span.keep == own.keep
-    plans = [build_plan(to_tiles(x, lay, layout_index(lay).gather_index), lay, x.dtype, selection="facility",
-                        temperature=0.1, index=layout_index(lay)) for lay in (span, own)]
+    plans = [
+        build_plan(
+            to_tiles(x, lay, layout_index(lay).gather_index),
+            lay,
+            x.dtype,
+            selection="facility",
+            temperature=0.1,
+            index=layout_index(lay),
+        )
+        for lay in (span, own)
+    ]
     torch.testing.assert_close(plans[0].merge(x), plans[1].merge(x), rtol=0, atol=1e-6)  # gather vs view: same sums
     assert torch.equal(plans[0].dest_tokens, plans[1].dest_tokens)
 

@@ -77,7 +77,9 @@ class ForeignTensors(TorchDispatchMode):
         else:
             devices = {t.device.type: t for t in _tensors(args, kwargs) if t.device.type != "cpu" or t.dim()}
             if "cpu" in devices and DEVICE.type in devices:
-                raise ForeignError(f"{func} mixes a CPU tensor of shape {tuple(devices['cpu'].shape)} into {DEVICE} tensors")
+                raise ForeignError(
+                    f"{func} mixes a CPU tensor of shape {tuple(devices['cpu'].shape)} into {DEVICE} tensors"
+                )
         return func(*args, **kwargs)
 
 
@@ -92,14 +94,17 @@ def _tensors(args: tuple, kwargs: dict):
             yield from (b for b in a if isinstance(b, torch.Tensor))
 
 
-
 # A fake forward costs several meta ones (each op runs in Python), so the fake device runs
 # every family in tile order and with conditioning images, but padded grids for six of them:
 # those run the same gathers of toma.core whatever the family (also tested on their own
 # below), and the six cover each way a family's rotary rows follow merged tokens in raster
 # order (shared tables per sample, per-batch gathers, the caller's raster tables)
-ON_FAKE_DEVICE = [name for name in CASES if name not in (
-    "sdxl-padded", "flux-padded", "sd3-padded", "pixart-padded", "qwenimage-padded", "hunyuanvideo-padded")]
+ON_FAKE_DEVICE = [
+    name
+    for name in CASES
+    if name
+    not in ("sdxl-padded", "flux-padded", "sd3-padded", "pixart-padded", "qwenimage-padded", "hunyuanvideo-padded")
+]
 
 
 @pytest.fixture(autouse=True)
@@ -160,10 +165,16 @@ def sequence_lengths(patch) -> tuple[list[dict[str, tuple[int, int]]], list]:
     handles = []
     for target in patch.patched:
         # a torch pre-hook runs before the diffusers hooks that merge: it sees the call's tokens
-        handles.append(target.module.register_forward_pre_hook(
-            lambda mod, a, kw, name=target.name: called(name, a, kw), with_kwargs=True))
-        handles += [m.register_forward_hook(lambda mod, a, o, name=target.name: seen(name, a[0]))
-                    for m in target.module.modules() if isinstance(m, torch.nn.Linear)]
+        handles.append(
+            target.module.register_forward_pre_hook(
+                lambda mod, a, kw, name=target.name: called(name, a, kw), with_kwargs=True
+            )
+        )
+        handles += [
+            m.register_forward_hook(lambda mod, a, o, name=target.name: seen(name, a[0]))
+            for m in target.module.modules()
+            if isinstance(m, torch.nn.Linear)
+        ]
     return calls, handles
 
 
@@ -216,7 +227,9 @@ def test_the_checks_refuse_a_cpu_tensor_in_a_device_op(op):
     run = {  # each op with its second tensor made on ``device`` (None: no device=, the CPU)
         "index_select": lambda device: x.index_select(0, torch.tensor([0, 2], device=device)),
         "gather": lambda device: x.gather(0, torch.zeros(2, 3, dtype=torch.long, device=device)),
-        "advanced indexing": lambda device: x[torch.tensor([0, 2], device=device)],  # CUDA takes a host index, copying it
+        "advanced indexing": lambda device: x[
+            torch.tensor([0, 2], device=device)
+        ],  # CUDA takes a host index, copying it
         "matmul": lambda device: x @ torch.ones(3, 2, device=device),
         "where": lambda device: torch.where(torch.ones(4, 3, dtype=torch.bool, device=device), x, 0.0),
     }[op]
@@ -290,8 +303,10 @@ def test_plans_merges_and_unmerges_stay_on_the_device(monkeypatch, selection, te
     monkeypatch.setattr(PlanCache, "_random", lambda self, device: None)
     cache = PlanCache(ToMAConfig(ratio=0.5, selection=selection, temperature=temperature, share_batch_plan=share))
     mode = fake_mode()
-    grids = {(1, 6, 10): fake(mode, torch.randn(2, 60, 8)),  # padded: tiles keeping 8, 4 and 2
-             (1, 8, 8): fake(mode, torch.randn(2, 64, 8))}  # the tiles divide it: tile order
+    grids = {
+        (1, 6, 10): fake(mode, torch.randn(2, 60, 8)),  # padded: tiles keeping 8, 4 and 2
+        (1, 8, 8): fake(mode, torch.randn(2, 64, 8)),
+    }  # the tiles divide it: tile order
     with torch.no_grad(), mode:
         for grid, x in grids.items():
             with ForeignTensors():
@@ -299,8 +314,13 @@ def test_plans_merges_and_unmerges_stay_on_the_device(monkeypatch, selection, te
                 tiled = cache.tile_order_layout(grid, x.device) is not None
                 plan = cache.get(x, grid, "group", tiled=tiled)
                 merged = plan.merge(x, tiled=tiled)
-                outs = [plan.unmerge(merged, tiled=tiled), plan.unmerge(merged, tiled=tiled, residual=x),
-                        plan.dest_tokens, plan.dest_slots, plan.log_mass]
+                outs = [
+                    plan.unmerge(merged, tiled=tiled),
+                    plan.unmerge(merged, tiled=tiled, residual=x),
+                    plan.dest_tokens,
+                    plan.dest_slots,
+                    plan.log_mass,
+                ]
             assert merged.shape == (2, plan.num_merged, 8) and plan.num_merged < 60
             assert all(t.device == DEVICE for t in (merged, plan.dest, plan.merge_w, plan.unmerge_w, plan.mass, *outs))
         assert tiled  # the second grid ran in tile order, the first did not

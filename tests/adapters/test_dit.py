@@ -9,7 +9,16 @@ import torch
 
 import toma
 from tests.cases import duplicated_video
-from tests.tiny_models import ltx_inputs, make_ltx, make_pixart, make_sd3, make_wan, pixart_inputs, sd3_inputs, wan_inputs
+from tests.tiny_models import (
+    ltx_inputs,
+    make_ltx,
+    make_pixart,
+    make_sd3,
+    make_wan,
+    pixart_inputs,
+    sd3_inputs,
+    wan_inputs,
+)
 
 ALL_SD3 = {"blocks": {"transformer_blocks": range(4)}}
 ALL_WAN = {"blocks": {"blocks": range(3)}}
@@ -149,7 +158,9 @@ def test_cross_attention_queries_merge_under_a_text_mask(family):
     patch = toma.apply_toma(model, ratio=0.5, merge_attn=False, merge_crossattn=True, **blocks)
     queries, handles = count_queries(model, (".attn2",))
     keys: list[int] = []
-    handles += [b.attn2.to_k.register_forward_hook(lambda m, a, o: keys.append(a[0].shape[1])) for b in model.transformer_blocks]
+    handles += [
+        b.attn2.to_k.register_forward_hook(lambda m, a, o: keys.append(a[0].shape[1])) for b in model.transformer_blocks
+    ]
     out = run(model, **kw)
     for h in handles:
         h.remove()
@@ -163,8 +174,17 @@ def test_known_unsupported_families_are_refused_with_why():
 
     torch.manual_seed(0)
     model = SanaTransformer2DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1, num_cross_attention_heads=2,
-        cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=16, sample_size=8, patch_size=1,
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=8,
+        cross_attention_dim=16,
+        caption_channels=16,
+        sample_size=8,
+        patch_size=1,
     )
     with pytest.raises(ValueError, match="SanaTransformer2DModel: its attention is linear"):
         toma.apply_toma(model)
@@ -182,8 +202,11 @@ def test_set_attention_backend_reaches_merged_attention(family, monkeypatch):
     from tests.tiny_models import flux_inputs, make_flux
 
     module = importlib.import_module(
-        {"flux": "diffusers.models.transformers.transformer_flux", "wan": "diffusers.models.transformers.transformer_wan",
-         "ltx": "diffusers.models.transformers.transformer_ltx"}[family]
+        {
+            "flux": "diffusers.models.transformers.transformer_flux",
+            "wan": "diffusers.models.transformers.transformer_wan",
+            "ltx": "diffusers.models.transformers.transformer_ltx",
+        }[family]
     )
     if family == "flux":
         model, kw, opts = make_flux(), flux_inputs(1, 8, 8), dict(flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
@@ -192,7 +215,11 @@ def test_set_attention_backend_reaches_merged_attention(family, monkeypatch):
         model, kw = make(), inputs(1, 16, 16)
     seen = []
     real = module.dispatch_attention_fn
-    monkeypatch.setattr(module, "dispatch_attention_fn", lambda *a, backend=None, **k: seen.append((a[0].shape[1], backend)) or real(*a, backend=backend, **k))
+    monkeypatch.setattr(
+        module,
+        "dispatch_attention_fn",
+        lambda *a, backend=None, **k: seen.append((a[0].shape[1], backend)) or real(*a, backend=backend, **k),
+    )
     with torch.no_grad():
         ref = model(**kw).sample
         toma.apply_toma(model, ratio=0.5, **opts)

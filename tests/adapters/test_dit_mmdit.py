@@ -33,7 +33,10 @@ class _SharedRotaryAttention(torch.nn.Module):
         text = encoder_hidden_states.shape[1]
         x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).unbind(2)  # (B, S, heads, D) each
-        q, k = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1), apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        q, k = (
+            apply_rotary_emb(q, image_rotary_emb, sequence_dim=1),
+            apply_rotary_emb(k, image_rotary_emb, sequence_dim=1),
+        )
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         o = self.out(o.transpose(1, 2).flatten(2))
         return o[:, text:], o[:, :text]
@@ -74,7 +77,9 @@ class ToyMMDiT(torch.nn.Module):
 
 
 def _toy_spec(shared: bool) -> FamilySpec:
-    rotary = Rotary("image_rotary_emb", None, shared=True) if shared else Rotary("image_rotary_emb", None, _keep_text_gather)
+    rotary = (
+        Rotary("image_rotary_emb", None, shared=True) if shared else Rotary("image_rotary_emb", None, _keep_text_gather)
+    )
     return FamilySpec(
         name="toy",
         classes=("ToyMMDiT",),
@@ -95,8 +100,12 @@ def _keep_text_gather(table, dest):
 
 def _toy_inputs(batch: int) -> dict:
     g = torch.Generator().manual_seed(1)
-    return {"hidden_states": torch.randn(batch, 48, 4, generator=g), "encoder_hidden_states": torch.randn(batch, 3, 16, generator=g),
-            "height": 6, "width": 8}
+    return {
+        "hidden_states": torch.randn(batch, 48, 4, generator=g),
+        "encoder_hidden_states": torch.randn(batch, 3, 16, generator=g),
+        "height": 6,
+        "width": 8,
+    }
 
 
 def _patch_toy(model: torch.nn.Module, spec: FamilySpec, **options) -> list[torch.nn.Module]:
@@ -116,7 +125,10 @@ def test_shared_rotary_runs_each_sample_with_its_own_table():
     handle = model.blocks[1].attn.qkv.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape[:2])))
     with torch.no_grad():
         both = model(**kw)
-        alone = [model(**{**kw, **{k: kw[k][b : b + 1] for k in ("hidden_states", "encoder_hidden_states")}}) for b in range(2)]
+        alone = [
+            model(**{**kw, **{k: kw[k][b : b + 1] for k in ("hidden_states", "encoder_hidden_states")}})
+            for b in range(2)
+        ]
     handle.remove()
     assert calls[:2] == [(1, 3 + 24)] * 2  # one call per sample, text whole and half the 48 image tokens
     assert not torch.allclose(both, ref, atol=1e-3)
@@ -188,9 +200,13 @@ def test_a_spanning_site_merges_from_one_output_to_another():
     # out = x + [text; U proj_out([attn; mlp]([n_text; M n_image]))]: attention and the MLP
     # both run on the merged tokens, the residual and the text stay whole
     spec = FamilySpec(
-        name="toy", classes=("ToySingleStream",), stacks=("blocks",),
+        name="toy",
+        classes=("ToySingleStream",),
+        stacks=("blocks",),
         sites=lambda stack, block: [Site("norm", "attn", text_first=True, until="proj_out", call="attn")],
-        grid=lambda model, call: (1, call["height"], call["width"]), enter=("block", ""), leave="norm_out",
+        grid=lambda model, call: (1, call["height"], call["width"]),
+        enter=("block", ""),
+        leave="norm_out",
     )
     model, kw = ToySingleStream(), _toy_inputs(2)
     config = ToMAConfig(ratio=0.5, blocks={"blocks": (1,)})
@@ -207,7 +223,9 @@ def test_a_spanning_site_merges_from_one_output_to_another():
         for module in hooked:
             remove_hook(module, HOOK_NAME)
         block = model.blocks[1]
-        x = block_input = model.blocks[0](torch.cat([kw["encoder_hidden_states"], model.proj_in(kw["hidden_states"])], 1))
+        x = block_input = model.blocks[0](
+            torch.cat([kw["encoder_hidden_states"], model.proj_in(kw["hidden_states"])], 1)
+        )
         n = block.norm(x)
         n = torch.cat([n[:, :3], plan.merge(n[:, 3:])], dim=1)
         y = block.proj_out(torch.cat([block.attn(n, n, n, need_weights=False)[0], F.gelu(block.mlp(n))], dim=-1))
@@ -246,7 +264,9 @@ def record_lengths(model, family: str):
         handles.append(block.attn.to_q.register_forward_hook(lambda m, a, o: image.append(tuple(a[0].shape[:2]))))
         handles.append(block.attn.add_q_proj.register_forward_hook(lambda m, a, o: text.append(a[0].shape[1])))
     for block in getattr(model, "single_transformer_blocks", ()):
-        handles.append(block.attn.to_qkv_mlp_proj.register_forward_hook(lambda m, a, o: image.append(tuple(a[0].shape[:2]))))
+        handles.append(
+            block.attn.to_qkv_mlp_proj.register_forward_hook(lambda m, a, o: image.append(tuple(a[0].shape[:2])))
+        )
     return image, text, handles
 
 
@@ -283,7 +303,9 @@ def test_qwen_text_mask_applies_to_merged_attention():
     changed["encoder_hidden_states"][:, -2:] = 100.0
     torch.testing.assert_close(run(model, **changed), out, rtol=1e-5, atol=1e-6)
     unmasked = {k: dict(v, encoder_hidden_states_mask=torch.ones(2, 6)) for k, v in (("kw", kw), ("changed", changed))}
-    assert not torch.allclose(run(model, **unmasked["changed"]), run(model, **unmasked["kw"]), atol=1e-3)  # the tokens matter unmasked
+    assert not torch.allclose(
+        run(model, **unmasked["changed"]), run(model, **unmasked["kw"]), atol=1e-3
+    )  # the tokens matter unmasked
 
 
 @pytest.mark.parametrize("family", MMDITS)
@@ -295,7 +317,11 @@ def test_set_attention_backend_reaches_merged_attention(family, monkeypatch):
     model, kw = make(), inputs(2, 8, 8)
     seen = []
     real = module.dispatch_attention_fn
-    monkeypatch.setattr(module, "dispatch_attention_fn", lambda *a, backend=None, **k: seen.append((a[0].shape[:2], backend)) or real(*a, backend=backend, **k))
+    monkeypatch.setattr(
+        module,
+        "dispatch_attention_fn",
+        lambda *a, backend=None, **k: seen.append((a[0].shape[:2], backend)) or real(*a, backend=backend, **k),
+    )
     ref = run(model, **kw)
     toma.apply_toma(model, ratio=0.5, **blocks)
     model.set_attention_backend("_native_math")
@@ -315,7 +341,9 @@ def test_default_blocks_skip_the_first_and_flux_options_are_refused(family):
     if family == "qwenimage":
         assert names == [f"transformer_blocks.{i}.attn" for i in range(5, 12)]
     else:  # 8 double blocks: the skip is capped at half a stack
-        assert names == [f"transformer_blocks.{i}.attn" for i in range(4, 8)] + [f"single_transformer_blocks.{i}.attn" for i in range(5, 12)]
+        assert names == [f"transformer_blocks.{i}.attn" for i in range(4, 8)] + [
+            f"single_transformer_blocks.{i}.attn" for i in range(5, 12)
+        ]
     toma.remove_toma(model)
     with pytest.raises(ValueError, match="flux_double_blocks applies to Flux.1 only; .* places merging with blocks="):
         toma.apply_toma(model, flux_double_blocks=(1,))
@@ -339,9 +367,7 @@ def tiny_qwen2_tokenizer(folder):
     (folder / "vocab.json").write_text(json.dumps(vocab))
     (folder / "merges.txt").write_text("#version: 0.2\n")
     tokenizer = Qwen2Tokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), pad_token="<|endoftext|>")
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
-    )
+    tokenizer.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
     return tokenizer
 
 
@@ -354,22 +380,48 @@ def test_qwenimage_pipeline_round_trip(tmp_path):
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=TEXT_DIM, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}, max_position_embeddings=256,
-        bos_token_id=None, eos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_DIM,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
     )
-    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM, fullatt_block_indexes=[0])
+    vision = dict(
+        depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM, fullatt_block_indexes=[0]
+    )
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=AutoencoderKLQwenImage(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                   temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
-        text_encoder=Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).eval(),
+        vae=AutoencoderKLQwenImage(
+            base_dim=4,
+            z_dim=4,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        ),
+        text_encoder=Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+        ).eval(),
         tokenizer=tokenizer,
         transformer=make_qwen(),
     )
     pipe.save_pretrained(tmp_path / "pipe")
     pipe = QwenImagePipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
-    kw = dict(negative_prompt="blurry", true_cfg_scale=2.0, height=64, width=128, num_inference_steps=2, max_sequence_length=64, output_type="np")
+    kw = dict(
+        negative_prompt="blurry",
+        true_cfg_scale=2.0,
+        height=64,
+        width=128,
+        num_inference_steps=2,
+        max_sequence_length=64,
+        output_type="np",
+    )
 
     def generate():
         return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images
@@ -389,19 +441,47 @@ def test_flux2_klein_pipeline_round_trip(tmp_path):
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
-    encoder = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None, eos_token_id=None,
-    )).eval()
-    vae = AutoencoderKLFlux2(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                             up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8, layers_per_block=1)
+    encoder = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=128,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    ).eval()
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=8,
+        layers_per_block=1,
+    )
     # the pipeline stacks 3 of the encoder's hidden states: text width 3 x 16
-    pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=encoder, tokenizer=tokenizer,
-                              transformer=make_flux2(text_dim=48))
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=encoder,
+        tokenizer=tokenizer,
+        transformer=make_flux2(text_dim=48),
+    )
     pipe.save_pretrained(tmp_path / "pipe")
     pipe = Flux2KleinPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
-    kw = dict(height=32, width=64, num_inference_steps=2, max_sequence_length=32, text_encoder_out_layers=(0, 1, 2), output_type="np")
+    kw = dict(
+        height=32,
+        width=64,
+        num_inference_steps=2,
+        max_sequence_length=32,
+        text_encoder_out_layers=(0, 1, 2),
+        output_type="np",
+    )
 
     def generate():
         return pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), **kw).images
@@ -416,14 +496,39 @@ def test_bench_runs_the_tiny_archs(arch, tmp_path, capsys, one_thread):
 
     from toma.tools.cli import main
 
-    rc = main([
-        "bench", "--arch", arch, "--resolution", "64", "--batch", "2", "--ratios", "0.5", "--methods", "none,toma,ideal",
-        "--repeats", "1", "--warmup", "0", "--no-profile", "--out", str(tmp_path), "--name", "b", "--no-progress",
-    ])
+    rc = main(
+        [
+            "bench",
+            "--arch",
+            arch,
+            "--resolution",
+            "64",
+            "--batch",
+            "2",
+            "--ratios",
+            "0.5",
+            "--methods",
+            "none,toma,ideal",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--no-profile",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "b",
+            "--no-progress",
+        ]
+    )
     assert rc == 0, capsys.readouterr().out
     report = json.loads((tmp_path / "b.json").read_text())
     assert {r["method"] for r in report["results"]} == {"none", "toma", "ideal"}
-    assert report["blocks"] == ({"transformer_blocks": 2} if arch == "tiny-qwenimage" else {"transformer_blocks": 2, "single_transformer_blocks": 2})
+    assert report["blocks"] == (
+        {"transformer_blocks": 2}
+        if arch == "tiny-qwenimage"
+        else {"transformer_blocks": 2, "single_transformer_blocks": 2}
+    )
 
 
 def test_full_size_configs_build_as_published():
@@ -480,8 +585,11 @@ def test_qwenimage_edit_reference_tokens_pass_whole(monkeypatch, tiled):
     # lists both shapes per sample in img_shapes: the reference passes whole, like text
     kw = qwen_inputs(2, 4, 6)
     g = torch.Generator().manual_seed(7)
-    kw = {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(2, 8, 16, generator=g)], dim=1),
-          "img_shapes": [[(1, 4, 6), (1, 2, 4)]] * 2}
+    kw = {
+        **kw,
+        "hidden_states": torch.cat([kw["hidden_states"], torch.randn(2, 8, 16, generator=g)], dim=1),
+        "img_shapes": [[(1, 4, 6), (1, 2, 4)]] * 2,
+    }
     _permutation_matches_unpatched(make_qwen, kw, {"blocks": {"transformer_blocks": (0, 1, 2)}}, monkeypatch, tiled)
 
 
@@ -490,10 +598,17 @@ def test_flux2_reference_images_pass_whole(monkeypatch, tiled):
     # FLUX.2 appends reference images' tokens (ids with t = 10, 20, ...) to the generated image's
     kw = flux2_inputs(2, 4, 6)
     one = torch.arange(1)
-    ref_ids = torch.cat([torch.cartesian_prod(torch.tensor([10]), torch.arange(2), torch.arange(4), one),
-                         torch.cartesian_prod(torch.tensor([20]), torch.arange(2), torch.arange(2), one)])
+    ref_ids = torch.cat(
+        [
+            torch.cartesian_prod(torch.tensor([10]), torch.arange(2), torch.arange(4), one),
+            torch.cartesian_prod(torch.tensor([20]), torch.arange(2), torch.arange(2), one),
+        ]
+    )
     g = torch.Generator().manual_seed(7)
-    kw = {**kw, "hidden_states": torch.cat([kw["hidden_states"], torch.randn(2, 12, 16, generator=g)], dim=1),
-          "img_ids": torch.cat([kw["img_ids"], ref_ids[None].expand(2, -1, -1)], dim=1)}
+    kw = {
+        **kw,
+        "hidden_states": torch.cat([kw["hidden_states"], torch.randn(2, 12, 16, generator=g)], dim=1),
+        "img_ids": torch.cat([kw["img_ids"], ref_ids[None].expand(2, -1, -1)], dim=1),
+    }
     blocks = {"blocks": {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}}
     _permutation_matches_unpatched(make_flux2, kw, blocks, monkeypatch, tiled)

@@ -26,7 +26,11 @@ FAMILIES = {
     "hunyuanvideo": ("hunyuanvideo", make_hunyuan, hunyuan_inputs, HUNYUAN_ALL, 1),
     "cogvideox": ("cogvideox", make_cogvideox, cogvideox_inputs, COG_ALL, 1),
     "cogvideox1.5": (
-        "cogvideox", lambda: make_cogvideox(patch_size_t=2), lambda *a, **k: cogvideox_inputs(*a, patch_t=2, **k), COG_ALL, 2,
+        "cogvideox",
+        lambda: make_cogvideox(patch_size_t=2),
+        lambda *a, **k: cogvideox_inputs(*a, patch_t=2, **k),
+        COG_ALL,
+        2,
     ),
 }
 
@@ -45,7 +49,9 @@ def attention_modules(model):
 def count_queries(model):
     """Token counts reaching ``to_q`` of every block's attention, in call order."""
     seen: list[int] = []
-    handles = [m.to_q.register_forward_hook(lambda mod, a, o: seen.append(a[0].shape[1])) for m in attention_modules(model)]
+    handles = [
+        m.to_q.register_forward_hook(lambda mod, a, o: seen.append(a[0].shape[1])) for m in attention_modules(model)
+    ]
     return seen, handles
 
 
@@ -66,8 +72,13 @@ def test_hunyuan_merges_video_tokens_only():
     queries, handles = count_queries(model)
     text: list[int] = []
     mlp: list[int] = []
-    handles += [b.attn.add_q_proj.register_forward_hook(lambda m, a, o: text.append(a[0].shape[1])) for b in model.transformer_blocks]
-    handles += [b.ff.net[0].register_forward_hook(lambda m, a, o: mlp.append(a[0].shape[1])) for b in model.transformer_blocks]
+    handles += [
+        b.attn.add_q_proj.register_forward_hook(lambda m, a, o: text.append(a[0].shape[1]))
+        for b in model.transformer_blocks
+    ]
+    handles += [
+        b.ff.net[0].register_forward_hook(lambda m, a, o: mlp.append(a[0].shape[1])) for b in model.transformer_blocks
+    ]
     run(model, **kw)
     remove_all(handles)
     layout = patch.cache.layout(4, 6, 8)
@@ -76,8 +87,12 @@ def test_hunyuan_merges_video_tokens_only():
     assert queries == [96, 96, 96 + 6, 96 + 6]
     assert text == [6, 6] and mlp == [96, 96]  # text whole; the video MLP merged
     assert [p.name for p in patch.patched] == [
-        "transformer_blocks.0.attn", "transformer_blocks.0.ff", "transformer_blocks.1.attn", "transformer_blocks.1.ff",
-        "single_transformer_blocks.0.attn", "single_transformer_blocks.1.attn",
+        "transformer_blocks.0.attn",
+        "transformer_blocks.0.ff",
+        "transformer_blocks.1.attn",
+        "transformer_blocks.1.ff",
+        "single_transformer_blocks.0.attn",
+        "single_transformer_blocks.1.attn",
     ]
 
 
@@ -89,7 +104,9 @@ def test_cogvideox_merges_video_tokens_only(case):
     patch = toma.apply_toma(model, ratio=0.5, merge_mlp=True, **blocks)
     queries, handles = count_queries(model)
     mlp: list[int] = []
-    handles += [b.ff.net[0].register_forward_hook(lambda m, a, o: mlp.append(a[0].shape[1])) for b in model.transformer_blocks]
+    handles += [
+        b.ff.net[0].register_forward_hook(lambda m, a, o: mlp.append(a[0].shape[1])) for b in model.transformer_blocks
+    ]
     run(model, **kw)
     remove_all(handles)
     kept = patch.cache.layout(4 // patch_t, 6, 8).num_merged
@@ -102,9 +119,13 @@ def test_default_blocks_skip_the_first_five():
     model = make_hunyuan(layers=12, single=20)
     patch = toma.apply_toma(model, ratio=0.5)
     attn = [p.name for p in patch.patched]
-    assert attn == [f"transformer_blocks.{i}.attn" for i in range(5, 12)] + [f"single_transformer_blocks.{i}.attn" for i in range(5, 20)]
+    assert attn == [f"transformer_blocks.{i}.attn" for i in range(5, 12)] + [
+        f"single_transformer_blocks.{i}.attn" for i in range(5, 20)
+    ]
     model = make_cogvideox(layers=12)
-    assert [p.name for p in toma.apply_toma(model, ratio=0.5).patched] == [f"transformer_blocks.{i}.attn1" for i in range(5, 12)]
+    assert [p.name for p in toma.apply_toma(model, ratio=0.5).patched] == [
+        f"transformer_blocks.{i}.attn1" for i in range(5, 12)
+    ]
 
 
 @pytest.mark.parametrize("case", FAMILIES)
@@ -143,7 +164,9 @@ def recorded_tables(model, attn, kw):
     original = attn.processor
 
     class Recording:  # a class: Attention passes a processor only the keywords its __call__ names
-        def __call__(self, attn_, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        def __call__(
+            self, attn_, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None
+        ):
             seen.append(image_rotary_emb)
             return original(attn_, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
@@ -235,7 +258,11 @@ def test_hunyuan_set_attention_backend_reaches_merged_attention(monkeypatch):
     model, kw = make_hunyuan(), hunyuan_inputs(1, 2, 16, 16)
     seen = []
     real = module.dispatch_attention_fn
-    monkeypatch.setattr(module, "dispatch_attention_fn", lambda *a, backend=None, **k: seen.append((a[0].shape[1], backend)) or real(*a, backend=backend, **k))
+    monkeypatch.setattr(
+        module,
+        "dispatch_attention_fn",
+        lambda *a, backend=None, **k: seen.append((a[0].shape[1], backend)) or real(*a, backend=backend, **k),
+    )
     ref = run(model, **kw)
     patch = toma.apply_toma(model, ratio=0.5, **HUNYUAN_ALL)
     model.set_attention_backend("_native_math")
@@ -282,13 +309,20 @@ def test_cogvideox_pipeline_round_trip(tmp_path):
 
     torch.manual_seed(0)
     vae = AutoencoderKLCogVideoX(
-        down_block_types=("CogVideoXDownBlock3D",) * 3, up_block_types=("CogVideoXUpBlock3D",) * 3, block_out_channels=(8, 8, 8),
-        latent_channels=4, layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4,
+        down_block_types=("CogVideoXDownBlock3D",) * 3,
+        up_block_types=("CogVideoXUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
     )
     pipe = CogVideoXPipeline(
         tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
         text_encoder=T5EncoderModel(T5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)),
-        vae=vae, transformer=make_cogvideox(text_dim=32), scheduler=CogVideoXDDIMScheduler(),
+        vae=vae,
+        transformer=make_cogvideox(text_dim=32),
+        scheduler=CogVideoXDDIMScheduler(),
     )
     pipe.save_pretrained(tmp_path / "pipe")  # loading back puts the text encoder in eval mode (no dropout)
     pipe = CogVideoXPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
@@ -312,19 +346,45 @@ def test_hunyuan_pipeline_round_trip(tmp_path):
 
     torch.manual_seed(0)
     vae = AutoencoderKLHunyuanVideo(
-        latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 3, up_block_types=("HunyuanVideoUpBlock3D",) * 3,
-        block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=4, spatial_compression_ratio=4, temporal_compression_ratio=4,
+        latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=4,
     )
-    llama = LlamaModel(LlamaConfig(vocab_size=60, hidden_size=TEXT_DIM, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2))
+    llama = LlamaModel(
+        LlamaConfig(
+            vocab_size=60,
+            hidden_size=TEXT_DIM,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     pipe = HunyuanVideoPipeline(
-        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"), text_encoder=llama, tokenizer_2=tiny_clip_tokenizer(tmp_path / "tok2"),
-        text_encoder_2=CLIPTextModel(clip_config(max_position_embeddings=77)), vae=vae, transformer=make_hunyuan(),
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+        text_encoder=llama,
+        tokenizer_2=tiny_clip_tokenizer(tmp_path / "tok2"),
+        text_encoder_2=CLIPTextModel(clip_config(max_position_embeddings=77)),
+        vae=vae,
+        transformer=make_hunyuan(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
     )
     pipe.save_pretrained(tmp_path / "pipe")
     pipe = HunyuanVideoPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
-    kw = dict(height=64, width=48, num_frames=5, num_inference_steps=2, max_sequence_length=12, output_type="np",
-              prompt_template={"template": "{}", "crop_start": 0})
+    kw = dict(
+        height=64,
+        width=48,
+        num_frames=5,
+        num_inference_steps=2,
+        max_sequence_length=12,
+        output_type="np",
+        prompt_template={"template": "{}", "crop_start": 0},
+    )
 
     def generate():
         return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).frames
@@ -340,8 +400,18 @@ def test_cogvideox_2b_without_rotary_merges():
 
     torch.manual_seed(0)
     model = CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8, text_embed_dim=16,
-        num_layers=2, sample_width=16, sample_height=16, sample_frames=9, patch_size=2, max_text_seq_length=8,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=8,
+        text_embed_dim=16,
+        num_layers=2,
+        sample_width=16,
+        sample_height=16,
+        sample_frames=9,
+        patch_size=2,
+        max_text_seq_length=8,
     ).eval()
     # its sin-cos table covers the text it was built for: the pipeline pads the prompt to max_text_seq_length
     kw = {k: v for k, v in cogvideox_inputs(2, 3, 16, 16, text=8).items() if k != "image_rotary_emb"}
@@ -363,10 +433,32 @@ def test_bench_runs_the_video_archs(tmp_path, capsys, arch):
 
     from toma.tools.cli import main
 
-    rc = main([
-        "bench", "--arch", arch, "--depth", "2", "--frames", "9", "--resolution", "64", "--ratios", "0.5",
-        "--methods", "none,toma,ideal", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path), "--name", "v", "--no-progress",
-    ])
+    rc = main(
+        [
+            "bench",
+            "--arch",
+            arch,
+            "--depth",
+            "2",
+            "--frames",
+            "9",
+            "--resolution",
+            "64",
+            "--ratios",
+            "0.5",
+            "--methods",
+            "none,toma,ideal",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "v",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     report = json.loads((tmp_path / "v.json").read_text())
     assert {r["method"] for r in report["results"]} == {"none", "toma", "ideal"}

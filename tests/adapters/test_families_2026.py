@@ -104,8 +104,11 @@ def test_skyreels_causal_diffusion_forcing_runs_unmerged_with_one_warning():
     # num_frame_per_block > 1 masks self-attention frame-block causally over the unmerged
     # tokens: the whole forward runs unmerged, bitwise, and says why once
     model = make_skyreels(num_frame_per_block=2)
-    kw = {**wan_inputs(2, 4, 8, 8), "timestep": torch.tensor([[900.0, 900.0, 500.0, 500.0]] * 2),
-          "enable_diffusion_forcing": True}
+    kw = {
+        **wan_inputs(2, 4, 8, 8),
+        "timestep": torch.tensor([[900.0, 900.0, 500.0, 500.0]] * 2),
+        "enable_diffusion_forcing": True,
+    }
     reference = output(model, kw)
     toma.apply_toma(model, ratio=0.5, blocks={"blocks": range(3)})
     with warnings.catch_warnings(record=True) as caught:
@@ -119,8 +122,11 @@ def test_skyreels_causal_diffusion_forcing_runs_unmerged_with_one_warning():
 def test_skyreels_diffusion_forcing_without_a_mask_merges_in_raster_order():
     # per-frame timesteps modulate each token by its raster place: merged, in raster order
     model = make_skyreels()
-    kw = {**wan_inputs(2, 4, 8, 8), "timestep": torch.tensor([[900.0, 900.0, 500.0, 500.0]] * 2),
-          "enable_diffusion_forcing": True}
+    kw = {
+        **wan_inputs(2, 4, 8, 8),
+        "timestep": torch.tensor([[900.0, 900.0, 500.0, 500.0]] * 2),
+        "enable_diffusion_forcing": True,
+    }
     reference = output(model, kw)
     patch = toma.apply_toma(model, ratio=0.5, blocks={"blocks": range(3)})
     with warnings.catch_warnings(record=True) as caught:
@@ -145,8 +151,10 @@ def test_skyreels_image_to_video_merges_the_cross_attention_queries():
     patch = toma.apply_toma(model, ratio=0.5, blocks={"blocks": range(3)}, merge_crossattn=True)
     queries, keys = [], []
     attn2 = model.blocks[1].attn2
-    handles = [attn2.to_q.register_forward_pre_hook(lambda m, a: queries.append(a[0].shape[1])),
-               attn2.add_k_proj.register_forward_pre_hook(lambda m, a: keys.append(a[0].shape[1]))]
+    handles = [
+        attn2.to_q.register_forward_pre_hook(lambda m, a: queries.append(a[0].shape[1])),
+        attn2.add_k_proj.register_forward_pre_hook(lambda m, a: keys.append(a[0].shape[1])),
+    ]
     merged = output(model, kw)
     for h in handles:
         h.remove()
@@ -243,7 +251,9 @@ def test_cosmos_raster_ordered_inputs_merge_in_raster_order(case):
 
 
 # ------------------------------------------------------------------ proportional attention
-@pytest.mark.parametrize("name", ["longcat-image", "hunyuanimage"])  # the Wan clones are rows of tests/adapters/test_proportional_families.py
+@pytest.mark.parametrize(
+    "name", ["longcat-image", "hunyuanimage"]
+)  # the Wan clones are rows of tests/adapters/test_proportional_families.py
 def test_proportional_attention_reaches_the_new_families_processors(name, monkeypatch):
     # the key bias reaches the family's own processor and diffusers' dispatch: every form
     # the backend rule can pick computes what the float mask does (fp32 rounding, under

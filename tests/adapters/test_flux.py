@@ -21,7 +21,9 @@ def record_q(model):
     handles = []
     for name, m in model.named_modules():
         if name.endswith(".attn"):
-            handles.append(m.to_q.register_forward_hook(lambda mod, a, o, n=name: seen.setdefault(n, []).append(a[0].shape[1])))
+            handles.append(
+                m.to_q.register_forward_hook(lambda mod, a, o, n=name: seen.setdefault(n, []).append(a[0].shape[1]))
+            )
     return seen, handles
 
 
@@ -52,10 +54,16 @@ def test_only_image_tokens_are_merged(flux):
     text = 5
     kw = flux_inputs(1, 8, 8, text=text)
     patch = toma.apply_toma(flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(1,))
-    assert [p.name for p in patch.patched] == ["transformer_blocks.0.attn", "transformer_blocks.1.attn", "single_transformer_blocks.1"]
+    assert [p.name for p in patch.patched] == [
+        "transformer_blocks.0.attn",
+        "transformer_blocks.1.attn",
+        "single_transformer_blocks.1",
+    ]
     seen, handles = record_q(flux)
     ctx_seen: list[int] = []
-    handles.append(flux.transformer_blocks[0].attn.add_q_proj.register_forward_hook(lambda m, a, o: ctx_seen.append(a[0].shape[1])))
+    handles.append(
+        flux.transformer_blocks[0].attn.add_q_proj.register_forward_hook(lambda m, a, o: ctx_seen.append(a[0].shape[1]))
+    )
     run(flux, **kw)
     for h in handles:
         h.remove()
@@ -75,7 +83,9 @@ def test_merged_tokens_take_their_destinations_rotary_position(flux):
     kw = flux_inputs(2, 4, 6)
     ref = run(flux, **kw)
     # ratio 0.05 on 2x2 tiles keeps all 4 tokens of each tile, reordered by the greedy
-    patch = toma.apply_toma(flux, ratio=0.05, tile_size=2, temperature=0, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
+    patch = toma.apply_toma(
+        flux, ratio=0.05, tile_size=2, temperature=0, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1)
+    )
     out = run(flux, **kw)
     plans = [p for _, p in patch.cache._plans.values()]
     assert plans and all(p.num_merged == 24 for p in plans)
@@ -135,7 +145,9 @@ def test_tile_order_forward_matches_raster_order(flux, monkeypatch, proportional
     with torch.no_grad():
         ref = flux(**kw).sample
     conversions = tile_orders
-    toma.apply_toma(flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1), proportional_attention=proportional)
+    toma.apply_toma(
+        flux, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1), proportional_attention=proportional
+    )
     with torch.no_grad():
         tiled = flux(**kw).sample
         assert len(conversions) == 2  # the hidden states, once; the rotary row order, once per grid
@@ -159,7 +171,6 @@ def test_controlnet_residuals_keep_raster_order(flux, tile_orders):
         assert torch.equal(flux(**kw, controlnet_block_samples=residual).sample, plain)
     assert tile_orders == []  # a controlled forward is never reordered
     toma.remove_toma(flux)
-
 
 
 @pytest.mark.parametrize("proportional", [False, True])

@@ -78,8 +78,9 @@ def test_toma_with_checkpointing_trains_the_same_lora_and_only_the_lora(one_thre
     for step, (a, b) in enumerate(zip(ckpt_grads, grads)):
         for name in lora_names:
             scale = b[name].abs().max().item()
-            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5 * scale,
-                                       msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}")
+            torch.testing.assert_close(
+                a[name], b[name], rtol=1e-5, atol=1e-5 * scale, msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}"
+            )
 
 
 def test_toma_changes_the_lora_gradients(one_thread):

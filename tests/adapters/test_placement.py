@@ -26,8 +26,12 @@ VALUES = {
     "flux_single_blocks": {"flux_single_blocks": (0,)},
     "tile_frames": {"tile_frames": 2},
 }
-BLOCKS = {"flux": {"transformer_blocks": [1]}, "sd3": {"transformer_blocks": [0, 3]}, "wan": {"blocks": [0]},
-          "unet": {"transformer_blocks": [0]}}
+BLOCKS = {
+    "flux": {"transformer_blocks": [1]},
+    "sd3": {"transformer_blocks": [0, 3]},
+    "wan": {"blocks": [0]},
+    "unet": {"transformer_blocks": [0]},
+}
 TAKES = {
     "unet": {"levels", "mlp_levels"},
     "flux": {"blocks", "flux_double_blocks", "flux_single_blocks"},

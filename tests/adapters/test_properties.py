@@ -24,8 +24,16 @@ from tests.tiny_models import flux_inputs, make_flux, make_sd15_unet, make_wan, 
 
 FAMILIES = {
     "unet": (make_sd15_unet, lambda b, h, w, dtype: unet_inputs(b, 2 * h, 2 * w, False, dtype=dtype), {}),
-    "flux": (make_flux, lambda b, h, w, dtype: flux_inputs(b, h, w, dtype=dtype), {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)}),
-    "wan": (make_wan, lambda b, h, w, dtype: {k: v.to(dtype) for k, v in wan_inputs(b, 3, 2 * h, 2 * w).items()}, {"blocks": {"blocks": range(3)}}),
+    "flux": (
+        make_flux,
+        lambda b, h, w, dtype: flux_inputs(b, h, w, dtype=dtype),
+        {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)},
+    ),
+    "wan": (
+        make_wan,
+        lambda b, h, w, dtype: {k: v.to(dtype) for k, v in wan_inputs(b, 3, 2 * h, 2 * w).items()},
+        {"blocks": {"blocks": range(3)}},
+    ),
 }
 
 configs = st.fixed_dictionaries(
@@ -45,7 +53,9 @@ configs = st.fixed_dictionaries(
         "mlp_ratio": st.sampled_from([None, 0.0, 0.25]),
     }
 )
-calls = st.lists(st.sampled_from(["forward", "forward", "apply", "remove", "deepcopy", "to_bf16"]), min_size=1, max_size=6)
+calls = st.lists(
+    st.sampled_from(["forward", "forward", "apply", "remove", "deepcopy", "to_bf16"]), min_size=1, max_size=6
+)
 
 
 def forward(model, kw, t):
@@ -122,8 +132,14 @@ def check_sequence(family: str, cfg: dict, batch: int, h: int, w: int, half: boo
             model = clone  # the copy goes on; the original must not matter any more
         else:
             model, twin, bystander = model.to(torch.bfloat16), twin.to(torch.bfloat16), bystander.to(torch.bfloat16)
-            kw = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
-            other = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in other.items()}
+            kw = {
+                k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in kw.items()
+            }
+            other = {
+                k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in other.items()
+            }
             bystander_ref = [forward(bystander, other, t) for t in steps]
     # nothing the model went through reached the bystander: it computes a fresh run as before
     assert all(torch.equal(forward(bystander, other, t), ref) for t, ref in zip(steps, bystander_ref))

@@ -27,8 +27,9 @@ def inputs(dtype=torch.float32, per_sample=True, text=3, seed=0):
 
 def reference(q, k, v, bias):
     """float64 math SDPA with the float mask on the same (rounded) inputs."""
-    return ad.dispatch_attention_fn(q.double(), k.double(), v.double(), attn_mask=bias.mask(torch.float64),
-                                    backend="_native_math")
+    return ad.dispatch_attention_fn(
+        q.double(), k.double(), v.double(), attn_mask=bias.mask(torch.float64), backend="_native_math"
+    )
 
 
 # fp32: logits of a few units over 19 keys; the forms differ from the float64 reference
@@ -86,8 +87,9 @@ def test_positional_mask_and_scale_pass_through():
     q, k, v, bias = inputs()
     dispatch = A.biased_dispatch(ad.dispatch_attention_fn)
     got = dispatch(q, k, v, bias, 0.0, False, 0.2, backend="_native_flash")
-    want = ad.dispatch_attention_fn(q.double(), k.double(), v.double(), bias.mask(torch.float64), 0.0, False, 0.2,
-                                    backend="_native_math")
+    want = ad.dispatch_attention_fn(
+        q.double(), k.double(), v.double(), bias.mask(torch.float64), 0.0, False, 0.2, backend="_native_math"
+    )
     torch.testing.assert_close(got.double(), want, **FP32)
 
 
@@ -188,8 +190,9 @@ def test_model_mask_folds_into_the_bias_and_text_after_pads():
     want_mask = torch.cat([log_mass, torch.zeros(2, k.shape[1] - video)], 1)
     want_mask = want_mask.masked_fill(~keep[:, 0, 0], float("-inf"))[:, None, None, :]
     assert torch.equal(bias.mask(), want_mask)
-    want = ad.dispatch_attention_fn(q.double(), k.double(), v.double(), attn_mask=want_mask.double(),
-                                    backend="_native_math")
+    want = ad.dispatch_attention_fn(
+        q.double(), k.double(), v.double(), attn_mask=want_mask.double(), backend="_native_math"
+    )
     for backend in ("native", "_native_flash"):
         got = A.biased_dispatch(ad.dispatch_attention_fn)(q, k, v, attn_mask=bias, backend=backend)
         torch.testing.assert_close(got.double(), want, **FP32)
@@ -202,8 +205,9 @@ def test_model_mask_folds_into_the_bias_and_text_after_pads():
     seen = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # said once: test_sage_runs_without_the_bias_and_says_so_once
-        A.biased_dispatch(lambda q_, k_, v_, **kw: seen.append(kw["attn_mask"]) or q_)(q, k, v, attn_mask=bias,
-                                                                                       backend="sage")
+        A.biased_dispatch(lambda q_, k_, v_, **kw: seen.append(kw["attn_mask"]) or q_)(
+            q, k, v, attn_mask=bias, backend="sage"
+        )
     assert seen[0] is keep
     with pytest.raises(ValueError, match=r"only key masks \(B, 1, 1, S\) fold"):
         plain.with_model_mask(torch.ones(2, 1, 19, 19, dtype=torch.bool))

@@ -12,8 +12,7 @@ import toma
 from tests.cases import clustered_tokens, duplicated_video, force
 from tests.tiny_models import flux_inputs, make_flux, make_wan, wan_inputs
 from tests.tiny_models import FAMILIES as TINY
-from tests.tiny_models import (cogvideox_inputs, flux2_inputs, hunyuan_inputs, make_cogvideox, make_flux2,
-                               make_hunyuan)
+from tests.tiny_models import cogvideox_inputs, flux2_inputs, hunyuan_inputs, make_cogvideox, make_flux2, make_hunyuan
 from toma.adapters import attention as A
 
 
@@ -36,10 +35,16 @@ FAMILIES = {
     # second sample pads two text tokens, which its mask folds into the bias
     "flux": (make_flux, lambda: flux_inputs(2, 8, 8), {}),
     "wan": (lambda: make_wan(layers=2), lambda: wan_inputs(2, 2, 8, 8), {"blocks": {"blocks": range(2)}}),
-    "flux2": (make_flux2, lambda: flux2_inputs(2, 8, 8),
-              {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}),
-    "hunyuanvideo": (make_hunyuan, lambda: hunyuan_inputs(2, 2, 8, 8),
-                     {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}),
+    "flux2": (
+        make_flux2,
+        lambda: flux2_inputs(2, 8, 8),
+        {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+    ),
+    "hunyuanvideo": (
+        make_hunyuan,
+        lambda: hunyuan_inputs(2, 2, 8, 8),
+        {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+    ),
 }
 # the families built on Wan's spec, whose processors live in modules of their own
 for _name in ("wan-vace", "skyreels-v2", "wan-animate"):
@@ -113,8 +118,9 @@ def test_wan_is_exact_on_duplicate_tokens_by_every_form(form, monkeypatch):
     kw = wan_inputs(1, 2, 8, 8)
     kw["hidden_states"] = duplicated_video()
     ref = run(model, **kw)
-    toma.apply_toma(model, ratio=0.5, tile_size=2, tile_frames=2, blocks={"blocks": range(2)},
-                    proportional_attention=True)
+    toma.apply_toma(
+        model, ratio=0.5, tile_size=2, tile_frames=2, blocks={"blocks": range(2)}, proportional_attention=True
+    )
     exact = run(model, **kw)
     toma.remove_toma(model)
     torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
@@ -133,8 +139,12 @@ def test_hunyuanvideo_bias_covers_video_keys_and_keeps_the_text_padding(monkeypa
     monkeypatch.setattr(hv, "dispatch_attention_fn", recording)
     model = make_hunyuan()
     kw = hunyuan_inputs(2, 2, 8, 8)  # 2 x 4 x 4 video tokens, 6 text tokens, sample 1 pads 2
-    patch = toma.apply_toma(model, ratio=0.5, proportional_attention=True,
-                            blocks={"transformer_blocks": [1], "single_transformer_blocks": [1]})
+    patch = toma.apply_toma(
+        model,
+        ratio=0.5,
+        proportional_attention=True,
+        blocks={"transformer_blocks": [1], "single_transformer_blocks": [1]},
+    )
     run(model, **kw)
     merged = [(mask, keys) for mask, keys in seen if keys == 16 + 6]
     assert len(merged) == 4  # two merged blocks, once per sample each
@@ -208,8 +218,12 @@ def test_hunyuanvideo_is_exact_on_duplicate_tokens(form, monkeypatch):
     kw = hunyuan_inputs(1, 2, 8, 8)  # its one sample pads its last 2 of 6 text tokens
     kw["hidden_states"] = duplicated_video()
     ref = run(model, **kw)
-    options = dict(ratio=0.5, tile_size=2, tile_frames=2,
-                   blocks={"transformer_blocks": range(2), "single_transformer_blocks": range(2)})
+    options = dict(
+        ratio=0.5,
+        tile_size=2,
+        tile_frames=2,
+        blocks={"transformer_blocks": range(2), "single_transformer_blocks": range(2)},
+    )
     toma.apply_toma(model, proportional_attention=True, **options)
     exact = run(model, **kw)
     toma.apply_toma(model, proportional_attention=False, **options)

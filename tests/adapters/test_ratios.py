@@ -24,8 +24,12 @@ def record(model, paths):
     for name, module in model.named_modules():
         for p in paths:
             if name.endswith(p):
-                handles.append(module.register_forward_pre_hook(lambda m, a, kw, p=p: seen[p].append(
-                    (a[0] if a else kw["hidden_states"]).shape[1]), with_kwargs=True))
+                handles.append(
+                    module.register_forward_pre_hook(
+                        lambda m, a, kw, p=p: seen[p].append((a[0] if a else kw["hidden_states"]).shape[1]),
+                        with_kwargs=True,
+                    )
+                )
     return seen, handles
 
 
@@ -47,7 +51,9 @@ def test_unet_parts_see_their_own_ratio():
 def test_wan_parts_see_their_own_ratio():
     model = make_wan()
     kw = wan_inputs(1, 4, 16, 16)  # 4 x 8 x 8 tokens, 2x4x4 tiles of 32
-    toma.apply_toma(model, ratio=0.5, merge_crossattn=True, merge_mlp=True, crossattn_ratio=0.25, mlp_ratio=0.75, **WAN_ALL)
+    toma.apply_toma(
+        model, ratio=0.5, merge_crossattn=True, merge_mlp=True, crossattn_ratio=0.25, mlp_ratio=0.75, **WAN_ALL
+    )
     seen, handles = record(model, ("attn1.to_q", "attn2.to_q", "ffn.net.0"))
     run(model, kw)
     for h in handles:

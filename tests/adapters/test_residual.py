@@ -117,10 +117,27 @@ def test_only_blocks_whose_forward_it_reproduces_are_fused():
         return cls(dim=16, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=8, **kw)
 
     class Scaled(BasicTransformerBlock):  # a forward of its own, with diffusers' signature
-        def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
-                    timestep=None, cross_attention_kwargs=None, class_labels=None, added_cond_kwargs=None):
-            return 2 * super().forward(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
-                                       timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
+        def forward(
+            self,
+            hidden_states,
+            attention_mask=None,
+            encoder_hidden_states=None,
+            encoder_attention_mask=None,
+            timestep=None,
+            cross_attention_kwargs=None,
+            class_labels=None,
+            added_cond_kwargs=None,
+        ):
+            return 2 * super().forward(
+                hidden_states,
+                attention_mask,
+                encoder_hidden_states,
+                encoder_attention_mask,
+                timestep,
+                cross_attention_kwargs,
+                class_labels,
+                added_cond_kwargs,
+            )
 
     class Plain(BasicTransformerBlock):  # a subclass that keeps diffusers' forward
         pass

@@ -209,7 +209,6 @@ def test_gradient_checkpointing_on_engine_families(family):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-
 def _step_with_another_forward_before_backward(model, kw, out="sample"):
     """A training step with a ``no_grad`` forward on other inputs between its forward and
     backward (a distillation loop's teacher or target prediction); the gradients."""
@@ -255,6 +254,7 @@ def test_checkpointed_blocks_recompute_with_their_own_forwards_plans(family):
 def _replay_hook(module):
     registry = getattr(module, "_diffusers_hook", None)
     return None if registry is None else registry.get_hook("toma_replay")
+
 
 @pytest.mark.parametrize("family", ["sd3", "pixart", "wan", *NEWER])
 def test_deepcopy_is_independent_on_engine_families(family):
@@ -333,7 +333,9 @@ def test_toma_hooks_register_inside_hooks_already_there(with_new_forward):
     layer = torch.nn.Linear(2, 2)
     x = torch.ones(1, 2)
     ref = layer(x)
-    HookRegistry.check_if_exists_or_initialize(layer).register_hook((Skipping if with_new_forward else Recorder)("cache"), "cache")
+    HookRegistry.check_if_exists_or_initialize(layer).register_hook(
+        (Skipping if with_new_forward else Recorder)("cache"), "cache"
+    )
     register_innermost(layer, Recorder("toma"), "toma")
     out = layer(x)
     inner = ["cache new_forward"] if with_new_forward else []

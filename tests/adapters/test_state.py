@@ -69,5 +69,9 @@ def test_reset_renews_the_run_and_the_forward_but_keeps_the_patch_tables():
     fresh_run, fresh_forward = RunState(), ForwardState()
     assert vars(cache.run) == vars(fresh_run)
     assert (cache.forward.grid, cache.forward.active, cache.forward.plans, cache.forward.orders) == (
-        fresh_forward.grid, fresh_forward.active, {}, {})
+        fresh_forward.grid,
+        fresh_forward.active,
+        {},
+        {},
+    )
     assert cache._layouts == layouts and layouts

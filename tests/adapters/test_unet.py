@@ -269,7 +269,9 @@ def test_reapply_replaces_settings(sd15_unet):
     toma.apply_toma(sd15_unet, ratio=0.5)
     patch = toma.apply_toma(sd15_unet, ratio=0.25, selection="grid")
     assert toma.get_toma(sd15_unet) is patch and patch.config.ratio == 0.25
-    hooks = [m for m in sd15_unet.modules() if getattr(m, "_diffusers_hook", None) and m._diffusers_hook.get_hook("toma")]
+    hooks = [
+        m for m in sd15_unet.modules() if getattr(m, "_diffusers_hook", None) and m._diffusers_hook.get_hook("toma")
+    ]
     # the UNet (step hook), each merged sub-module, and each stack's first/last block (tile order)
     stacks = {p.name.rsplit(".transformer_blocks.", 1)[0] for p in patch.patched}
     ends = {id(b) for s in stacks for b in (sd15_unet.get_submodule(s).transformer_blocks[i] for i in (0, -1))}
@@ -304,7 +306,9 @@ def test_pipeline_object_resolves_to_unet(sd15_unet):
 
 
 @pytest.mark.parametrize("flatten", [True, False], ids=["flattened-to-tile-order", "reordered-at-blocks"])
-@pytest.mark.parametrize("options", [{}, {"merge_crossattn": True, "merge_mlp": True}, {"merge_attn": False, "merge_mlp": True}])
+@pytest.mark.parametrize(
+    "options", [{}, {"merge_crossattn": True, "merge_mlp": True}, {"merge_attn": False, "merge_mlp": True}]
+)
 def test_tile_order_stacks_match_raster_order(sdxl_unet, monkeypatch, options, flatten):
     # A stack run in tile order must compute what per-module raster merging computes: the
     # blocks only see their tokens permuted, so only float summation order may differ.
@@ -403,8 +407,9 @@ def test_flattening_into_tile_order_saves_two_copies_a_stack(monkeypatch, make):
         kernels.append(sum(count_kernels(lambda: run(unet, **kw)).values()))
         toma.remove_toma(unet)
         # the instance's methods are the class's again
-        assert not any("_operate_on_continuous_inputs" in vars(s) or "_get_output_for_continuous_inputs" in vars(s)
-                       for s in stacks)
+        assert not any(
+            "_operate_on_continuous_inputs" in vars(s) or "_get_output_for_continuous_inputs" in vars(s) for s in stacks
+        )
     merged_stacks = {p.name.rsplit(".transformer_blocks.", 1)[0] for p in patch.patched}
     assert kernels[1] - kernels[0] == (3 if sdxl else 1) * len(merged_stacks) > 0
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
@@ -422,8 +427,16 @@ def test_image_stack_leaves_other_stacks_alone():
     kw = dict(num_attention_heads=2, attention_head_dim=4, in_channels=8, norm_num_groups=2, cross_attention_dim=8)
     assert image_stack(Transformer2DModel(**kw))
     assert not image_stack(OwnFlatten(**kw))  # a subclass's own flattening: the blocks reorder
-    assert not image_stack(Transformer2DModel(num_attention_heads=2, attention_head_dim=4, in_channels=4,
-                                              patch_size=2, sample_size=8, norm_type="ada_norm_single"))  # patches
+    assert not image_stack(
+        Transformer2DModel(
+            num_attention_heads=2,
+            attention_head_dim=4,
+            in_channels=4,
+            patch_size=2,
+            sample_size=8,
+            norm_type="ada_norm_single",
+        )
+    )  # patches
     assert not image_stack(torch.nn.Linear(2, 2))
 
 

@@ -35,7 +35,8 @@ def kept_tokens(h: int, w: int, ratio: float, tile: int = 4) -> int:
     """Tokens an ``h x w`` grid keeps: each 4x4 tile (cut by the grid) ``round(p * (1 - ratio))`` of its ``p``."""
     return sum(
         max(1, math.floor(min(tile, h - top) * min(tile, w - left) * (1 - ratio) + 0.5))
-        for top in range(0, h, tile) for left in range(0, w, tile)
+        for top in range(0, h, tile)
+        for left in range(0, w, tile)
     )
 
 
@@ -48,8 +49,11 @@ def query_shapes(model) -> tuple[dict[str, list], list]:
     """The (batch, tokens) of every self-attention's ``to_q`` input, per attention, at each call."""
     seen: dict[str, list] = {}
     handles = [
-        m.to_q.register_forward_hook(lambda mod, a, o, name=name: seen.setdefault(name, []).append(tuple(a[0].shape[:2])))
-        for name, m in model.named_modules() if name.endswith(".attn1")
+        m.to_q.register_forward_hook(
+            lambda mod, a, o, name=name: seen.setdefault(name, []).append(tuple(a[0].shape[:2]))
+        )
+        for name, m in model.named_modules()
+        if name.endswith(".attn1")
     ]
     return seen, handles
 
@@ -77,7 +81,9 @@ def test_spatial_attention_merges_and_temporal_attention_sees_every_frame(case):
     assert [str(w.message) for w in caught if "ToMA" in str(w.message)] == []
     assert out.shape == ref.shape and torch.isfinite(out).all() and not torch.equal(out, ref)
     kept = kept_tokens(H, W, 0.5)
-    assert kept == patch.cache.layout(H, W).num_merged == 70  # 0.5x of 140: every tile, edge ones too, has an even count
+    assert (
+        kept == patch.cache.layout(H, W).num_merged == 70
+    )  # 0.5x of 140: every tile, edge ones too, has an even count
     spatial = [name for name in before if not temporal(name) and before[name][0][1] == H * W]
     assert spatial and all(after[name] == [(2 * 3, kept)] for name in spatial)  # one image per frame, K tokens each
     frames = [name for name in before if temporal(name)]
@@ -92,7 +98,9 @@ def test_the_summary_lists_no_temporal_module_as_merged(case):
     temporal_blocks = [n for n, m in model.named_modules() if type(m).__name__ == kind and temporal(n)]
     assert temporal_blocks  # the model has them
     assert patch.patched and not [p.name for p in patch.patched if temporal(p.name)]
-    assert "motion_modules" not in "".join(line for line in str(patch).splitlines() if line.lstrip().startswith("merged"))
+    assert "motion_modules" not in "".join(
+        line for line in str(patch).splitlines() if line.lstrip().startswith("merged")
+    )
 
 
 def test_temporal_attention_over_frames_that_divide_the_grid_runs_without_a_warning():

@@ -36,7 +36,11 @@ def compile_launches(tmp_path: Path, records: list[dict], extra: list[str], time
     env["TRITON_DEFAULT_FP_FUSION"] = "0"  # the kernels set it themselves; this only quiets triton
     proc = subprocess.run(
         [sys.executable, "-m", "toma.kernels.aot", str(path), "--json", str(out), "--jobs", "2", *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     results = json.loads(out.read_text()) if out.exists() else []
     return proc.returncode, proc.stdout + proc.stderr, results
@@ -71,8 +75,12 @@ def test_the_compile_check_catches_what_the_interpreter_runs(tmp_path):
     x = torch.zeros(16)
     kernel_controls.plain_global_kernel[(1,)](x, BLOCK=16)
     assert torch.equal(x, torch.full((16,), 3.0))
-    rec = {"kernel": "tests.kernel_controls:plain_global_kernel", "signature": {"x_ptr": "*fp32", "BLOCK": "constexpr"},
-           "constexprs": {"BLOCK": 16}, "attrs": {"x_ptr": "D"}}
+    rec = {
+        "kernel": "tests.kernel_controls:plain_global_kernel",
+        "signature": {"x_ptr": "*fp32", "BLOCK": "constexpr"},
+        "constexprs": {"BLOCK": 16},
+        "attrs": {"x_ptr": "D"},
+    }
     fixed = {**rec, "kernel": "tests.kernel_controls:constexpr_global_kernel"}
     rc, log, results = compile_launches(tmp_path, [rec, fixed], ["--targets", "sm_90"], timeout=120)
     assert rc == 1, log

@@ -71,7 +71,9 @@ def sdxl_output(model, kw):
 
 
 def toma_warnings(record) -> list[str]:
-    return [str(w.message) for w in record if "toma: the Triton" in str(w.message) or "triton could not" in str(w.message)]
+    return [
+        str(w.message) for w in record if "toma: the Triton" in str(w.message) or "triton could not" in str(w.message)
+    ]
 
 
 def test_every_kernel_failing_gives_the_torch_path_bitwise_with_one_warning_each(monkeypatch, auto_on_cpu):
@@ -193,14 +195,19 @@ def test_a_launch_that_does_not_fit_takes_the_torch_path_decided_before_launchin
     # probe's 16-token tiles fit
     compiled = fake_gpu_limits(monkeypatch, {"plan": 131072}, 101376)
     real = triton_ops._shared_needed
-    monkeypatch.setattr(triton_ops, "_shared_needed",
-                        lambda kernel, grid, args, meta: real(kernel, grid, args, meta) if meta["N"] == 64 else 1024)
+    monkeypatch.setattr(
+        triton_ops,
+        "_shared_needed",
+        lambda kernel, grid, args, meta: real(kernel, grid, args, meta) if meta["N"] == 64 else 1024,
+    )
     assert kernels.use_triton(torch.device("cpu"))
     counted = Counting(triton_ops.KERNEL_FNS["plan"])
     monkeypatch.setitem(triton_ops.KERNEL_FNS, "plan", counted)
     x = torch.randn(1, 64, 8, generator=torch.Generator().manual_seed(1))
     config = ToMAConfig(temperature=0.1, tile_size=8)
-    with pytest.warns(RuntimeWarning, match="plan kernel for N=64, KB=32 in torch.float32 needs 131072 bytes") as record:
+    with pytest.warns(
+        RuntimeWarning, match="plan kernel for N=64, KB=32 in torch.float32 needs 131072 bytes"
+    ) as record:
         cache = PlanCache(config)
         for step in range(3):
             cache.begin_forward((8, 8), None)

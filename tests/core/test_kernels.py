@@ -81,7 +81,9 @@ def test_plan_kernel_on_padded_tiles_with_fewer_real_tokens_than_slots():
     tiles = to_tiles(tokens(2, 30, 6, seed=2), layout)
     kidx = kernel_index(layout)
     for temperature in (0.0, 0.05):
-        dest, a, mw, mass, log_mass, sim = run_plan_kernel(tiles, layout.slots, temperature, index.token_mask, kidx.keep)
+        dest, a, mw, mass, log_mass, sim = run_plan_kernel(
+            tiles, layout.slots, temperature, index.token_mask, kidx.keep
+        )
         assert torch.equal(dest, facility_location(sim, layout.slots, index.token_mask))
         ref = assignment(sim, dest, temperature, index.token_mask, index.slot_mask)
         if temperature == 0:
@@ -91,7 +93,9 @@ def test_plan_kernel_on_padded_tiles_with_fewer_real_tokens_than_slots():
         assert torch.allclose(mw, merge_weights(ref), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("h,w,ratio,batch,share", [(8, 8, 0.5, 2, False), (6, 10, 0.5, 2, True), (5, 7, 0.75, 1, False)])
+@pytest.mark.parametrize(
+    "h,w,ratio,batch,share", [(8, 8, 0.5, 2, False), (6, 10, 0.5, 2, True), (5, 7, 0.75, 1, False)]
+)
 def test_fused_merge_and_unmerge_match_the_torch_path(h, w, ratio, batch, share):
     layout = make_layout(h, w, (4, 4), ratio)
     x = tokens(batch, h * w, 40, seed=h * w)  # 40 channels: a partial channel block
@@ -105,7 +109,9 @@ def test_fused_merge_and_unmerge_match_the_torch_path(h, w, ratio, batch, share)
     if not layout.padded:  # tokens kept in tile order, as the adapters run unpadded grids
         tiled = tile_order(x, layout)
         assert torch.allclose(fused.merge(tiled, tiled=True), merged, atol=1e-5, rtol=0)
-        assert torch.allclose(fused.unmerge(merged, tiled=True), torch_path.unmerge(merged, tiled=True), atol=1e-5, rtol=0)
+        assert torch.allclose(
+            fused.unmerge(merged, tiled=True), torch_path.unmerge(merged, tiled=True), atol=1e-5, rtol=0
+        )
     # with the block's residual added in the same launch: the float32 sum rounded once,
     # as the separate add rounds it
     res = tokens(batch, h * w, 40, seed=h * w + 1)
@@ -118,7 +124,9 @@ def test_fused_merge_and_unmerge_match_the_torch_path(h, w, ratio, batch, share)
         assert torch.equal(fused.unmerge(merged, tiled=True, residual=res_t), tiled_sum)
         assert torch.allclose(torch_path.unmerge(merged, tiled=True, residual=res_t), tiled_sum, atol=1e-5, rtol=0)
     # the plan read from raster order is the plan read from tiles
-    from_tiles = build_plan(to_tiles(src, layout), layout, x.dtype, selection="facility", temperature=0.001, index=index, kernels=kidx)
+    from_tiles = build_plan(
+        to_tiles(src, layout), layout, x.dtype, selection="facility", temperature=0.001, index=index, kernels=kidx
+    )
     assert torch.equal(from_tiles.dest, fused.dest) and torch.equal(from_tiles.merge_w, fused.merge_w)
 
 
@@ -180,7 +188,9 @@ def test_forced_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
         use_triton(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("family,h,w", [("sdxl", 16, 16), ("sdxl", 10, 14), ("sd3", 16, 16)])  # tile order / padded raster order on torch
+@pytest.mark.parametrize(
+    "family,h,w", [("sdxl", 16, 16), ("sdxl", 10, 14), ("sd3", 16, 16)]
+)  # tile order / padded raster order on torch
 def test_forward_with_the_kernels_matches_the_torch_path(monkeypatch, family, h, w):
     from conftest import make_sd3, make_sdxl_unet, sd3_inputs, unet_inputs
 

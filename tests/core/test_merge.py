@@ -35,7 +35,9 @@ def test_keep_counts():
     assert make_layout(4, 4, (4, 4), 0.99).keep == (1,)
 
 
-@pytest.mark.parametrize("t,h,w,tile", [(4, 8, 8, (2, 4, 4)), (3, 6, 5, (2, 4, 4)), (1, 5, 7, (2, 4, 4)), (5, 3, 3, (3, 2, 2))])
+@pytest.mark.parametrize(
+    "t,h,w,tile", [(4, 8, 8, (2, 4, 4)), (3, 6, 5, (2, 4, 4)), (1, 5, 7, (2, 4, 4)), (5, 3, 3, (3, 2, 2))]
+)
 def test_spatio_temporal_tiles_round_trip_and_window(t, h, w, tile):
     layout = make_layout(h, w, tile, 0.5, t=t)
     x = torch.arange(float(t * h * w)).reshape(1, -1, 1).repeat(2, 1, 1)
@@ -69,7 +71,6 @@ def test_spatio_temporal_tiles_round_trip_and_window(t, h, w, tile):
         assert torch.equal(tile_order(x, layout)[0, :, 0].long(), slot_raster_index(layout))
 
 
-
 @pytest.mark.parametrize("h,w,tile", [(8, 12, (4, 4)), (16, 16, (2, 4)), (12, 8, (4, 2))])
 def test_image_flattens_straight_into_tile_order(h, w, tile):
     # the values of tile_order on the image's raster tokens, in one copy; and back, contiguous
@@ -85,6 +86,7 @@ def test_image_flattens_straight_into_tile_order(h, w, tile):
         image_to_tile_order(torch.randn(1, 5, h + 1, w), layout)
     with pytest.raises(ValueError, match="padded"):
         image_to_tile_order(torch.randn(1, 5, 10, 14), make_layout(10, 14, (4, 4), 0.5))
+
 
 def test_spatio_temporal_grid_selection_picks_real_distinct_slots():
     layout = make_layout(3, 5, (2, 2, 2), 0.5, t=3)
@@ -199,8 +201,16 @@ def test_padded_grids_move_by_one_gather_each_way(grid, tile):
     assert plan.index is not None and plan.index.gather_index is not None
     for selection in ("facility", "grid"):  # the padded slots' contents change no plan
         config = ToMAConfig(ratio=0.5, tile_size=tile[1:], tile_frames=tile[0], selection=selection)
-        zero_padded = build_plan(to_tiles(x, layout), layout, x.dtype, selection=config.selection, temperature=config.temperature)
-        gathered = build_plan(to_tiles(x, layout, index.gather_index), layout, x.dtype, selection=config.selection, temperature=config.temperature)
+        zero_padded = build_plan(
+            to_tiles(x, layout), layout, x.dtype, selection=config.selection, temperature=config.temperature
+        )
+        gathered = build_plan(
+            to_tiles(x, layout, index.gather_index),
+            layout,
+            x.dtype,
+            selection=config.selection,
+            temperature=config.temperature,
+        )
         assert torch.equal(zero_padded.dest, gathered.dest) and torch.equal(zero_padded.merge_w, gathered.merge_w)
     slow = replace(plan, index=None)
     merged = plan.merge(x)

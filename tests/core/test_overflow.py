@@ -82,8 +82,14 @@ def at_scale(x: torch.Tensor, scale: float, dtype: torch.dtype, seed: int = 1) -
 # (dtype, scale): fp16 near its largest values (65504), whose squares overflow fp16; bf16 and
 # fp32 whose squares overflow float32, and whose norms fall under 1e-12; bf16 at fp16's scale
 CASES = [
-    (torch.float16, 6.5e4), (torch.bfloat16, 6.5e4), (torch.bfloat16, 1e25), (torch.bfloat16, 1e37),
-    (torch.bfloat16, 1e-20), (torch.float32, 1e25), (torch.float32, 1e-25), (torch.float32, 1.0),
+    (torch.float16, 6.5e4),
+    (torch.bfloat16, 6.5e4),
+    (torch.bfloat16, 1e25),
+    (torch.bfloat16, 1e37),
+    (torch.bfloat16, 1e-20),
+    (torch.float32, 1e25),
+    (torch.float32, 1e-25),
+    (torch.float32, 1.0),
 ]
 IDS = [f"{str(d).split('.')[-1]}-{s:g}" for d, s in CASES]
 
@@ -121,7 +127,9 @@ def test_plans_pick_what_the_float32_plan_picks(dtype, scale, temperature):
     x, picks = clustered_tokens()
     layout = make_layout(*GRID, (4, 4), 0.5)
     config = ToMAConfig(ratio=0.5, temperature=temperature)
-    ref = build_plan(to_tiles(x, layout), layout, torch.float32, selection=config.selection, temperature=config.temperature)
+    ref = build_plan(
+        to_tiles(x, layout), layout, torch.float32, selection=config.selection, temperature=config.temperature
+    )
     xs = at_scale(x, scale, dtype)
     plan = build_plan(to_tiles(xs, layout), layout, dtype, selection=config.selection, temperature=config.temperature)
     assert tile_picks(plan.dest) == picks == tile_picks(ref.dest)

@@ -86,8 +86,15 @@ def test_bias_on_merged_keys_equals_attention_over_their_copies(layout, text, pe
     full = []
     for b in range(batch):
         reps = counts[b if per_sample else 0]
-        full.append(sdpa(*(to_layout(t[b : b + 1], layout) for t in (q, k.repeat_interleave(reps, 2),
-                                                                        v.repeat_interleave(reps, 2))), layout))
+        full.append(
+            sdpa(
+                *(
+                    to_layout(t[b : b + 1], layout)
+                    for t in (q, k.repeat_interleave(reps, 2), v.repeat_interleave(reps, 2))
+                ),
+                layout,
+            )
+        )
     full = torch.cat(full)
     qs, ks, vs = (to_layout(t, layout) for t in (q, k, v))
     for name, path in {"mask": with_mask, **PATHS}.items():

@@ -62,11 +62,30 @@ def token_counts(model, names):
 
 
 def test_bench_cli_tiny_unet_writes_json_and_png(tmp_path, capsys):
-    rc = main([
-        "bench", "--arch", "tiny-unet", "--resolution", "64", "--ratios", "0.5",
-        "--methods", "none,toma,tomesd,ideal,todo", "--repeats", "1", "--warmup", "0",
-        "--batch", "1,2", "--out", str(tmp_path), "--name", "t", "--no-progress",
-    ])
+    rc = main(
+        [
+            "bench",
+            "--arch",
+            "tiny-unet",
+            "--resolution",
+            "64",
+            "--ratios",
+            "0.5",
+            "--methods",
+            "none,toma,tomesd,ideal,todo",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--batch",
+            "1,2",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "t",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     report = json.loads((tmp_path / "t.json").read_text())
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
@@ -94,9 +113,22 @@ def test_bench_cli_tiny_unet_writes_json_and_png(tmp_path, capsys):
 
 def spread_report(none, toma, ideal):
     return {
-        "arch": "x", "description": "d", "parameters": 1, "resolution": 64, "dtype": "float32", "device": "cpu",
-        "device_name": "cpu", "threads": 2, "steps_per_sample": 1, "repeats": 3, "warmup": 1, "placement": {},
-        "notes": [], "skipped": {}, "interrupted": False, "batches": [1],
+        "arch": "x",
+        "description": "d",
+        "parameters": 1,
+        "resolution": 64,
+        "dtype": "float32",
+        "device": "cpu",
+        "device_name": "cpu",
+        "threads": 2,
+        "steps_per_sample": 1,
+        "repeats": 3,
+        "warmup": 1,
+        "placement": {},
+        "notes": [],
+        "skipped": {},
+        "interrupted": False,
+        "batches": [1],
         "results": [
             {"method": "none", "ratio": None, "batch": 1, "compiled": False, "times_s": none, "overhead": None},
             {"method": "toma", "ratio": 0.5, "batch": 1, "compiled": False, "times_s": toma, "overhead": None},
@@ -150,13 +182,47 @@ def test_bench_plot_uses_bars_for_one_ratio(monkeypatch, tmp_path):
 
 def test_from_json_rederives_statistics_and_replots(tmp_path, capsys):
     report = {
-        "arch": "x", "description": "d", "parameters": 1, "resolution": 64, "dtype": "float32", "device": "cpu",
-        "device_name": "cpu", "threads": 2, "steps_per_sample": 1, "repeats": 3, "warmup": 1, "placement": {},
-        "notes": [], "skipped": {}, "interrupted": False, "batches": [1],
+        "arch": "x",
+        "description": "d",
+        "parameters": 1,
+        "resolution": 64,
+        "dtype": "float32",
+        "device": "cpu",
+        "device_name": "cpu",
+        "threads": 2,
+        "steps_per_sample": 1,
+        "repeats": 3,
+        "warmup": 1,
+        "placement": {},
+        "notes": [],
+        "skipped": {},
+        "interrupted": False,
+        "batches": [1],
         "results": [
-            {"method": "none", "ratio": None, "batch": 1, "compiled": False, "times_s": [10.0, 12.0, 11.0], "overhead": None},
-            {"method": "toma", "ratio": 0.5, "batch": 1, "compiled": False, "times_s": [9.5, 9.0, 8.0], "overhead": None},
-            {"method": "ideal", "ratio": 0.5, "batch": 1, "compiled": False, "times_s": [9.0, 8.0, 7.5], "overhead": None},
+            {
+                "method": "none",
+                "ratio": None,
+                "batch": 1,
+                "compiled": False,
+                "times_s": [10.0, 12.0, 11.0],
+                "overhead": None,
+            },
+            {
+                "method": "toma",
+                "ratio": 0.5,
+                "batch": 1,
+                "compiled": False,
+                "times_s": [9.5, 9.0, 8.0],
+                "overhead": None,
+            },
+            {
+                "method": "ideal",
+                "ratio": 0.5,
+                "batch": 1,
+                "compiled": False,
+                "times_s": [9.0, 8.0, 7.5],
+                "overhead": None,
+            },
         ],
     }
     path = tmp_path / "r.json"
@@ -171,11 +237,31 @@ def test_from_json_rederives_statistics_and_replots(tmp_path, capsys):
 
 
 def test_bench_flux_reduced_depth_says_so_and_skips_unet_peers(tmp_path, capsys):
-    rc = main([
-        "bench", "--arch", "tiny-flux", "--depth", "2", "--resolution", "64", "--ratios", "0.5",
-        "--methods", "none,toma,tomesd,ideal", "--repeats", "1", "--warmup", "0", "--no-profile",
-        "--out", str(tmp_path), "--name", "f", "--no-progress",
-    ])
+    rc = main(
+        [
+            "bench",
+            "--arch",
+            "tiny-flux",
+            "--depth",
+            "2",
+            "--resolution",
+            "64",
+            "--ratios",
+            "0.5",
+            "--methods",
+            "none,toma,tomesd,ideal",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--no-profile",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "f",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "skipping tomesd" in out and "reduced depth" in out
@@ -186,11 +272,32 @@ def test_bench_flux_reduced_depth_says_so_and_skips_unet_peers(tmp_path, capsys)
 
 @pytest.mark.parametrize("tile_frames", ["1", "2"])
 def test_bench_video_arch_with_frames_and_tile_frames(tmp_path, capsys, tile_frames):
-    rc = main([
-        "bench", "--arch", "tiny-wan", "--frames", "9", "--tile-frames", tile_frames, "--resolution", "64",
-        "--ratios", "0.5", "--methods", "none,toma,ideal", "--repeats", "1", "--warmup", "0",
-        "--out", str(tmp_path), "--name", "w", "--no-progress",
-    ])
+    rc = main(
+        [
+            "bench",
+            "--arch",
+            "tiny-wan",
+            "--frames",
+            "9",
+            "--tile-frames",
+            tile_frames,
+            "--resolution",
+            "64",
+            "--ratios",
+            "0.5",
+            "--methods",
+            "none,toma,ideal",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "w",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     assert "3 latent frames" in capsys.readouterr().out
     report = json.loads((tmp_path / "w.json").read_text())
@@ -213,8 +320,9 @@ def test_missing_tomesd_is_skipped_with_a_message(monkeypatch, capsys):
 
     monkeypatch.setattr(toma.tools.baselines, "tomesd_available", lambda: False)
     logged = []
-    report = bench_harness.benchmark(ARCHS["tiny-unet"], 64, ["none", "tomesd"], [0.5], repeats=1, warmup=0,
-                                     profile=False, log=logged.append)
+    report = bench_harness.benchmark(
+        ARCHS["tiny-unet"], 64, ["none", "tomesd"], [0.5], repeats=1, warmup=0, profile=False, log=logged.append
+    )
     assert "tomesd is not installed" in report["skipped"]["tomesd"]
     assert any("skipping tomesd" in line for line in logged)
     assert [r["method"] for r in report["results"]] == ["none"]
@@ -377,11 +485,33 @@ def test_methods_combine_with_diffusers_caches(tmp_path, monkeypatch, capsys):
     # the tail blocks on steps that change little; cached rows get no efficiency (the ideal
     # has no cache), and the report says what random weights cannot show
     real_build = bench_harness.build_model
-    rc = main([
-        "bench", "--arch", "tiny-flux", "--resolution", "64", "--ratios", "0.5",
-        "--methods", "none,toma,none+fbcache,toma+fbcache", "--fbcache-threshold", "0.5", "--steps", "4", "--repeats", "1", "--warmup", "0",
-        "--no-profile", "--out", str(tmp_path), "--name", "c", "--no-progress",
-    ])
+    rc = main(
+        [
+            "bench",
+            "--arch",
+            "tiny-flux",
+            "--resolution",
+            "64",
+            "--ratios",
+            "0.5",
+            "--methods",
+            "none,toma,none+fbcache,toma+fbcache",
+            "--fbcache-threshold",
+            "0.5",
+            "--steps",
+            "4",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--no-profile",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "c",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     assert "depends on the weights" in capsys.readouterr().out
     rows = {r["method"]: r for r in json.loads((tmp_path / "c.json").read_text())["results"]}
@@ -396,8 +526,17 @@ def test_methods_combine_with_diffusers_caches(tmp_path, monkeypatch, capsys):
         model = real_build(ARCHS["tiny-flux"])
         monkeypatch.setattr(bench_harness, "build_model", lambda *a, **k: model)
         model.single_transformer_blocks[-1].proj_out.register_forward_hook(lambda *a: harness_calls.append(1))
-        report = bench_harness.benchmark(ARCHS["tiny-flux"], 64, [methods], [0.5], steps=4, repeats=1, warmup=0,
-                                         profile=False, cache_options={"fbcache": {"threshold": 0.5}})
+        report = bench_harness.benchmark(
+            ARCHS["tiny-flux"],
+            64,
+            [methods],
+            [0.5],
+            steps=4,
+            repeats=1,
+            warmup=0,
+            profile=False,
+            cache_options={"fbcache": {"threshold": 0.5}},
+        )
         assert [r["method"] for r in report["results"]] == [methods]
         counts[methods] = len(harness_calls)
         assert not hasattr(model, "_toma_patch") and not model.is_cache_enabled  # all undone
@@ -405,8 +544,9 @@ def test_methods_combine_with_diffusers_caches(tmp_path, monkeypatch, capsys):
 
 
 def test_caches_are_skipped_for_unets(capsys):
-    report = bench_harness.benchmark(ARCHS["tiny-unet"], 64, ["none", "toma+fbcache"], [0.5], repeats=1, warmup=0,
-                                     profile=False)
+    report = bench_harness.benchmark(
+        ARCHS["tiny-unet"], 64, ["none", "toma+fbcache"], [0.5], repeats=1, warmup=0, profile=False
+    )
     assert "fbcache is a diffusers cache for transformers" in report["skipped"]["toma+fbcache"]
 
 
@@ -426,8 +566,9 @@ def test_compiled_rows_are_timed_interleaved_with_the_eager_ones(monkeypatch):
         return real(call, inputs, device)
 
     monkeypatch.setattr(bench_harness, "_time_sample", logged)
-    report = bench_harness.benchmark(ARCHS["tiny-unet"], 64, ["none", "toma"], [0.5], repeats=2, warmup=0,
-                                     compile=True, profile=False)
+    report = bench_harness.benchmark(
+        ARCHS["tiny-unet"], 64, ["none", "toma"], [0.5], repeats=2, warmup=0, compile=True, profile=False
+    )
     rows = {(r["method"], r["compiled"]): r for r in report["results"]}
     assert set(rows) == {("none", False), ("toma", False), ("none", True), ("toma", True)}
     assert all(len(r["times_s"]) == 2 for r in rows.values())
@@ -450,8 +591,9 @@ def test_compiled_copy_keeps_its_patch_and_shares_weights(tiny_unet):
         real_compile = torch.compile
         try:
             torch.compile = lambda model, **kw: real_compile(model, backend="eager")
-            calls = bench_harness.compile_variants(harness, [variant], [1], {1: [inputs]}, 0, torch.device("cpu"),
-                                                   lambda s: None)
+            calls = bench_harness.compile_variants(
+                harness, [variant], [1], {1: [inputs]}, 0, torch.device("cpu"), lambda s: None
+            )
         finally:
             torch.compile = real_compile
         (call,) = calls.values()

@@ -27,12 +27,18 @@ def image_tokens_seen(model, fn) -> dict[str, list[int]]:
     text = model.class_tokens.shape[1]
     for name, block in [*model.transformer.transformer_blocks.named_children()]:
         # the dual-stream query projection sees image tokens only
-        handles.append(block.attn.to_q.register_forward_hook(
-            lambda m, a, o, n=f"double.{name}": seen.setdefault(n, []).append(a[0].shape[1])))
+        handles.append(
+            block.attn.to_q.register_forward_hook(
+                lambda m, a, o, n=f"double.{name}": seen.setdefault(n, []).append(a[0].shape[1])
+            )
+        )
     for name, block in model.transformer.single_transformer_blocks.named_children():
         # the single-stream one sees [text; image]
-        handles.append(block.attn.to_q.register_forward_hook(
-            lambda m, a, o, n=f"single.{name}": seen.setdefault(n, []).append(a[0].shape[1] - text)))
+        handles.append(
+            block.attn.to_q.register_forward_hook(
+                lambda m, a, o, n=f"single.{name}": seen.setdefault(n, []).append(a[0].shape[1] - text)
+            )
+        )
     try:
         fn()
     finally:

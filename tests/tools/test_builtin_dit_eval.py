@@ -95,7 +95,9 @@ def test_eval_dit_blocks_reach_the_transformer(tmp_path, capsys):
 
 def test_parse_blocks():
     assert parse_blocks("transformer_blocks=0-1;single_transformer_blocks=2,3") == {
-        "transformer_blocks": (0, 1), "single_transformer_blocks": (2, 3)}
+        "transformer_blocks": (0, 1),
+        "single_transformer_blocks": (2, 3),
+    }
     assert parse_blocks("single_transformer_blocks=1-3,2,5;") == {"single_transformer_blocks": (1, 2, 3, 5)}
     assert parse_blocks("transformer_blocks=") == {"transformer_blocks": ()}
     for bad in ("", "transformer_blocks", "a=1;a=2", "a=x", "a=3-1", "a=-1", "=1"):
@@ -123,8 +125,26 @@ def test_generate_dit_grid_and_compare(tmp_path, capsys):
     assert "built-in digits DiT" in text and "time per image: unmerged" in text
     assert Image.open(out).size[0] > 3 * 128  # three 128-pixel digits in a row
     cmp = tmp_path / "cmp.png"
-    assert main(["generate", "--model", "builtin-dit", "--steps", "1", "--labels", "4", "--compare",
-                 "--ratio", "0.25", "--proportional-attention", "--out", str(cmp)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "builtin-dit",
+                "--steps",
+                "1",
+                "--labels",
+                "4",
+                "--compare",
+                "--ratio",
+                "0.25",
+                "--proportional-attention",
+                "--out",
+                str(cmp),
+            ]
+        )
+        == 0
+    )
     assert Image.open(cmp).size[0] > 2 * 128  # two panels side by side
     assert "speedup" in capsys.readouterr().out
 
@@ -146,12 +166,39 @@ def test_generate_dit_bad_settings(tmp_path, capsys):
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate is not installed")
 def test_eval_dit_data_parallel_two_cpu_processes(tmp_path):
     single, double = tmp_path / "one", tmp_path / "two"
-    common = ["eval", "--model", "builtin-dit", "--num-images", "4", "--steps", "1", "--batch-size", "2",
-              "--methods", "toma"]
+    common = [
+        "eval",
+        "--model",
+        "builtin-dit",
+        "--num-images",
+        "4",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--methods",
+        "toma",
+    ]
     assert main([*common, "--threads", "1", "--out-dir", str(single)]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "toma", *common, "--out-dir", str(double)]
+    cmd = [
+        "accelerate",
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "toma",
+        *common,
+        "--out-dir",
+        str(double),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     one, two = read_results(single), read_results(double)

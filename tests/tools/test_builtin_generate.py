@@ -11,8 +11,8 @@ from toma.tools.builtin.unet import BUILTIN_DIR, builtin_available, load_builtin
 from toma.tools.cli import main
 
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -123,7 +123,10 @@ def test_grid_writes_each_images_label_under_it():
     from toma.tools.common.images import LABEL_HEIGHT, make_grid
 
     images = torch.zeros(3, 1, 8, 8)  # black cells, so only the label strips hold text
-    bare, labelled = make_grid(images, ncols=3, upscale=2), make_grid(images, ncols=3, upscale=2, labels=["0", "1", "7"])
+    bare, labelled = (
+        make_grid(images, ncols=3, upscale=2),
+        make_grid(images, ncols=3, upscale=2, labels=["0", "1", "7"]),
+    )
     assert labelled.height == bare.height + LABEL_HEIGHT and labelled.width == bare.width
     ink = dark_columns(labelled, 2 + 16, labelled.height)
     for col in range(3):  # text under every cell, inside its column

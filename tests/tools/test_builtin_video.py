@@ -148,8 +148,12 @@ def exact_model(target: torch.Tensor, null_target: torch.Tensor, time_shift: flo
     tokens = torch.ones(11, COND_TOKENS, COND_DIM)
     tokens[NULL_CLASS] = 0.0
     metadata = {} if time_shift is None else {"time_shift": time_shift}
-    return BuiltinVideoDiT(transformer=ExactVelocity(target, null_target), class_tokens=tokens,
-                           classifier=DigitClassifier(), metadata=metadata)
+    return BuiltinVideoDiT(
+        transformer=ExactVelocity(target, null_target),
+        class_tokens=tokens,
+        classifier=DigitClassifier(),
+        metadata=metadata,
+    )
 
 
 def test_shift_times_by_its_formula():
@@ -291,8 +295,10 @@ def test_the_class_steers_the_velocity(model):
 
 def test_a_few_sampled_clips_classify_above_chance(model):
     if model.metadata.get("partial"):
-        pytest.skip(f"the shipped checkpoint is partial ({model.metadata.get('steps_done')} steps); "
-                    "its samples are not judged until training has finished")
+        pytest.skip(
+            f"the shipped checkpoint is partial ({model.metadata.get('steps_done')} steps); "
+            "its samples are not judged until training has finished"
+        )
     labels = [0, 1, 2, 3, 4]
     clips = sample_video(model, labels, [10_000 + i for i in range(5)], steps=4, progress=False)
     preds, _ = classify_frames(model.classifier, clips)
@@ -409,9 +415,17 @@ def test_clip_schedule_runs_the_stages_in_order():
         script.clip_schedule(0, [])
 
 
-@pytest.mark.parametrize("text, match", [("2x32", "FRAMESxBATCH:STEPS"), ("2x32:-1", "FRAMESxBATCH:STEPS"),
-                                         ("0x8:10", "frames must be in"), ("65x1:1", "frames must be in"),
-                                         ("2x0:10", "batch and steps"), ("2x8:0", "batch and steps")])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("2x32", "FRAMESxBATCH:STEPS"),
+        ("2x32:-1", "FRAMESxBATCH:STEPS"),
+        ("0x8:10", "frames must be in"),
+        ("65x1:1", "frames must be in"),
+        ("2x0:10", "batch and steps"),
+        ("2x8:0", "batch and steps"),
+    ],
+)
 def test_parse_stage_rejects_bad_stages(text, match):
     with pytest.raises(ValueError, match=match):
         _train_script().parse_stage(text)

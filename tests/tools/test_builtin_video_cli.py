@@ -14,8 +14,25 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_eval_builtin_video_scores_frames_and_motion(tmp_path):
     out = tmp_path / "ev"
-    code = main(["eval", "--model", "builtin-video", "--methods", "toma,toma-grid", "--num-images", "2", "--steps", "2",
-                 "--batch-size", "2", "--threads", "1", "--out-dir", str(out)])
+    code = main(
+        [
+            "eval",
+            "--model",
+            "builtin-video",
+            "--methods",
+            "toma,toma-grid",
+            "--num-images",
+            "2",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--threads",
+            "1",
+            "--out-dir",
+            str(out),
+        ]
+    )
     assert code == 0
     data = json.loads((out / "results.json").read_text())
     rows = {r["method"]: r for r in data["results"]}
@@ -44,8 +61,26 @@ def test_eval_builtin_video_accuracy_is_per_frame(monkeypatch, tmp_path):
     one_right_frame.labels = [0, 1]  # eval draws classes 0, 1, ... in order
     monkeypatch.setattr(video, "classify_frames", one_right_frame)
     out = tmp_path / "ev"
-    assert main(["eval", "--model", "builtin-video", "--methods", "toma", "--num-images", "2", "--steps", "1",
-                 "--threads", "1", "--out-dir", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                "builtin-video",
+                "--methods",
+                "toma",
+                "--num-images",
+                "2",
+                "--steps",
+                "1",
+                "--threads",
+                "1",
+                "--out-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((out / "results.json").read_text())["results"]
     assert [r["accuracy"] for r in rows] == [1 / video.FRAMES] * 2
 
@@ -57,8 +92,12 @@ def test_generate_builtin_video(tmp_path, suffix):
     from toma.tools.builtin.video import FRAME_SIZE, FRAMES
 
     out = tmp_path / f"clips{suffix}"
-    assert main(["generate", "--model", "builtin-video", "--labels", "3,7", "--steps", "2", "--compare",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            ["generate", "--model", "builtin-video", "--labels", "3,7", "--steps", "2", "--compare", "--out", str(out)]
+        )
+        == 0
+    )
     with Image.open(out) as im:
         if suffix == ".gif":  # every frame holds both clips of both runs
             assert im.n_frames == FRAMES and im.width > 2 * 2 * FRAME_SIZE

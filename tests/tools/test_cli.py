@@ -40,8 +40,27 @@ def test_every_option_states_its_default_once():
 def test_bench_output_has_no_profiler_or_float32_noise(tmp_path):
     # Kineto writes its "USDT: ... profiler_start" lines to file descriptor 2 and diffusers
     # logs "should be kept in float32: []" at a dtype cast: only a child process sees both
-    cmd = [sys.executable, "-m", "toma", "bench", "--arch", "tiny-unet", "--ratios", "0.5", "--methods", "none,toma",
-           "--repeats", "1", "--warmup", "0", "--no-progress", "--threads", "1", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "toma",
+        "bench",
+        "--arch",
+        "tiny-unet",
+        "--ratios",
+        "0.5",
+        "--methods",
+        "none,toma",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--no-progress",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout + proc.stderr

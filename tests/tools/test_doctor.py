@@ -18,8 +18,22 @@ from toma import kernels
 from toma.kernels import HEALTH, KERNELS_ENV
 from toma.tools.cli import main
 
-TINY = ["--device", "cpu", "--grid", "8", "--channels", "16", "--attn-grid", "8", "--heads", "2", "--head-dim", "8",
-        "--repeats", "1"]
+TINY = [
+    "--device",
+    "cpu",
+    "--grid",
+    "8",
+    "--channels",
+    "16",
+    "--attn-grid",
+    "8",
+    "--heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--repeats",
+    "1",
+]
 
 
 def doctor(capsys, *argv: str) -> tuple[int, str, str]:
@@ -73,7 +87,9 @@ def test_cpu_run_passes_says_the_gpu_checks_were_skipped_and_writes_the_report(c
     code, out, _ = doctor(capsys, *TINY, "--backends", "native,_native_flash,_native_cudnn", "--json", str(path))
     assert code == 0, out
     assert verdict(out).startswith("toma doctor: OK — ") and "GPU kernel checks skipped: no GPU" in verdict(out)
-    kernel_line = next(line for line in out.splitlines() if line.strip().startswith("skip") and "Triton kernels" in line)
+    kernel_line = next(
+        line for line in out.splitlines() if line.strip().startswith("skip") and "Triton kernels" in line
+    )
     assert "skipped: no GPU here" in kernel_line
     # what ran, and at which size, is in the output
     assert "8x8 tokens x 16 channels, batch 2" in out and "2 heads of 8" in out
@@ -128,8 +144,13 @@ def test_kernel_checks_run_in_the_interpreter_and_pass(capsys, monkeypatch, tmp_
     assert report["kernels"]["path"] == "triton" and report["kernels"]["interpreter"] is True
     kernel_results = {r["name"]: r for r in report["results"] if r["section"] == "Triton kernels"}
     for dtype in ("fp16", "fp32"):
-        for check in ("plan kernel", "plan kernel on margin tokens", "merge kernel", "unmerge kernel",
-                      "unmerge kernel + residual"):
+        for check in (
+            "plan kernel",
+            "plan kernel on margin tokens",
+            "merge kernel",
+            "unmerge kernel",
+            "unmerge kernel + residual",
+        ):
             assert kernel_results[f"{dtype} {check}"]["status"] == "pass", kernel_results[f"{dtype} {check}"]
     # the plan kernel's destinations equal the torch greedy's on its own similarities, and
     # the designed ones on margin tokens
@@ -171,7 +192,9 @@ def test_a_kernel_that_raises_falls_back_and_the_path_says_so(capsys, monkeypatc
     assert "kernels:  triton (partly): turned off after an error: unmerge: RuntimeError: injected failure" in out
     by_name = {r["name"]: r for r in report["results"]}
     assert by_name["fp32 unmerge kernel"]["status"] == "fallback"
-    assert "takes the torch path: it failed (RuntimeError: injected failure)" in by_name["fp32 unmerge kernel"]["detail"]
+    assert (
+        "takes the torch path: it failed (RuntimeError: injected failure)" in by_name["fp32 unmerge kernel"]["detail"]
+    )
     assert by_name["fp32 merge kernel"]["status"] == "pass" and by_name["fp32 plan kernel"]["status"] == "pass"
     assert "fallback: the Triton unmerge kernel takes the torch path" in verdict(out)
 
@@ -187,18 +210,21 @@ def test_explicit_triton_mode_turns_a_raising_kernel_into_a_failed_check(capsys,
     assert verdict(out).startswith("toma doctor: FAILED — Triton kernels / fp32 plan kernel: error: RuntimeError")
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--grid", "0"], "argument --grid: expected N or HxW with sides of at least 1"),
-    (["--grid", "8x"], "argument --grid: expected N or HxW"),
-    (["--channels", "-3"], "argument --channels: must be at least 1, got -3"),
-    (["--ratio", "1"], "argument --ratio: must be in [0, 1), got 1"),
-    (["--dtypes", "fp16,int8"], "argument --dtypes: expected one of fp16, bf16, fp32, got 'int8'"),
-    (["--kernels", "cuda"], "argument --kernels: invalid choice: 'cuda'"),
-    (["--device", "cuda"], "--device cuda: torch sees no GPU"),
-    (["--device", "mps"], "--device: toma's GPU path runs on CUDA or ROCm devices"),
-    (["--backends", "native,warp"], "--backends: unknown attention backend(s) warp"),
-    (["--json", "/no/such/folder/r.json"], "--json: the folder /no/such/folder does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--grid", "0"], "argument --grid: expected N or HxW with sides of at least 1"),
+        (["--grid", "8x"], "argument --grid: expected N or HxW"),
+        (["--channels", "-3"], "argument --channels: must be at least 1, got -3"),
+        (["--ratio", "1"], "argument --ratio: must be in [0, 1), got 1"),
+        (["--dtypes", "fp16,int8"], "argument --dtypes: expected one of fp16, bf16, fp32, got 'int8'"),
+        (["--kernels", "cuda"], "argument --kernels: invalid choice: 'cuda'"),
+        (["--device", "cuda"], "--device cuda: torch sees no GPU"),
+        (["--device", "mps"], "--device: toma's GPU path runs on CUDA or ROCm devices"),
+        (["--backends", "native,warp"], "--backends: unknown attention backend(s) warp"),
+        (["--json", "/no/such/folder/r.json"], "--json: the folder /no/such/folder does not exist"),
+    ],
+)
 def test_bad_arguments_are_refused_naming_the_parameter(capsys, argv, message):
     if argv[:2] == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -230,19 +256,37 @@ def test_gpu_device_lines_name_the_target_row_and_the_devices_own_limit(monkeypa
         monkeypatch.setattr(torch.version, "hip", hip)
         return env.format_device(env.device_info(torch.device("cuda", 0)))
 
-    h100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=80 * 2**30,
-                           multi_processor_count=132, shared_memory_per_block_optin=232448)
+    h100 = SimpleNamespace(
+        name="NVIDIA H100 80GB HBM3",
+        major=9,
+        minor=0,
+        total_memory=80 * 2**30,
+        multi_processor_count=132,
+        shared_memory_per_block_optin=232448,
+    )
     assert device(h100) == [
         "cuda:0 NVIDIA H100 80GB HBM3 (compute capability 9.0, 80.0 GiB, 132 SMs)",
         "target:   sm_90 (H100, H200): 227 KB shared memory per block, warp 32; the device reports 227 KB",
     ]
-    mi300 = SimpleNamespace(name="AMD Instinct MI300X", major=9, minor=4, gcnArchName="gfx942:sramecc+:xnack-",
-                            total_memory=192 * 2**30, multi_processor_count=304)
+    mi300 = SimpleNamespace(
+        name="AMD Instinct MI300X",
+        major=9,
+        minor=4,
+        gcnArchName="gfx942:sramecc+:xnack-",
+        total_memory=192 * 2**30,
+        multi_processor_count=304,
+    )
     lines = device(mi300, hip="6.2")
     assert "gcnArchName gfx942:sramecc+:xnack-" in lines[0]
     assert lines[1].startswith("target:   gfx942 (MI300): 64 KB shared memory per block, warp 64")
-    p100 = SimpleNamespace(name="Tesla P100", major=6, minor=0, total_memory=16 * 2**30, multi_processor_count=56,
-                           shared_memory_per_block_optin=49152)
+    p100 = SimpleNamespace(
+        name="Tesla P100",
+        major=6,
+        minor=0,
+        total_memory=16 * 2**30,
+        multi_processor_count=56,
+        shared_memory_per_block_optin=49152,
+    )
     assert "not in toma's GPU target table" in device(p100)[1]
     # a table row that disagrees with the device is pointed out
     odd = SimpleNamespace(**{**vars(h100), "shared_memory_per_block_optin": 101376})

@@ -77,8 +77,10 @@ def test_eval_merges_in_a_step_window(tmp_path):
     # late-step merging and MLP levels (one of the frontier's questions) reaches eval; a window that
     # covers no step of the run gives the unmerged images exactly
     runs = {}
-    for name, extra in (("late", ["--start-step", "1", "--levels", "2", "--merge-mlp", "--mlp-levels", "2"]),
-                        ("never", ["--start-step", "100"])):
+    for name, extra in (
+        ("late", ["--start-step", "1", "--levels", "2", "--merge-mlp", "--mlp-levels", "2"]),
+        ("never", ["--start-step", "100"]),
+    ):
         out = tmp_path / name
         assert main(["eval", *TINY, "--methods", "toma", "--out-dir", str(out), *extra]) == 0
         runs[name] = read_results(out)
@@ -138,8 +140,18 @@ def test_eval_and_generate_on_a_local_pipeline(tiny_sd_folder, tmp_path):
 
 
 def test_eval_metric_weights_missing_fail_before_generating(tiny_sd_folder, tmp_path, capsys):
-    code = main(["eval", "--model", str(tiny_sd_folder), "--clip", "--clip-model", "toma-tests/no-such-clip",
-                 "--out-dir", str(tmp_path / "ev")])
+    code = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_sd_folder),
+            "--clip",
+            "--clip-model",
+            "toma-tests/no-such-clip",
+            "--out-dir",
+            str(tmp_path / "ev"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "hf download toma-tests/no-such-clip" in err and "Traceback" not in err
     code = main(["eval", "--model", "toma-tests/no-such-pipeline", "--out-dir", str(tmp_path / "ev")])
@@ -154,8 +166,24 @@ def test_eval_data_parallel_two_cpu_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # accelerate's --cpu launcher starts a single process (multi-CPU needs mpirun); its torchrun
     # launcher (--multi_gpu) starts 2 processes and toma joins them with the gloo backend
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "toma", *common, "--out-dir", str(double)]
+    cmd = [
+        "accelerate",
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "toma",
+        *common,
+        "--out-dir",
+        str(double),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     one, two = read_results(single), read_results(double)
@@ -172,18 +200,28 @@ def test_eval_data_parallel_two_cpu_processes(tmp_path):
 def tiny_metric_models(tmp_path_factory):
     """Tiny random CLIP and DINOv2 models with their processors, saved like hub checkpoints."""
     from PIL import Image
-    from transformers import (BitImageProcessor, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor,
-                              Dinov2Config, Dinov2Model)
+    from transformers import (
+        BitImageProcessor,
+        CLIPConfig,
+        CLIPImageProcessor,
+        CLIPModel,
+        CLIPProcessor,
+        Dinov2Config,
+        Dinov2Model,
+    )
 
     from tests.tiny_pipelines import clip_config, tiny_clip_tokenizer
 
     root = tmp_path_factory.mktemp("metric-models")
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=32, patch_size=8)
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
     clip = CLIPModel(CLIPConfig(text_config=clip_config().to_dict(), vision_config=vision, projection_dim=8))
     clip.save_pretrained(root / "clip")
-    CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
-                  tokenizer=tiny_clip_tokenizer(root / "clip-tok")).save_pretrained(root / "clip")
+    CLIPProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tiny_clip_tokenizer(root / "clip-tok"),
+    ).save_pretrained(root / "clip")
     Dinov2Model(Dinov2Config(**vision)).save_pretrained(root / "dino")
     BitImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root / "dino")
     (root / "ref").mkdir()
@@ -195,10 +233,35 @@ def tiny_metric_models(tmp_path_factory):
 def test_eval_reports_clip_dino_and_fid_with_local_weights(tiny_sd_folder, tiny_metric_models, tmp_path):
     out = tmp_path / "ev"
     m = tiny_metric_models
-    code = main(["eval", "--model", str(tiny_sd_folder), "--height", "32", "--width", "32", "--threads", "1",
-                 "--num-images", "2", "--steps", "2", "--methods", "toma", "--out-dir", str(out),
-                 "--clip", "--clip-model", str(m / "clip"), "--dino", "--dino-model", str(m / "dino"),
-                 "--fid-reference", str(m / "ref")])
+    code = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_sd_folder),
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--threads",
+            "1",
+            "--num-images",
+            "2",
+            "--steps",
+            "2",
+            "--methods",
+            "toma",
+            "--out-dir",
+            str(out),
+            "--clip",
+            "--clip-model",
+            str(m / "clip"),
+            "--dino",
+            "--dino-model",
+            str(m / "dino"),
+            "--fid-reference",
+            str(m / "ref"),
+        ]
+    )
     assert code == 0
     none, merged = read_results(out)["results"]
     for row in (none, merged):
@@ -218,8 +281,13 @@ def test_variants_are_timed_interleaved_batch_by_batch(monkeypatch):
     from toma.tools.eval import harness as eval_harness
 
     calls = []
-    monkeypatch.setattr(eval_harness, "apply_method",
-                        lambda target, method, ratio, options, steps=None: calls.append(("apply", method)) or (lambda: calls.append(("remove", method))))
+    monkeypatch.setattr(
+        eval_harness,
+        "apply_method",
+        lambda target, method, ratio, options, steps=None: (
+            calls.append(("apply", method)) or (lambda: calls.append(("remove", method)))
+        ),
+    )
     runs = [("none", 0.0), ("toma", 0.5), ("tomesd", 0.5)]
     batches = [["a", "b"], ["c", "d"], ["e"], ["f"]]
     current = []
@@ -231,7 +299,20 @@ def test_variants_are_timed_interleaved_batch_by_batch(monkeypatch):
     warmed = []
     out = eval_harness.generate_interleaved(object(), runs, batches, {}, generate, lambda: warmed.append(calls[-1][1]))
     # every batch runs every variant, patched just for it, in an order that rotates by one
-    assert current == ["none", "toma", "tomesd", "toma", "tomesd", "none", "tomesd", "none", "toma", "none", "toma", "tomesd"]
+    assert current == [
+        "none",
+        "toma",
+        "tomesd",
+        "toma",
+        "tomesd",
+        "none",
+        "tomesd",
+        "none",
+        "toma",
+        "none",
+        "toma",
+        "tomesd",
+    ]
     assert calls[:4] == [("apply", "none"), ("remove", "none"), ("apply", "toma"), ("remove", "toma")]
     assert warmed == ["none", "toma", "tomesd"]  # once each, before its first batch
     images, seconds = out[("toma", 0.5)]
@@ -242,8 +323,10 @@ def test_variants_are_timed_interleaved_batch_by_batch(monkeypatch):
 def test_timing_spread_leaves_out_the_short_last_batch():
     from toma.tools.eval.harness import timing
 
-    parts = [{"count": 5, "batch_seconds": [2.0, 3.0, 0.1], "batch_sizes": [2, 2, 1]},
-             {"count": 2, "batch_seconds": [2.5], "batch_sizes": [2]}]
+    parts = [
+        {"count": 5, "batch_seconds": [2.0, 3.0, 0.1], "batch_sizes": [2, 2, 1]},
+        {"count": 2, "batch_seconds": [2.5], "batch_sizes": [2]},
+    ]
     t = timing(parts)
     assert t["latency_s"] == pytest.approx(7.6 / 7)
     # per image: 1.0, 1.5, 1.25 from the full batches; median 1.25
@@ -255,9 +338,11 @@ def test_speedups_that_the_spread_exceeds_are_flagged():
     from toma.tools.eval.harness import add_speedup
 
     def rows(spreads):
-        return [{"method": "none", "ratio": 0.0, "latency_s": 1.0, "spread": spreads[0]},
-                {"method": "toma", "ratio": 0.5, "latency_s": 0.8, "spread": spreads[1]},   # effect 20%
-                {"method": "tomesd", "ratio": 0.5, "latency_s": 0.95, "spread": spreads[2]}]  # effect 5%
+        return [
+            {"method": "none", "ratio": 0.0, "latency_s": 1.0, "spread": spreads[0]},
+            {"method": "toma", "ratio": 0.5, "latency_s": 0.8, "spread": spreads[1]},  # effect 20%
+            {"method": "tomesd", "ratio": 0.5, "latency_s": 0.95, "spread": spreads[2]},
+        ]  # effect 5%
 
     quiet = add_speedup(rows([0.02, 0.03, 0.01]))
     assert [r["flags"] for r in quiet] == [[], [], []]
@@ -284,8 +369,16 @@ def eval_rows(ratios, methods=("toma", "toma-random", "toma-grid", "tomesd")):
     for i, m in enumerate(methods):
         for r in ratios:
             # ToMA and its ablations land within a hair of each other, as they do on the built-in model
-            rows.append({"method": m, "ratio": r, "psnr": 30 - 10 * r + 0.01 * i, "ssim": 0.99 - 0.1 * r - 1e-4 * i,
-                         "accuracy": 0.99, "speedup": 1 + r + 0.001 * i})
+            rows.append(
+                {
+                    "method": m,
+                    "ratio": r,
+                    "psnr": 30 - 10 * r + 0.01 * i,
+                    "ssim": 0.99 - 0.1 * r - 1e-4 * i,
+                    "accuracy": 0.99,
+                    "speedup": 1 + r + 0.001 * i,
+                }
+            )
     return rows
 
 
@@ -301,8 +394,12 @@ def test_eval_plot_ratio_labels_do_not_overlap(tmp_path):
         notes = [t for t in ax.texts]
         assert len(notes) == 12  # 4 methods x 3 ratios
         boxes = [t.get_window_extent(renderer) for t in notes]
-        clashes = [(a.get_text(), b.get_text()) for i, (a, ba) in enumerate(zip(notes, boxes))
-                   for b, bb in zip(notes[i + 1:], boxes[i + 1:]) if ba.overlaps(bb)]
+        clashes = [
+            (a.get_text(), b.get_text())
+            for i, (a, ba) in enumerate(zip(notes, boxes))
+            for b, bb in zip(notes[i + 1 :], boxes[i + 1 :])
+            if ba.overlaps(bb)
+        ]
         assert not clashes
 
 

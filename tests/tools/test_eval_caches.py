@@ -30,8 +30,28 @@ def test_eval_runs_methods_with_caches(tmp_path, model):
     # cache-dit computes every block of its first 8 (warm-up) steps, so that with 2 steps
     # toma+cachedit must give ToMA's images exactly: merged, under the cache
     methods = "toma,none+fbcache:100,toma+cachedit:0.1,none+cachedit"
-    assert main(["eval", "--model", model, "--methods", methods, "--num-images", "1", "--steps", "2",
-                 "--batch-size", "1", "--threads", "1", "--out-dir", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                model,
+                "--methods",
+                methods,
+                "--num-images",
+                "1",
+                "--steps",
+                "2",
+                "--batch-size",
+                "1",
+                "--threads",
+                "1",
+                "--out-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = results(out)
     assert set(rows) == {"none", "toma", "none+fbcache:100", "toma+cachedit:0.1", "none+cachedit"}
     assert rows["none+cachedit"]["ratio"] == rows["none+fbcache:100"]["ratio"] == 0  # a cache alone merges nothing
@@ -44,17 +64,24 @@ def test_method_names_with_caches():
     assert split_method("toma") == ("toma", None, None)
     assert split_method("toma+fbcache") == ("toma", "fbcache", None)
     assert split_method("none+cachedit:0.12") == ("none", "cachedit", 0.12)
-    for bad, why in [("toma+magic", "the caches are"), ("toma+taylorseer:0.1", "takes no threshold"),
-                     ("toma+fbcache:-1", "number > 0"), ("toma+fbcache:x", "number > 0")]:
+    for bad, why in [
+        ("toma+magic", "the caches are"),
+        ("toma+taylorseer:0.1", "takes no threshold"),
+        ("toma+fbcache:-1", "number > 0"),
+        ("toma+fbcache:x", "number > 0"),
+    ]:
         with pytest.raises(ValueError, match=why):
             split_method(bad)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--model", "builtin", "--methods", "toma+fbcache"], "go on transformers"),
-    (["--model", "builtin-dit", "--methods", "toma+nocache"], "the caches are"),
-    (["--model", "builtin-dit", "--methods", "tomesd+fbcache"], "cannot run on --model builtin-dit"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "builtin", "--methods", "toma+fbcache"], "go on transformers"),
+        (["--model", "builtin-dit", "--methods", "toma+nocache"], "the caches are"),
+        (["--model", "builtin-dit", "--methods", "tomesd+fbcache"], "cannot run on --model builtin-dit"),
+    ],
+)
 def test_eval_refuses_caches_that_cannot_run(tmp_path, capsys, argv, message):
     assert main(["eval", *argv, "--num-images", "1", "--steps", "1", "--out-dir", str(tmp_path / "ev")]) == 2
     assert message in capsys.readouterr().err

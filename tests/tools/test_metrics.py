@@ -87,8 +87,12 @@ def test_frechet_distance_known_values():
     # 1-D: N(0, 1) vs N(1, 4): (0 - 1)^2 + 1 + 4 - 2 sqrt(1 * 4) = 2
     assert frechet_distance(torch.zeros(1), torch.eye(1), torch.ones(1), 4 * torch.eye(1)) == pytest.approx(2.0)
     # diagonal: |mu|^2 + sum (sqrt(s1) - sqrt(s2))^2 = 9 + 16 + (1 - 3)^2 + (2 - 2)^2 = 29
-    d = frechet_distance(torch.zeros(2), torch.diag(torch.tensor([1.0, 4.0])),
-                         torch.tensor([3.0, 4.0]), torch.diag(torch.tensor([9.0, 4.0])))
+    d = frechet_distance(
+        torch.zeros(2),
+        torch.diag(torch.tensor([1.0, 4.0])),
+        torch.tensor([3.0, 4.0]),
+        torch.diag(torch.tensor([9.0, 4.0])),
+    )
     assert d == pytest.approx(29.0)
     feats = torch.randn(200, 5, generator=torch.Generator().manual_seed(0))
     mu, sigma = feature_stats(feats)

@@ -118,9 +118,13 @@ def test_wan_pipeline_round_trip(tmp_path):
     torch.manual_seed(0)
     pipe = WanPipeline(
         tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
-        text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)),
+        text_encoder=UMT5EncoderModel(
+            UMT5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)
+        ),
         transformer=make_wan(in_channels=16),
-        vae=AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
+        vae=AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        ),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
     pipe.save_pretrained(tmp_path / "pipe")
@@ -150,7 +154,14 @@ def test_pixart_pipeline_round_trip(tmp_path):
     )
     pipe.save_pretrained(tmp_path / "pipe")
     pipe = PixArtSigmaPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
-    kw = dict(height=32, width=48, num_inference_steps=2, max_sequence_length=16, output_type="np", use_resolution_binning=False)
+    kw = dict(
+        height=32,
+        width=48,
+        num_inference_steps=2,
+        max_sequence_length=16,
+        output_type="np",
+        use_resolution_binning=False,
+    )
 
     def generate():
         return pipe("a red fox", generator=torch.Generator().manual_seed(0), **kw).images
@@ -170,16 +181,27 @@ def test_img2img_after_a_stopped_run_builds_its_own_plans(tmp_path):
     def build():
         torch.manual_seed(0)
         return StableDiffusionImg2ImgPipeline(
-            vae=tiny_vae(), text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
-            tokenizer=tiny_clip_tokenizer(tmp_path / "tok"), unet=make_sd15_unet(), scheduler=DDIMScheduler(),
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+            vae=tiny_vae(),
+            text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
+            tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+            unet=make_sd15_unet(),
+            scheduler=DDIMScheduler(),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
         )
 
     image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
 
     def img2img(pipe):
-        return pipe("a fox", image=image, strength=0.3, num_inference_steps=10, output_type="np",
-                    generator=torch.Generator().manual_seed(0)).images
+        return pipe(
+            "a fox",
+            image=image,
+            strength=0.3,
+            num_inference_steps=10,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        ).images
 
     def stop_after_two(pipe, step, timestep, kwargs):
         pipe._interrupt = step >= 1
@@ -194,8 +216,14 @@ def test_img2img_after_a_stopped_run_builds_its_own_plans(tmp_path):
     toma.apply_toma(pipe, ratio=0.5, recompute_every=100)
     # pipelines read it to see whether custom sigmas or timesteps may be passed
     assert inspect.signature(pipe.scheduler.set_timesteps) == signature
-    pipe("a fox", image=torch.rand(1, 3, 32, 32), strength=1.0, num_inference_steps=10, output_type="np",
-         callback_on_step_end=stop_after_two)
+    pipe(
+        "a fox",
+        image=torch.rand(1, 3, 32, 32),
+        strength=1.0,
+        num_inference_steps=10,
+        output_type="np",
+        callback_on_step_end=stop_after_two,
+    )
     assert np.array_equal(img2img(pipe), expected)
     # removal restores the scheduler's own method
     toma.remove_toma(pipe)
@@ -211,9 +239,13 @@ def tiny_wan_folder(tmp_path):
     torch.manual_seed(0)
     WanPipeline(
         tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
-        text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)),
+        text_encoder=UMT5EncoderModel(
+            UMT5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)
+        ),
         transformer=make_wan(in_channels=16),
-        vae=AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
+        vae=AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        ),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
     ).save_pretrained(tmp_path / "wan")
     return tmp_path / "wan"
@@ -227,8 +259,20 @@ def test_generate_and_eval_on_a_local_video_pipeline(tmp_path, one_thread):
     from toma.tools.cli import main
 
     folder = tiny_wan_folder(tmp_path)
-    common = ["--model", str(folder), "--height", "32", "--width", "32", "--frames", "5", "--steps", "2",
-              "--threads", "1"]
+    common = [
+        "--model",
+        str(folder),
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--steps",
+        "2",
+        "--threads",
+        "1",
+    ]
     gif = tmp_path / "clip.gif"
     assert main(["generate", *common, "--compare", "--out", str(gif)]) == 0
     with Image.open(gif) as im:
@@ -259,8 +303,23 @@ def test_generate_and_eval_on_a_local_transformer_pipeline(family, tmp_path, one
     with Image.open(png) as im:
         assert im.width > 2 * 32  # unmerged and merged side by side
     out = tmp_path / "ev"
-    assert main(["eval", *common, "--num-images", "1", "--methods", "toma", "--out-dir", str(out),
-                 "--blocks", "transformer_blocks=0-1" if family == "flux" else "transformer_blocks=0-3"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                *common,
+                "--num-images",
+                "1",
+                "--methods",
+                "toma",
+                "--out-dir",
+                str(out),
+                "--blocks",
+                "transformer_blocks=0-1" if family == "flux" else "transformer_blocks=0-3",
+            ]
+        )
+        == 0
+    )
     rows = json.loads((out / "results.json").read_text())["results"]
     assert [r["method"] for r in rows] == ["none", "toma"] and 0 < rows[1]["psnr"] < 99
 
@@ -272,9 +331,14 @@ def build_sd(tmp_path):
 
     torch.manual_seed(0)
     return StableDiffusionPipeline(
-        vae=tiny_vae(), text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
-        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"), unet=make_sd15_unet(), scheduler=DDIMScheduler(),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        vae=tiny_vae(),
+        text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+        unet=make_sd15_unet(),
+        scheduler=DDIMScheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
     )
 
 
@@ -296,9 +360,18 @@ def test_flux_kontext_pipeline_merges_the_image_and_keeps_the_reference_whole(tm
 
     def generate():
         torch.manual_seed(0)  # the pipeline samples the reference's latents from the global generator
-        return pipe(image=image, prompt="a red fox", height=32, width=48, num_inference_steps=3, max_sequence_length=16,
-                    output_type="np", generator=torch.Generator().manual_seed(0), _auto_resize=False,
-                    max_area=32 * 48).images
+        return pipe(
+            image=image,
+            prompt="a red fox",
+            height=32,
+            width=48,
+            num_inference_steps=3,
+            max_sequence_length=16,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+            _auto_resize=False,
+            max_area=32 * 48,
+        ).images
 
     # 32x48 px -> 8x12 = 96 packed tokens, half kept, then the reference image's 96 whole
     merged_round_trip(pipe, generate, [(1, 48 + 96)] * 3, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))

@@ -95,8 +95,22 @@ def test_builtin_tune_writes_the_fastest_setting_within_the_bound(tmp_path, monk
 def test_a_bound_nothing_meets_writes_no_config(tmp_path, monkeypatch, capsys, cache_dir):
     fake_clock(monkeypatch, faster_with_mlp)
     out = tmp_path / "tuned.json"
-    rc = main([*BUILTIN, "--ratios", "0.5", "--levels", "1", "--parts", "attn", "--min-psnr", "1000", "--no-record",
-               "--out", str(out)])
+    rc = main(
+        [
+            *BUILTIN,
+            "--ratios",
+            "0.5",
+            "--levels",
+            "1",
+            "--parts",
+            "attn",
+            "--min-psnr",
+            "1000",
+            "--no-record",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 1
     text = capsys.readouterr().out
     assert "no candidate meets the quality bound (PSNR >= 1000 dB)" in text and "wrote no config" in text
@@ -107,9 +121,30 @@ def test_nothing_faster_says_so_and_apply_toma_then_warns(tmp_path, monkeypatch,
     fake_clock(monkeypatch, lambda options, compiled: 1.0 if options is None else 1.25)
     out = tmp_path / "tuned.json"
     out.write_text("kept")
-    rc = main(["tune", "--arch", "tiny-unet", "--resolution", "64", "--ratios", "0.5", "--levels", "1",
-               "--parts", "attn", "--min-psnr", "0", "--repeats", "2", "--warmup", "0", "--no-progress",
-               "--out", str(out)])
+    rc = main(
+        [
+            "tune",
+            "--arch",
+            "tiny-unet",
+            "--resolution",
+            "64",
+            "--ratios",
+            "0.5",
+            "--levels",
+            "1",
+            "--parts",
+            "attn",
+            "--min-psnr",
+            "0",
+            "--repeats",
+            "2",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 1
     text = capsys.readouterr().out
     assert "no candidate within the quality bound is faster than unpatched" in text
@@ -129,8 +164,23 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path, monkeypatch, capsys):
     # round 1 times none, L1 attn @0.5, L1 attn+mlp @0.5; round 2 (rotated) is cut at its second sample
     fake_clock(monkeypatch, faster_with_mlp, interrupt_at=5)
     out = tmp_path / "tuned.json"
-    rc = main([*BUILTIN, "--ratios", "0.5", "--levels", "1", "--mlp-ratios", "same", "--min-psnr", "0",
-               "--repeats", "3", "--out", str(out)])
+    rc = main(
+        [
+            *BUILTIN,
+            "--ratios",
+            "0.5",
+            "--levels",
+            "1",
+            "--mlp-ratios",
+            "same",
+            "--min-psnr",
+            "0",
+            "--repeats",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 130
     text = capsys.readouterr().out
     assert "interrupted: the table holds what was measured" in text
@@ -144,16 +194,49 @@ def test_ctrl_c_in_the_quality_check_writes_nothing(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(tune_run, "psnr_against", interrupted)
     out = tmp_path / "tuned.json"
-    rc = main(["tune", "--arch", "tiny-unet", "--resolution", "64", "--ratios", "0.5", "--levels", "1",
-               "--parts", "attn", "--no-progress", "--out", str(out)])
+    rc = main(
+        [
+            "tune",
+            "--arch",
+            "tiny-unet",
+            "--resolution",
+            "64",
+            "--ratios",
+            "0.5",
+            "--levels",
+            "1",
+            "--parts",
+            "attn",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 130 and not out.exists()
     assert "wrote no config" in capsys.readouterr().out
 
 
 def test_budget_stops_after_one_timed_round(tmp_path, monkeypatch, capsys):
     fake_clock(monkeypatch, faster_with_mlp)
-    rc = main([*BUILTIN, "--ratios", "0.5", "--levels", "1", "--parts", "attn", "--min-psnr", "0",
-               "--repeats", "5", "--budget-s", "0.001", "--out", str(tmp_path / "t.json")])
+    rc = main(
+        [
+            *BUILTIN,
+            "--ratios",
+            "0.5",
+            "--levels",
+            "1",
+            "--parts",
+            "attn",
+            "--min-psnr",
+            "0",
+            "--repeats",
+            "5",
+            "--budget-s",
+            "0.001",
+            "--out",
+            str(tmp_path / "t.json"),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "--budget-s 0.001: timing stopped after 1 round(s)" in text
@@ -163,15 +246,60 @@ def test_budget_stops_after_one_timed_round(tmp_path, monkeypatch, capsys):
 def test_duplicates_are_dropped_and_flux_tries_default_and_all_blocks(tmp_path, monkeypatch, capsys):
     fake_clock(monkeypatch, lambda o, c: 1.0 if o is None else 0.9 - 0.1 * ("blocks" in o))
     out = tmp_path / "tuned.json"
-    assert main(["tune", "--arch", "tiny-flux", "--resolution", "64", "--ratios", "0.5", "--min-psnr", "0",
-                 "--repeats", "2", "--warmup", "0", "--no-progress", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "--arch",
+                "tiny-flux",
+                "--resolution",
+                "64",
+                "--ratios",
+                "0.5",
+                "--min-psnr",
+                "0",
+                "--repeats",
+                "2",
+                "--warmup",
+                "0",
+                "--no-progress",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "* all attn @0.5" in text and "default attn @0.5" in text
     assert dict(toma.load_config(out).blocks) == {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}
     # the tiny UNet's attention levels are its first and its middle block: levels 3 merges what levels 2 does
-    assert main(["tune", "--arch", "tiny-unet", "--resolution", "64", "--ratios", "0.5", "--levels", "2,3",
-                 "--parts", "attn", "--min-psnr", "0", "--repeats", "1", "--warmup", "0", "--no-progress",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "--arch",
+                "tiny-unet",
+                "--resolution",
+                "64",
+                "--ratios",
+                "0.5",
+                "--levels",
+                "2,3",
+                "--parts",
+                "attn",
+                "--min-psnr",
+                "0",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--no-progress",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "skipping L3 attn @0.5: it merges what L2 attn @0.5 merges, at the same settings" in capsys.readouterr().out
 
 
@@ -184,8 +312,25 @@ def test_compile_times_the_fastest_eager_candidates_compiled_and_chooses_among_t
 
     fake_clock(monkeypatch, seconds)
     out = tmp_path / "tuned.json"
-    assert main([*BUILTIN, "--ratios", "0.5", "--levels", "1", "--mlp-ratios", "same", "--min-psnr", "0",
-                 "--compile", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                *BUILTIN,
+                "--ratios",
+                "0.5",
+                "--levels",
+                "1",
+                "--mlp-ratios",
+                "same",
+                "--min-psnr",
+                "0",
+                "--compile",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "fastest within the bound: L1 attn @0.5 (compiled), 1.111x" in text
     assert json.loads(out.read_text())["provenance"]["mode"] == "compiled"
@@ -235,9 +380,15 @@ def test_bad_arguments_are_refused_in_one_line_before_any_work(argv, message, mo
     assert err.startswith("toma tune: error: ") and message in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("argv,dtype", [([], "float32"), (["--dtype", "float32"], "float32"),
-                                        (["--arch", "tiny-unet", "--dtype", "fp32"], "float32"),
-                                        (["--arch", "tiny-unet", "--dtype", "bf16"], "bfloat16")])
+@pytest.mark.parametrize(
+    "argv,dtype",
+    [
+        ([], "float32"),
+        (["--dtype", "float32"], "float32"),
+        (["--arch", "tiny-unet", "--dtype", "fp32"], "float32"),
+        (["--arch", "tiny-unet", "--dtype", "bf16"], "bfloat16"),
+    ],
+)
 def test_dtype_spellings_give_torch_dtypes(argv, dtype):
     # regression: --dtype gave the dtype's name (a str), which the built-in model refused as
     # not float32 and .to() could not take

@@ -35,8 +35,10 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 # denoiser classes toma knows and does not merge (yet), with why
 _SANA = "its attention is linear and its MLP a convolution on the token grid, so merging saves little (out of scope)"
-_KV_CACHE = ("it generates chunk after chunk with causal attention to a cache of earlier chunks' keys and values, "
-             "which merging the current chunk's tokens would have to write and read in step (out of scope)")
+_KV_CACHE = (
+    "it generates chunk after chunk with causal attention to a cache of earlier chunks' keys and values, "
+    "which merging the current chunk's tokens would have to write and read in step (out of scope)"
+)
 _AUDIO = "it denoises audio, not an image or video token grid, and ToMA merges only such grids"
 UNSUPPORTED: dict[str, str] = {
     "SanaTransformer2DModel": _SANA,

@@ -44,10 +44,12 @@ RULES: dict[str, dict[str, tuple[str | None, str]]] = {
     # CPU: SDPA's CPU kernel fuses the mask (measured cheaper than the key channel);
     # CUDA: a float mask moves SDPA from flash to memory-efficient attention (assumed
     # dearer than flash at 160); fp32 never runs flash, so the mask
-    "native": {"cpu": (MASK, "SDPA's CPU kernel fuses the mask"),
-               "cuda": (KEY_CHANNEL, "keeps SDPA on flash (assumed, unmeasured)"),
-               "cuda float32": (MASK, "fp32 SDPA runs no flash kernel: memory-efficient fuses the mask"),
-               "*": (MASK, "SDPA takes a float mask")},
+    "native": {
+        "cpu": (MASK, "SDPA's CPU kernel fuses the mask"),
+        "cuda": (KEY_CHANNEL, "keeps SDPA on flash (assumed, unmeasured)"),
+        "cuda float32": (MASK, "fp32 SDPA runs no flash kernel: memory-efficient fuses the mask"),
+        "*": (MASK, "SDPA takes a float mask"),
+    },
     "_native_math": {"*": (MASK, "unfused either way")},
     "_native_efficient": {"*": (MASK, "fuses the mask")},
     "_native_cudnn": {"*": (MASK, "fuses the mask")},
@@ -122,8 +124,10 @@ class KeyBias:
         """This bias and the model's own key mask ``(B, 1, 1, S)`` (bool: True keeps a key;
         or additive) over the same keys, in one bias over the ``S`` keys."""
         if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
-            raise ValueError(f"ToMA: cannot fold an attention mask of shape {tuple(mask.shape)} into the key bias; "
-                             "only key masks (B, 1, 1, S) fold")
+            raise ValueError(
+                f"ToMA: cannot fold an attention mask of shape {tuple(mask.shape)} into the key bias; "
+                "only key masks (B, 1, 1, S) fold"
+            )
         rows = mask[:, 0, 0, :]
         log_mass = self.over(rows.shape[1])
         folded = P.masked_out(log_mass, rows) if rows.dtype == torch.bool else log_mass + rows.to(log_mass.dtype)
@@ -131,6 +135,7 @@ class KeyBias:
 
     def batch_slice(self, b: int, batch: int) -> KeyBias:
         """Sample ``b``'s bias, for a call on that sample alone."""
+
         def one(t: torch.Tensor | None) -> torch.Tensor | None:
             return t[b : b + 1] if t is not None and t.shape[0] == batch else t
 
@@ -203,8 +208,9 @@ def biased_dispatch(real: Callable) -> Callable:
     return dispatch
 
 
-def attend(real: Callable, bias: KeyBias, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           **kwargs: Any) -> torch.Tensor:
+def attend(
+    real: Callable, bias: KeyBias, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
     """Dispatched attention over ``(B, S, H, D)`` tensors with ``bias`` in the backend's form."""
     name = _backend_name(kwargs.get("backend"))
     form, why = rule(name, query.device, query.dtype)
@@ -212,8 +218,11 @@ def attend(real: Callable, bias: KeyBias, query: torch.Tensor, key: torch.Tensor
         # context parallel: keys (and their channel) travel between ranks, a mask does not
         form = KEY_CHANNEL
     if form is None:
-        _warn_once(name, f"ToMA: proportional attention is off on the {name!r} attention backend: {why}; "
-                         "merged attention runs without the log-mass bias")
+        _warn_once(
+            name,
+            f"ToMA: proportional attention is off on the {name!r} attention backend: {why}; "
+            "merged attention runs without the log-mass bias",
+        )
         return real(query, key, value, attn_mask=bias.model_mask, **kwargs)
     scale = kwargs.pop("scale", None)
     log_mass = bias.over(key.shape[1])  # a mismatch is toma's bug: raised, not fallen back from
@@ -228,9 +237,12 @@ def attend(real: Callable, bias: KeyBias, query: torch.Tensor, key: torch.Tensor
         if torch.compiler.is_compiling():
             raise
         detail = str(err).splitlines()[0] if str(err) else ""
-        _warn_once(f"{name}:{form}", f"ToMA: proportional attention's {form} failed on the {name!r} backend "
-                                     f"({type(err).__name__}: {detail}); merged attention runs without the "
-                                     "log-mass bias there")
+        _warn_once(
+            f"{name}:{form}",
+            f"ToMA: proportional attention's {form} failed on the {name!r} backend "
+            f"({type(err).__name__}: {detail}); merged attention runs without the "
+            "log-mass bias there",
+        )
         return real(query, key, value, attn_mask=bias.model_mask, scale=scale, **kwargs)
 
 

@@ -119,7 +119,9 @@ def unlink(module: torch.nn.Module, ref: Any) -> None:
     removal (``cache_dit.disable_cache``) puts back the module's forward, not toma's."""
     for attr in _KEEPS_WRAPPED.values():
         if registry_ref(module.__dict__.get(attr)) is ref:
-            module.__dict__[attr] = ref.original_forward if getattr(ref, "original_forward", None) is not None else ref.forward
+            module.__dict__[attr] = (
+                ref.original_forward if getattr(ref, "original_forward", None) is not None else ref.forward
+            )
 
 
 def guard(model: torch.nn.Module) -> ForwardGuard | None:

@@ -33,9 +33,17 @@ def _key_rows(log_mass: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     # the MLP runs on [text; video] in one sequence: its video part merges
-    return [Site("attn1", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=_key_rows,
-                 text_keys="encoder_hidden_states"),
-            Site("ff", "mlp", text_first=True)]
+    return [
+        Site(
+            "attn1",
+            "attn",
+            rotary=_ROTARY,
+            mask=("attention_mask", None),
+            mask_layout=_key_rows,
+            text_keys="encoder_hidden_states",
+        ),
+        Site("ff", "mlp", text_first=True),
+    ]
 
 
 def _grid(model: torch.nn.Module, call: dict) -> Grid | None:

@@ -80,10 +80,27 @@ from toma.core.tiling import TileLayout, slot_raster_index, tile_order
 
 # the names family specs take from here
 __all__ = [
-    "EngineAdapter", "FamilySpec", "Grid", "GridReader", "MergeHook", "Rotary", "Site", "TileState", "attach",
-    "chosen_blocks", "find_targets", "gather_rows", "head_mask", "hidden_states_of", "image_grid", "order_hooks",
-    "register", "skip_first", "with_hidden_states",
+    "EngineAdapter",
+    "FamilySpec",
+    "Grid",
+    "GridReader",
+    "MergeHook",
+    "Rotary",
+    "Site",
+    "TileState",
+    "attach",
+    "chosen_blocks",
+    "find_targets",
+    "gather_rows",
+    "head_mask",
+    "hidden_states_of",
+    "image_grid",
+    "order_hooks",
+    "register",
+    "skip_first",
+    "with_hidden_states",
 ]
+
 
 def chosen_blocks(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -> dict[str, tuple[int, ...]]:
     """The merged block indices per stack: ``config.blocks`` where given, else the family's default.
@@ -94,7 +111,9 @@ def chosen_blocks(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) 
     chosen = dict(config.blocks or ())
     unknown = sorted(set(chosen) - set(spec.stacks))
     if unknown:
-        raise ValueError(f"blocks names {unknown}, which {spec.name} does not have; its block stacks are {list(spec.stacks)}")
+        raise ValueError(
+            f"blocks names {unknown}, which {spec.name} does not have; its block stacks are {list(spec.stacks)}"
+        )
     out = {}
     for stack in spec.stacks:
         count = len(getattr(model, stack))
@@ -113,7 +132,11 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
     has = {s.part for sites in sites_of.values() for s in sites}
     for part, option in (("cross", "merge_crossattn"), ("mlp", "merge_mlp")):
         if wanted[part] and part not in has:  # accepted but merging nothing: say so
-            what = "cross-attention (its text joins the image tokens in attention)" if part == "cross" else "separate MLP to merge"
+            what = (
+                "cross-attention (its text joins the image tokens in attention)"
+                if part == "cross"
+                else "separate MLP to merge"
+            )
             raise ValueError(f"{option}=True: {spec.name} has no {what}; set {option}=False")
     targets: list[Patched] = []
     skipped: list[Skipped] = []
@@ -137,11 +160,17 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
                 if site.until is not None:  # the span's modules are found from the block at attach
                     targets.append(Patched(name, block, f"{stack} {site.part}, {site.path} to {site.until}", site=site))
                 else:
-                    targets.append(Patched(f"{name}.{site.path}", block.get_submodule(site.path), f"{stack} {site.part}", site=site))
+                    targets.append(
+                        Patched(
+                            f"{name}.{site.path}", block.get_submodule(site.path), f"{stack} {site.part}", site=site
+                        )
+                    )
     return targets, skipped
 
 
-def order_hooks(spec: FamilySpec, model: torch.nn.Module, cache: PlanCache) -> tuple[TileState, list[tuple[torch.nn.Module, Hook]]]:
+def order_hooks(
+    spec: FamilySpec, model: torch.nn.Module, cache: PlanCache
+) -> tuple[TileState, list[tuple[torch.nn.Module, Hook]]]:
     """The hooks every family needs: the step hook on the model, the reorderings where
     tokens enter and leave the blocks, and the rotary tables' reordering. Not registered."""
     order = TileState(cache)
@@ -176,9 +205,11 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
         bias = site.part == "attn" and bool(cache.config.proportional_attention)
         if site.until is not None:
             span, state = target.module, SpanState()
-            hooks += [(span.get_submodule(site.path), SpanOpen(cache, order, site, state)),
-                      (span.get_submodule(site.call), SpanCall(cache, order, site, state, bias=bias)),
-                      (span.get_submodule(site.until), SpanClose(state))]
+            hooks += [
+                (span.get_submodule(site.path), SpanOpen(cache, order, site, state)),
+                (span.get_submodule(site.call), SpanCall(cache, order, site, state, bias=bias)),
+                (span.get_submodule(site.until), SpanClose(state)),
+            ]
             continue
         calls = []
         block = chunkable_block(model, target, site.path) if site.part == "mlp" else None
@@ -206,7 +237,9 @@ class EngineAdapter:
         """The placement options this family takes, and how they place merging (see
         :func:`toma.adapters.check_placement`): ``blocks``, and ``tile_frames`` for video."""
         hint = f"blocks={{stack: indices}} with stacks {list(self.spec.stacks)}"
-        return ("blocks", "tile_frames") if self.spec.video else ("blocks",), hint + (" and tile_frames" if self.spec.video else "")
+        return ("blocks", "tile_frames") if self.spec.video else ("blocks",), hint + (
+            " and tile_frames" if self.spec.video else ""
+        )
 
     def find_targets(self, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
         """See :func:`find_targets`."""
@@ -263,7 +296,9 @@ class StepHook(Hook):
         if isinstance(grid, str):  # a reason why this call cannot merge: say it, once
             self._warn_once(grid)
             grid = None
-        self.cache.begin_forward(grid if grid is not None else (0, 0, 0), step_timestep(self.cache, named.get("timestep")))
+        self.cache.begin_forward(
+            grid if grid is not None else (0, 0, 0), step_timestep(self.cache, named.get("timestep"))
+        )
         self.cache.forward.shard = shard
         raster = grid is None or any(named.get(k) is not None for k in self.spec.raster_kwargs)
         if not raster and self.spec.tile_order_ok is not None:
@@ -290,7 +325,9 @@ class StepHook(Hook):
             self._warned.add(reason)
             warnings.warn(f"ToMA: {reason}; such calls run unmerged", stacklevel=5)
 
-    def _shard_grid(self, module: torch.nn.Module, named: dict, x: Any, cp: Any) -> tuple[Grid | str | None, Shard | None]:
+    def _shard_grid(
+        self, module: torch.nn.Module, named: dict, x: Any, cp: Any
+    ) -> tuple[Grid | str | None, Shard | None]:
         """Under context parallelism ``cp``: the grid of this rank's shard (see
         :mod:`toma.adapters.parallel`) or why the call cannot merge, and the :class:`Shard`."""
         world = world_size(cp)
@@ -307,12 +344,15 @@ class StepHook(Hook):
             tokens = sequence // world
         found = shard_of(grid, tokens, world, shard_index(cp))
         if found is None:
-            return ("under context parallelism, a sequence with tokens other than the generated image's "
-                    "(conditioning images) is split across ranks regardless of the image's grid"), None
+            return (
+                "under context parallelism, a sequence with tokens other than the generated image's "
+                "(conditioning images) is split across ranks regardless of the image's grid"
+            ), None
         return found
 
-    def _lead_index(self, tokens: int, extra: int, layout: TileLayout | None,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lead_index(
+        self, tokens: int, extra: int, layout: TileLayout | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The index that puts ``extra`` conditioning tokens first and the ``tokens`` image
         tokens after them (in ``layout``'s tile order, or raster order), and its inverse;
         built once per shape, on the device, as ordinary tensors (training may save them)."""

@@ -38,11 +38,31 @@ _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     if stack == "single_transformer_blocks":
-        return [Site("norm", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=key_bias,
-                     text_first=True, until="proj_out", call="attn", group="single")]
-    return [Site("attn", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=key_bias,
-                 text_keys="encoder_hidden_states", group="double"),
-            Site("ff", "mlp", group="double")]
+        return [
+            Site(
+                "norm",
+                "attn",
+                rotary=_ROTARY,
+                mask=("attention_mask", None),
+                mask_layout=key_bias,
+                text_first=True,
+                until="proj_out",
+                call="attn",
+                group="single",
+            )
+        ]
+    return [
+        Site(
+            "attn",
+            "attn",
+            rotary=_ROTARY,
+            mask=("attention_mask", None),
+            mask_layout=key_bias,
+            text_keys="encoder_hidden_states",
+            group="double",
+        ),
+        Site("ff", "mlp", group="double"),
+    ]
 
 
 def default_blocks(count: int) -> tuple[int, ...]:
@@ -90,15 +110,16 @@ class IdsGrid:
                 return whole_grid(img_ids, hidden.shape[1])
             grid = self._read(whole)
             if grid[0] * grid[1] != hidden.shape[1]:
-                return ("under context parallelism, conditioning images' tokens (Kontext, references) are split "
-                        "with the image's")
+                return (
+                    "under context parallelism, conditioning images' tokens (Kontext, references) are split "
+                    "with the image's"
+                )
             return (1, *grid)
         grid = self._read(img_ids)
         if grid[0] * grid[1] > hidden.shape[1]:
             return f"img_ids span a {grid[0]}x{grid[1]} grid but the call has {hidden.shape[1]} image tokens"
         # any tokens after the grid's are conditioning images' (Kontext, FLUX.2 references)
         return (1, *grid)
-
 
     def _read(self, img_ids: torch.Tensor) -> tuple[int, int]:
         """The image grid of ``img_ids``, read once while the same ids come back unchanged."""

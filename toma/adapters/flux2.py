@@ -34,8 +34,10 @@ _MASK = ("attention_mask", None)
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     if stack == "single_transformer_blocks":
         return [Site("attn", "attn", rotary=_ROTARY, mask=_MASK, mask_layout=key_bias, text_first=True)]
-    return [Site("attn", "attn", rotary=_ROTARY, mask=_MASK, mask_layout=key_bias, text_keys="encoder_hidden_states"),
-            Site("ff", "mlp")]
+    return [
+        Site("attn", "attn", rotary=_ROTARY, mask=_MASK, mask_layout=key_bias, text_keys="encoder_hidden_states"),
+        Site("ff", "mlp"),
+    ]
 
 
 SPEC = FamilySpec(

@@ -26,6 +26,12 @@ def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
     return sizes if len(sizes) == 3 else (1, *sizes)
 
 
-SPEC = dataclasses.replace(HUNYUANVIDEO, name="hunyuanimage", classes=("HunyuanImageTransformer2DModel",), grid=_grid,
-                           tile_order_ok=None, video=False)
+SPEC = dataclasses.replace(
+    HUNYUANVIDEO,
+    name="hunyuanimage",
+    classes=("HunyuanImageTransformer2DModel",),
+    grid=_grid,
+    tile_order_ok=None,
+    video=False,
+)
 ADAPTER = EngineAdapter(SPEC)

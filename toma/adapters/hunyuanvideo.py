@@ -40,8 +40,16 @@ _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     # the text keys follow the video's: a key bias padded after, with the text padding folded in
-    sites = [Site("attn", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=key_bias_text_after,
-                  joint_mask=_joint_mask)]
+    sites = [
+        Site(
+            "attn",
+            "attn",
+            rotary=_ROTARY,
+            mask=("attention_mask", None),
+            mask_layout=key_bias_text_after,
+            joint_mask=_joint_mask,
+        )
+    ]
     if stack == "transformer_blocks":  # dual-stream: the video stream has its own MLP
         sites.append(Site("ff", "mlp"))
     return sites

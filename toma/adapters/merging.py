@@ -70,8 +70,9 @@ class MergedCall:
         return torch.cat([y[:, :text], self.plan.unmerge(y[:, text:], self.tiled)], dim=1)
 
 
-def open_call(cache: PlanCache, order: TileState, site: Site, x: torch.Tensor, grid: tuple[int, ...],
-              ratio: float) -> MergedCall | None:
+def open_call(
+    cache: PlanCache, order: TileState, site: Site, x: torch.Tensor, grid: tuple[int, ...], ratio: float
+) -> MergedCall | None:
     """The merge of a call whose hidden states are ``x`` ``(B, S, C)`` on ``grid``, or None
     where nothing merges (see :meth:`PlanCache.get`). Text, and conditioning tokens, lead
     the image tokens and pass whole."""
@@ -104,8 +105,17 @@ class MergeHook(Hook):
         calls: how the merged module is called (:class:`PerSample`, :class:`Chunked`), outermost first.
     """
 
-    def __init__(self, cache: PlanCache, downsample: int, order: TileState, site: Site, *, bias: bool = False,
-                 residual: ResidualSlot | None = None, calls: tuple = ()) -> None:
+    def __init__(
+        self,
+        cache: PlanCache,
+        downsample: int,
+        order: TileState,
+        site: Site,
+        *,
+        bias: bool = False,
+        residual: ResidualSlot | None = None,
+        calls: tuple = (),
+    ) -> None:
         self.cache = cache
         self.residual = residual
         self.downsample = downsample
@@ -134,8 +144,10 @@ class MergeHook(Hook):
         site = self.site
         own = None if self.part == "cross" else self._own_mask(args, kwargs)
         if own is not None and site.joint_mask is None:
-            self._warn_once(f"ToMA: {type(module).__name__} got an attention mask over its unmerged tokens, which "
-                            "does not fit merged ones; such calls run unmerged")
+            self._warn_once(
+                f"ToMA: {type(module).__name__} got an attention mask over its unmerged tokens, which "
+                "does not fit merged ones; such calls run unmerged"
+            )
             return args, kwargs
         merged = open_call(self.cache, self.order, site, x, grid, self.ratio)
         if merged is None:
@@ -144,7 +156,9 @@ class MergeHook(Hook):
         if own is not None:
             own = site.joint_mask(own, merged.tokens, merged.plan.num_merged)
             if own is None:
-                self._warn_once(f"ToMA: {type(module).__name__} got an attention mask it cannot fit to merged tokens; such calls run unmerged")
+                self._warn_once(
+                    f"ToMA: {type(module).__name__} got an attention mask it cannot fit to merged tokens; such calls run unmerged"
+                )
                 return args, kwargs
             name, index = site.mask or ("attention_mask", None)
             args, kwargs = replace_arg(args, kwargs, name, index, own)
@@ -152,7 +166,9 @@ class MergeHook(Hook):
         args, kwargs = with_hidden_states(args, kwargs, merged.merge(x))
         return self._merged_call(module, merged, args, kwargs)
 
-    def _merged_call(self, module: torch.nn.Module, merged: MergedCall, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _merged_call(
+        self, module: torch.nn.Module, merged: MergedCall, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict]:
         """A call on merged tokens with its rotary tables gathered to the merged tokens and,
         under proportional attention, the plan's log masses as its mask."""
         site, plan = self.site, merged.plan
@@ -162,8 +178,10 @@ class MergeHook(Hook):
             named = kwargs.get(site.text_keys) if site.text_keys else None
             lead = merged.text + (named.shape[1] if isinstance(named, torch.Tensor) else 0)
             batch, heads = hidden_states_of(args, kwargs).shape[0], module.heads
-            mask = plan.memo(f"mask_{site.path}_{lead}_{batch}_{heads}",
-                             lambda: site.mask_layout(_lead_zeros(plan.log_mass, lead), batch, heads))
+            mask = plan.memo(
+                f"mask_{site.path}_{lead}_{batch}_{heads}",
+                lambda: site.mask_layout(_lead_zeros(plan.log_mass, lead), batch, heads),
+            )
             own = self._own_mask(args, kwargs)  # the model's, fitted to the merged keys above
             if own is not None and hasattr(mask, "with_model_mask"):  # a KeyBias takes it in
                 mask = mask.with_model_mask(own)

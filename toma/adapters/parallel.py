@@ -82,6 +82,7 @@ class Shard(NamedTuple):
     span: tuple[int, int] | None = None
     whole: Grid | None = None
 
+
 # the families whose token grid and rotary tables toma follows through diffusers' _cp_plan
 SUPPORTED = ("flux", "flux2", "wan", "qwenimage", "ltx")
 
@@ -102,15 +103,21 @@ def refusal(family: str | None, cp: Any, config: Any) -> str | None:
     if cp is None:
         return None
     if family not in SUPPORTED:
-        return (f"ToMA does not merge {family or 'this model'} under context parallelism (enable_parallelism); "
-                f"the families it merges under it are {', '.join(SUPPORTED)}")
+        return (
+            f"ToMA does not merge {family or 'this model'} under context parallelism (enable_parallelism); "
+            f"the families it merges under it are {', '.join(SUPPORTED)}"
+        )
     if getattr(cp, "ulysses_anything", False) or getattr(cp, "ring_anything", False):
-        return ("ToMA does not merge under context parallelism with ulysses_anything or ring_anything: their shards "
-                "differ in length, so ranks would merge to different lengths; use equal shards")
+        return (
+            "ToMA does not merge under context parallelism with ulysses_anything or ring_anything: their shards "
+            "differ in length, so ranks would merge to different lengths; use equal shards"
+        )
     if bool(getattr(config, "proportional_attention", False)) and int(cp.ring_degree) > 1:
-        return ("proportional_attention=True is wrong under ring attention (context parallelism with ring_degree > 1): "
-                "ring attention applies each rank's mask to every rank's keys; use proportional_attention=False, or "
-                "ulysses_degree alone")
+        return (
+            "proportional_attention=True is wrong under ring attention (context parallelism with ring_degree > 1): "
+            "ring attention applies each rank's mask to every rank's keys; use proportional_attention=False, or "
+            "ulysses_degree alone"
+        )
     return None
 
 

@@ -49,7 +49,11 @@ class Replay:
         the forward state recorded for it if this is its recomputation, else recording it when
         gradients are on."""
         # a reentrant checkpoint runs the forward under no_grad, on inputs that require grad
-        if not isinstance(x, torch.Tensor) or not (torch.is_grad_enabled() or x.requires_grad) or torch.compiler.is_compiling():
+        if (
+            not isinstance(x, torch.Tensor)
+            or not (torch.is_grad_enabled() or x.requires_grad)
+            or torch.compiler.is_compiling()
+        ):
             return forward(*args, **kwargs)
         key = _key(x)
         if key is None:

@@ -25,8 +25,16 @@ from toma.adapters.base import RESIDUAL_HOOK_NAME, Hook
 __all__ = ["RESIDUAL_HOOK_NAME", "FusedResidualHook", "ResidualSlot", "fusable"]
 
 # the parameters of BasicTransformerBlock.forward this forward stands in for
-_PARAMETERS = ("hidden_states", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "timestep",
-               "cross_attention_kwargs", "class_labels", "added_cond_kwargs")
+_PARAMETERS = (
+    "hidden_states",
+    "attention_mask",
+    "encoder_hidden_states",
+    "encoder_attention_mask",
+    "timestep",
+    "cross_attention_kwargs",
+    "class_labels",
+    "added_cond_kwargs",
+)
 
 
 class ResidualSlot:
@@ -85,20 +93,36 @@ class FusedResidualHook(Hook):
         added_cond_kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         extra = cross_attention_kwargs or {}
-        if hidden_states.ndim != 3 or "gligen" in extra or block._chunk_size is not None or extra.get("scale") is not None:
+        if (
+            hidden_states.ndim != 3
+            or "gligen" in extra
+            or block._chunk_size is not None
+            or extra.get("scale") is not None
+        ):
             return self.fn_ref.original_forward(
-                hidden_states, attention_mask=attention_mask, encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask, timestep=timestep,
-                cross_attention_kwargs=cross_attention_kwargs, class_labels=class_labels,
+                hidden_states,
+                attention_mask=attention_mask,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_attention_mask=encoder_attention_mask,
+                timestep=timestep,
+                cross_attention_kwargs=cross_attention_kwargs,
+                class_labels=class_labels,
                 added_cond_kwargs=added_cond_kwargs,
             )
         x = hidden_states
         context = encoder_hidden_states if block.only_cross_attention else None
-        x = self._add(block.attn1, x, block.norm1(x), encoder_hidden_states=context, attention_mask=attention_mask,
-                      **extra)
+        x = self._add(
+            block.attn1, x, block.norm1(x), encoder_hidden_states=context, attention_mask=attention_mask, **extra
+        )
         if block.attn2 is not None:
-            x = self._add(block.attn2, x, block.norm2(x), encoder_hidden_states=encoder_hidden_states,
-                          attention_mask=encoder_attention_mask, **extra)
+            x = self._add(
+                block.attn2,
+                x,
+                block.norm2(x),
+                encoder_hidden_states=encoder_hidden_states,
+                attention_mask=encoder_attention_mask,
+                **extra,
+            )
         return self._add(block.ff, x, block.norm3(x))
 
     def _add(self, sub: torch.nn.Module, x: torch.Tensor, normed: torch.Tensor, **kwargs: Any) -> torch.Tensor:

@@ -22,8 +22,10 @@ from toma.adapters.wan import SPEC as WAN
 def _grid(model: torch.nn.Module, call: dict) -> Grid | str | None:
     blocks = model.config.num_frame_per_block
     if blocks > 1:
-        return (f"{type(model).__name__} with num_frame_per_block={blocks} (causal diffusion forcing) masks "
-                "self-attention frame-block causally over its unmerged tokens, a mask ToMA does not fit to merged tokens")
+        return (
+            f"{type(model).__name__} with num_frame_per_block={blocks} (causal diffusion forcing) masks "
+            "self-attention frame-block causally over its unmerged tokens, a mask ToMA does not fit to merged tokens"
+        )
     return WAN.grid(model, call)
 
 

@@ -374,8 +374,9 @@ class PlanCache:
         layout = self.layout(*grid, ratio=self.config.max_ratio)
         return None if layout.padded else layout
 
-    def get(self, x: torch.Tensor, grid: tuple[int, ...], group: Hashable, tiled: bool = False,
-            ratio: float | None = None) -> Plan | None:
+    def get(
+        self, x: torch.Tensor, grid: tuple[int, ...], group: Hashable, tiled: bool = False, ratio: float | None = None
+    ) -> Plan | None:
         """The plan for tokens ``x`` ``(B, N, C)`` on ``grid`` at ``ratio`` (default: the
         config's ``ratio``), computed or reused.
 
@@ -409,9 +410,21 @@ class PlanCache:
         if kernels is not None and self.config.selection == "facility":
             plan = build_fused_plan(src, tiled, layout, x.dtype, index, kernels, temperature=self.config.temperature)
         else:
-            tiles = src.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(src, layout, index.gather_index)
-            plan = build_plan(tiles, layout, x.dtype, selection=self.config.selection, temperature=self.config.temperature,
-                              generator=self._random(x.device), index=index, kernels=kernels)
+            tiles = (
+                src.unflatten(1, (layout.num_tiles, layout.tile_area))
+                if tiled
+                else to_tiles(src, layout, index.gather_index)
+            )
+            plan = build_plan(
+                tiles,
+                layout,
+                x.dtype,
+                selection=self.config.selection,
+                temperature=self.config.temperature,
+                generator=self._random(x.device),
+                index=index,
+                kernels=kernels,
+            )
         plans[key] = (0, plan)  # (age in steps, plan)
         return plan
 

@@ -51,7 +51,11 @@ def _is_temporal(module: torch.nn.Module) -> bool:
 
 def matches(model: torch.nn.Module) -> bool:
     """Whether the model is a UNet with ``down_blocks``/``up_blocks`` and transformer blocks."""
-    return hasattr(model, "down_blocks") and hasattr(model, "up_blocks") and any(map(_is_transformer_block, model.modules()))
+    return (
+        hasattr(model, "down_blocks")
+        and hasattr(model, "up_blocks")
+        and any(map(_is_transformer_block, model.modules()))
+    )
 
 
 def placement() -> tuple[tuple[str, ...], str]:
@@ -72,7 +76,9 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
         if not _is_transformer_block(module):
             continue
         if any(name.startswith(prefix) for prefix in temporal):
-            skipped.append(Skipped(name, "temporal attention: over the frames of each latent pixel, not the image grid"))
+            skipped.append(
+                Skipped(name, "temporal attention: over the frames of each latent pixel, not the image grid")
+            )
             continue
         found = _LEVEL.match(name)
         if found is None:
@@ -98,7 +104,11 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
         if ds not in merged_levels:
             skipped.append(Skipped(name, f"downsample {ds} is not among the merged levels {sorted(merged_levels)}"))
             continue
-        parts = [("attn1", config.merge_attn), ("attn2", config.merge_crossattn), ("ff", config.merge_mlp and ds in mlp_levels)]
+        parts = [
+            ("attn1", config.merge_attn),
+            ("attn2", config.merge_crossattn),
+            ("ff", config.merge_mlp and ds in mlp_levels),
+        ]
         for part, wanted in parts:
             sub = getattr(block, part, None)
             if wanted and sub is not None:
@@ -134,7 +144,10 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
             hooked += modules
             replayed += blocks
         # only self-attention has keys among the merged tokens to weight by their mass
-        bias = cache.config.proportional_attention is not False and getattr(target.module, "is_cross_attention", None) is False
+        bias = (
+            cache.config.proportional_attention is not False
+            and getattr(target.module, "is_cross_attention", None) is False
+        )
         block_name, _, sub = target.name.rpartition(".")
         if block_name not in fused:
             parent = _fusable_parent(model, block_name, sub, target.module)
@@ -155,8 +168,9 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
     return hooked + attach_replay(model, [*fused, *replayed], cache)
 
 
-def _order_stack(model: torch.nn.Module, stack: str, cache: PlanCache, downsample: int,
-                 state: TileState) -> tuple[list[torch.nn.Module], list[str]]:
+def _order_stack(
+    model: torch.nn.Module, stack: str, cache: PlanCache, downsample: int, state: TileState
+) -> tuple[list[torch.nn.Module], list[str]]:
     """Register the hooks that run a transformer stack in tile order: on the stack itself
     where it flattens its image (:func:`image_stack`), else on its first and last blocks.
     Returns the hooked modules and the names of the hooked blocks."""
@@ -241,7 +255,15 @@ class _TileOrderHook(Hook):
 # Transformer2DModel's methods that flatten its image into tokens and back, and their parameters
 _IMAGE_METHODS = {
     "_operate_on_continuous_inputs": ("self", "hidden_states"),
-    "_get_output_for_continuous_inputs": ("self", "hidden_states", "residual", "batch_size", "height", "width", "inner_dim"),
+    "_get_output_for_continuous_inputs": (
+        "self",
+        "hidden_states",
+        "residual",
+        "batch_size",
+        "height",
+        "width",
+        "inner_dim",
+    ),
 }
 
 
@@ -299,7 +321,13 @@ class _ImageOrderHook(Hook):
         x = hidden_states_of(args, kwargs)
         mask = kwargs.get("attention_mask", args[6] if len(args) > 6 else None)
         grid = self.cache.grid_at(self.downsample)
-        if isinstance(x, torch.Tensor) and x.ndim == 4 and mask is None and grid is not None and tuple(x.shape[-2:]) == grid:
+        if (
+            isinstance(x, torch.Tensor)
+            and x.ndim == 4
+            and mask is None
+            and grid is not None
+            and tuple(x.shape[-2:]) == grid
+        ):
             self._pending = self.cache.tile_order_layout(grid, x.device)
         return args, kwargs
 
@@ -321,8 +349,16 @@ class _ImageOrderHook(Hook):
             x = image_to_tile_order(x, layout)
         return (module.proj_in(x) if module.use_linear_projection else x), inner_dim
 
-    def _unflatten(self, module: torch.nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor,
-                   batch_size: int, height: int, width: int, inner_dim: int) -> torch.Tensor:
+    def _unflatten(
+        self,
+        module: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        batch_size: int,
+        height: int,
+        width: int,
+        inner_dim: int,
+    ) -> torch.Tensor:
         """Copied from diffusers 0.42 ``Transformer2DModel._get_output_for_continuous_inputs``.
         Modifications: the ``(B, N, C)`` to ``(B, C, H, W)`` reshape-and-permute reads tile
         order (:func:`~toma.core.tiling.tile_order_to_image`); without a layout, the model's
@@ -330,8 +366,13 @@ class _ImageOrderHook(Hook):
         layout = self.state.layout
         if layout is None:
             return type(module)._get_output_for_continuous_inputs(
-                module, hidden_states=hidden_states, residual=residual, batch_size=batch_size, height=height,
-                width=width, inner_dim=inner_dim,
+                module,
+                hidden_states=hidden_states,
+                residual=residual,
+                batch_size=batch_size,
+                height=height,
+                width=width,
+                inner_dim=inner_dim,
             )
         x = module.proj_out(hidden_states) if module.use_linear_projection else hidden_states
         with profiled("toma::unmerge"):
@@ -339,7 +380,9 @@ class _ImageOrderHook(Hook):
         return (x if module.use_linear_projection else module.proj_out(x)) + residual
 
 
-def _tokens(cache: PlanCache, downsample: int, args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple[int, int]] | None:
+def _tokens(
+    cache: PlanCache, downsample: int, args: tuple, kwargs: dict
+) -> tuple[torch.Tensor, tuple[int, int]] | None:
     """A call's hidden states ``(B, N, C)`` and the token grid of its level, or None when the
     call is to be left alone: no such tensor, no grid yet, or an attention mask, which is
     laid out over the raster sequence and would fit neither a merged nor a reordered one."""

@@ -28,8 +28,10 @@ class _Adapter(EngineAdapter):
             ValueError: ``config.tile_frames`` is another number.
         """
         if config.tile_frames not in (None, 1):
-            raise ValueError(f"tile_frames must be 1 (or None) for {SPEC.name}: its face adapter attends frame by frame "
-                             f"over the token sequence, which tiles across frames would mix; got {config.tile_frames}")
+            raise ValueError(
+                f"tile_frames must be 1 (or None) for {SPEC.name}: its face adapter attends frame by frame "
+                f"over the token sequence, which tiles across frames would mix; got {config.tile_frames}"
+            )
         return 1
 
 

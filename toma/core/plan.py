@@ -116,7 +116,11 @@ class Plan(Memo):
             if tiled and residual is not None:
                 return self._unmerge_add(y, weights, residual)
             out = unmerge(y, weights)
-            out = out.flatten(1, 2) if tiled else from_tiles(out, lay, None if self.index is None else self.index.scatter_index)
+            out = (
+                out.flatten(1, 2)
+                if tiled
+                else from_tiles(out, lay, None if self.index is None else self.index.scatter_index)
+            )
             return out if residual is None else out + residual
 
     def _unmerge_add(self, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -128,7 +132,9 @@ class Plan(Memo):
             # a plan shared by the batch: its weights repeated once per batch size and kept
             # (they are small), since baddbmm does not broadcast
             weights = self.memo(f"unmerge_w_{b}_{weights.dtype}", lambda: weights.expand(b, -1, -1, -1).contiguous())
-        out = torch.baddbmm(residual.reshape(b * tiles, n, c), weights.reshape(b * tiles, n, k), y.reshape(b * tiles, k, c))
+        out = torch.baddbmm(
+            residual.reshape(b * tiles, n, c), weights.reshape(b * tiles, n, k), y.reshape(b * tiles, k, c)
+        )
         return out.view(b, tiles * n, c)
 
     @property
@@ -195,7 +201,9 @@ def build_plan(
     # rest of its batch into NaNs.
     with torch.no_grad():
         if kernels is not None and selection == "facility":
-            plan = _fused_plan(tiles.detach().flatten(1, 2), kernels.src_tiled, layout, temperature, dtype, index, kernels)
+            plan = _fused_plan(
+                tiles.detach().flatten(1, 2), kernels.src_tiled, layout, temperature, dtype, index, kernels
+            )
             if plan is not None:
                 return plan
         clean = finite_or_zero(tiles.detach())
@@ -232,11 +240,14 @@ def build_fused_plan(
     no copy of the tokens into tiles. Where the plan kernel cannot run, the torch path
     builds the plan (which the merge kernels still apply)."""
     with torch.no_grad():
-        plan = _fused_plan(x.detach(), kernels.src_tiled if tiled else kernels.src_raster, layout, temperature, dtype,
-                           index, kernels)
+        plan = _fused_plan(
+            x.detach(), kernels.src_tiled if tiled else kernels.src_raster, layout, temperature, dtype, index, kernels
+        )
         if plan is not None:
             return plan
-        tiles = x.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(x, layout, index.gather_index)
+        tiles = (
+            x.unflatten(1, (layout.num_tiles, layout.tile_area)) if tiled else to_tiles(x, layout, index.gather_index)
+        )
         return _build_plan(finite_or_zero(tiles.detach()), layout, "facility", temperature, dtype, None, index, kernels)
 
 
@@ -265,8 +276,18 @@ def _fused_plan(
         flat_mass = flat_mass.index_select(1, index.keep_index)
         flat_log = flat_log.index_select(1, index.keep_index)
     # unmerge_w: a transposed view of the assignment, as on the torch path
-    plan = Plan(layout, dest, merge_w, a.transpose(-1, -2), index.keep_index, index.spread_index, flat_mass, dtype, kernels,
-                index)
+    plan = Plan(
+        layout,
+        dest,
+        merge_w,
+        a.transpose(-1, -2),
+        index.keep_index,
+        index.spread_index,
+        flat_mass,
+        dtype,
+        kernels,
+        index,
+    )
     plan.memo("log_mass", lambda: flat_log)  # computed by the kernel
     return plan
 

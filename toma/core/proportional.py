@@ -53,8 +53,9 @@ def masked_out(log_mass: torch.Tensor, keep: torch.Tensor | None) -> torch.Tenso
     if keep is None:
         return log_mass
     if keep.dtype != torch.bool or keep.ndim != 2 or keep.shape[1] != log_mass.shape[1]:
-        raise ValueError(f"keep must be a bool (Bk, {log_mass.shape[1]}) mask over the keys "
-                         f"(got {keep.dtype}, {tuple(keep.shape)})")
+        raise ValueError(
+            f"keep must be a bool (Bk, {log_mass.shape[1]}) mask over the keys (got {keep.dtype}, {tuple(keep.shape)})"
+        )
     # a Python scalar, not a 0-dim tensor made on the device: that would be a copy from the
     # host at every call
     return torch.where(keep, log_mass, float("-inf"))
@@ -62,7 +63,9 @@ def masked_out(log_mass: torch.Tensor, keep: torch.Tensor | None) -> torch.Tenso
 
 def _check_log_mass(log_mass: torch.Tensor, batch: int, keys: int) -> None:
     if log_mass.ndim != 2 or log_mass.shape[0] not in (1, batch) or log_mass.shape[1] != keys:
-        raise ValueError(f"log_mass must be (1 or {batch}, {keys}) over the batch and keys (got {tuple(log_mass.shape)})")
+        raise ValueError(
+            f"log_mass must be (1 or {batch}, {keys}) over the batch and keys (got {tuple(log_mass.shape)})"
+        )
 
 
 def additive_mask(log_mass: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

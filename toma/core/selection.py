@@ -142,7 +142,10 @@ def grid_selection(layout: TileLayout, device: torch.device | str | None = None)
         else:
             frames, real_rows, real_cols = tile_extents(layout, t)
             real = [
-                (f * layout.th + r) * layout.tw + c for f in range(frames) for r in range(real_rows) for c in range(real_cols)
+                (f * layout.th + r) * layout.tw + c
+                for f in range(frames)
+                for r in range(real_rows)
+                for c in range(real_cols)
             ]
         picks = [real[((2 * j + 1) * len(real)) // (2 * keep)] for j in range(keep)]
         rows.append(picks + [picks[-1]] * (layout.slots - keep))

@@ -125,8 +125,9 @@ def make_layout(h: int, w: int, tile: tuple[int, ...], ratio: float, t: int = 1)
     return TileLayout(h=h, w=w, th=th, tw=tw, gh=gh, gw=gw, keep=tuple(keep), t=t, tt=tt, gt=gt)
 
 
-def make_span_layout(h: int, w: int, tile: tuple[int, ...], ratio: float, span: tuple[int, int], t: int = 1,
-                     target: int | None = None) -> TileLayout:
+def make_span_layout(
+    h: int, w: int, tile: tuple[int, ...], ratio: float, span: tuple[int, int], t: int = 1, target: int | None = None
+) -> TileLayout:
     """The layout of the raster tokens ``span = (start, stop)`` of a ``t x h x w`` grid: the
     grid's tiles of ``tile`` that hold any of them, the slots outside the span masked.
 
@@ -146,7 +147,9 @@ def make_span_layout(h: int, w: int, tile: tuple[int, ...], ratio: float, span: 
     keep = [max(1, min(p, math.floor(p * (1.0 - ratio) + 0.5))) for p in real]
     if target is not None:
         if not len(tiles) <= target <= stop - start:
-            raise ValueError(f"target must be between the span's {len(tiles)} tiles and its {stop - start} tokens; got {target}")
+            raise ValueError(
+                f"target must be between the span's {len(tiles)} tiles and its {stop - start} tokens; got {target}"
+            )
         order = range(len(keep)) if target > sum(keep) else range(len(keep) - 1, -1, -1)
         while sum(keep) != target:
             step = 1 if target > sum(keep) else -1
@@ -155,8 +158,20 @@ def make_span_layout(h: int, w: int, tile: tuple[int, ...], ratio: float, span: 
                     break
                 if 1 <= keep[i] + step <= real[i]:
                     keep[i] += step
-    return TileLayout(h=h, w=w, th=whole.th, tw=whole.tw, gh=whole.gh, gw=whole.gw, keep=tuple(keep), t=t,
-                      tt=whole.tt, gt=whole.gt, span=(start, stop), tiles=tuple(tiles))
+    return TileLayout(
+        h=h,
+        w=w,
+        th=whole.th,
+        tw=whole.tw,
+        gh=whole.gh,
+        gw=whole.gw,
+        keep=tuple(keep),
+        t=t,
+        tt=whole.tt,
+        gt=whole.gt,
+        span=(start, stop),
+        tiles=tuple(tiles),
+    )
 
 
 def shard_target(h: int, w: int, tile: tuple[int, ...], ratio: float, world: int, t: int = 1) -> int:
@@ -281,7 +296,9 @@ def layout_index(layout: TileLayout, device: torch.device | str | None = None) -
     mask = gather = scatter = None
     if real is not None:
         slots, flat = slot_raster_index(layout, "cpu"), real.flatten()
-        scatter = torch.empty(layout.num_tokens, dtype=torch.long).scatter_(0, slots[flat], torch.arange(slots.numel())[flat])
+        scatter = torch.empty(layout.num_tokens, dtype=torch.long).scatter_(
+            0, slots[flat], torch.arange(slots.numel())[flat]
+        )
         mask, gather, scatter = real.to(device), slots.to(device), scatter.to(device)
     if layout.uniform:
         return LayoutIndex(mask, None, None, None, gather, scatter)
@@ -322,7 +339,9 @@ def tile_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     Only for layouts without padding, whose tile order is a permutation of the tokens.
     """
     if layout.padded:
-        raise ValueError(f"a {layout.t}x{layout.h}x{layout.w} grid is padded by {layout.tt}x{layout.th}x{layout.tw} tiles: no tile order")
+        raise ValueError(
+            f"a {layout.t}x{layout.h}x{layout.w} grid is padded by {layout.tt}x{layout.th}x{layout.tw} tiles: no tile order"
+        )
     return to_tiles(x, layout).flatten(1, 2)
 
 

@@ -64,8 +64,9 @@ def record(name: str, kernel: Any, args: tuple, meta: dict) -> dict:
     return {"kernel": name, "signature": signature, "constexprs": constexprs, "attrs": attrs}
 
 
-def synthetic_launches(tiles: list[tuple[int, int]], channels: list[int], dtypes: list[str],
-                       batch: int = 2, corners: bool = False) -> list[dict]:
+def synthetic_launches(
+    tiles: list[tuple[int, int]], channels: list[int], dtypes: list[str], batch: int = 2, corners: bool = False
+) -> list[dict]:
     """The launches that settings can reach, recorded without a device: for each tile of
     ``n`` slots keeping ``k``, channel count and dtype (``"fp32"``, ``"fp16"``, ``"bf16"``),
     the plan kernel with soft and hard assignment, with and without padded slots (a
@@ -146,8 +147,12 @@ def compile_record(rec: dict, target_name: str) -> dict:
     start = time.perf_counter()
     compiled = triton.compile(src, target=gpu, options=dict(triton_ops._OPTIONS))
     shared = int(compiled.metadata.shared)
-    return {"shared": shared, "limit": tgt.shared, "fits": shared <= tgt.shared,
-            "seconds": round(time.perf_counter() - start, 2)}
+    return {
+        "shared": shared,
+        "limit": tgt.shared,
+        "fits": shared <= tgt.shared,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
 
 
 def _kernel(name: str) -> Any:
@@ -194,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     target has only counts as one the fit check will send to the torch path)."""
     parser = argparse.ArgumentParser(prog="python -m toma.kernels.aot", description=main.__doc__)
     parser.add_argument("launches", nargs="?", help="JSON file: a list of launch records (toma.kernels.aot.record)")
-    parser.add_argument("--synthetic", default="", help="also compile synthetic_launches for these n:k tiles, e.g. 16:8,64:32")
+    parser.add_argument(
+        "--synthetic", default="", help="also compile synthetic_launches for these n:k tiles, e.g. 16:8,64:32"
+    )
     parser.add_argument("--channels", default="3072", help="channel counts of the synthetic launches")
     parser.add_argument("--dtypes", default="fp32,fp16,bf16", help="dtypes of the synthetic launches")
     parser.add_argument("--targets", default=",".join(CI_TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
@@ -222,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAIL {r['target']:8} {r['launch']}\n     {r['error'].splitlines()[-1]}")
         elif not r["fits"]:
             print(f"BIG  {r['target']:8} {r['launch']}: {r['shared']} > {r['limit']} bytes of shared memory")
-    print(f"{len(records)} launches x {len(targets)} targets: {len(results) - len(failed)} compiled, "
-          f"{len(failed)} failed, {len(misfit)} over their shared memory, in {time.perf_counter() - start:.0f} s")
+    print(
+        f"{len(records)} launches x {len(targets)} targets: {len(results) - len(failed)} compiled, "
+        f"{len(failed)} failed, {len(misfit)} over their shared memory, in {time.perf_counter() - start:.0f} s"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

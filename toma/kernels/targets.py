@@ -28,19 +28,22 @@ class Target:
 
 KB = 1024
 
-TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target("sm_70", "cuda", 70, 32, 96 * KB, "V100"),
-    Target("sm_75", "cuda", 75, 32, 64 * KB, "T4, RTX 20xx"),
-    Target("sm_80", "cuda", 80, 32, 163 * KB, "A100"),
-    Target("sm_86", "cuda", 86, 32, 99 * KB, "A10, RTX 30xx"),
-    Target("sm_89", "cuda", 89, 32, 99 * KB, "L4, L40, RTX 40xx"),
-    Target("sm_90", "cuda", 90, 32, 227 * KB, "H100, H200"),
-    Target("sm_100", "cuda", 100, 32, 227 * KB, "B200"),
-    Target("sm_120", "cuda", 120, 32, 99 * KB, "RTX 50xx"),
-    Target("gfx90a", "hip", "gfx90a", 64, 64 * KB, "MI210, MI250"),
-    Target("gfx942", "hip", "gfx942", 64, 64 * KB, "MI300"),
-    Target("gfx1100", "hip", "gfx1100", 32, 64 * KB, "RX 7900 (wave32)"),
-)}
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("sm_70", "cuda", 70, 32, 96 * KB, "V100"),
+        Target("sm_75", "cuda", 75, 32, 64 * KB, "T4, RTX 20xx"),
+        Target("sm_80", "cuda", 80, 32, 163 * KB, "A100"),
+        Target("sm_86", "cuda", 86, 32, 99 * KB, "A10, RTX 30xx"),
+        Target("sm_89", "cuda", 89, 32, 99 * KB, "L4, L40, RTX 40xx"),
+        Target("sm_90", "cuda", 90, 32, 227 * KB, "H100, H200"),
+        Target("sm_100", "cuda", 100, 32, 227 * KB, "B200"),
+        Target("sm_120", "cuda", 120, 32, 99 * KB, "RTX 50xx"),
+        Target("gfx90a", "hip", "gfx90a", 64, 64 * KB, "MI210, MI250"),
+        Target("gfx942", "hip", "gfx942", 64, 64 * KB, "MI300"),
+        Target("gfx1100", "hip", "gfx1100", 32, 64 * KB, "RX 7900 (wave32)"),
+    )
+}
 
 # the targets CI compiles every test launch for (the full list runs before a release)
 CI_TARGETS = ("sm_75", "sm_80", "sm_90", "gfx942")

@@ -44,10 +44,33 @@ _ROUNDER = tl.constexpr(12582912.0)
 
 @triton.jit
 def _plan_kernel(
-    x_ptr, src_ptr, tmask_ptr, keep_ptr, dest_ptr, a_ptr, mw_ptr, mass_ptr, logm_ptr, sim_ptr,
-    T, n, k, C, sxb, sxn, sxc, scale, temperature,
-    N: tl.constexpr, KB: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr,
-    HAS_TMASK: tl.constexpr, HAS_KEEP: tl.constexpr, HARD: tl.constexpr, SAVE_SIM: tl.constexpr,
+    x_ptr,
+    src_ptr,
+    tmask_ptr,
+    keep_ptr,
+    dest_ptr,
+    a_ptr,
+    mw_ptr,
+    mass_ptr,
+    logm_ptr,
+    sim_ptr,
+    T,
+    n,
+    k,
+    C,
+    sxb,
+    sxn,
+    sxc,
+    scale,
+    temperature,
+    N: tl.constexpr,
+    KB: tl.constexpr,
+    BC: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_TMASK: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    HARD: tl.constexpr,
+    SAVE_SIM: tl.constexpr,
     SCALE: tl.constexpr,
 ):
     g = tl.program_id(0)  # one (batch element, tile) group per program
@@ -69,8 +92,11 @@ def _plan_kernel(
         peak = tl.zeros([N], dtype=tl.float32)
         for c0 in range(0, C, BC):
             c = c0 + tl.arange(0, BC)
-            xb = tl.load(x_ptr + b * sxb + src[:, None] * sxn + c[None, :] * sxc,
-                         mask=(src[:, None] >= 0) & (c[None, :] < C), other=0.0).to(tl.float32)
+            xb = tl.load(
+                x_ptr + b * sxb + src[:, None] * sxn + c[None, :] * sxc,
+                mask=(src[:, None] >= 0) & (c[None, :] < C),
+                other=0.0,
+            ).to(tl.float32)
             xb = tl.where((xb == xb) & (tl.abs(xb) < float("inf")), xb, 0.0)
             peak = tl.maximum(peak, tl.max(tl.abs(xb), axis=1))
         power = (peak.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
@@ -78,8 +104,11 @@ def _plan_kernel(
     gram = tl.zeros([N, N], dtype=tl.float32)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
-        xb = tl.load(x_ptr + b * sxb + src[:, None] * sxn + c[None, :] * sxc,
-                     mask=(src[:, None] >= 0) & (c[None, :] < C), other=0.0)
+        xb = tl.load(
+            x_ptr + b * sxb + src[:, None] * sxn + c[None, :] * sxc,
+            mask=(src[:, None] >= 0) & (c[None, :] < C),
+            other=0.0,
+        )
         xb = tl.where((xb == xb) & (tl.abs(xb) < float("inf")), xb, 0.0).to(xb.dtype)
         if SCALE:
             xb = (xb.to(tl.float32) / power[:, None]).to(xb.dtype)
@@ -200,12 +229,40 @@ def plan_tiles(
         token_mask = token_mask.to(torch.int8)
     tmask = src_rows if token_mask is None else token_mask  # src_rows: an unused pointer
     launched = _launch(
-        "plan", (bp * tiles,),
-        (x, src_rows, tmask, src_rows if keep is None else keep, dest, a, mw, mass, log_mass, sim,
-         tiles, n, k, c, x.stride(0), x.stride(1), x.stride(2), scale, float(temperature)),
-        dict(N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=_block_c(c),
-             IEEE=x.dtype == torch.float32, HAS_TMASK=token_mask is not None, HAS_KEEP=keep is not None,
-             HARD=temperature == 0, SAVE_SIM=save_sim, SCALE=x.dtype != torch.float16),
+        "plan",
+        (bp * tiles,),
+        (
+            x,
+            src_rows,
+            tmask,
+            src_rows if keep is None else keep,
+            dest,
+            a,
+            mw,
+            mass,
+            log_mass,
+            sim,
+            tiles,
+            n,
+            k,
+            c,
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            scale,
+            float(temperature),
+        ),
+        dict(
+            N=max(16, triton.next_power_of_2(n)),
+            KB=max(16, triton.next_power_of_2(k)),
+            BC=_block_c(c),
+            IEEE=x.dtype == torch.float32,
+            HAS_TMASK=token_mask is not None,
+            HAS_KEEP=keep is not None,
+            HARD=temperature == 0,
+            SAVE_SIM=save_sim,
+            SCALE=x.dtype != torch.float16,
+        ),
     )
     if not launched:
         return None
@@ -214,9 +271,25 @@ def plan_tiles(
 
 @triton.jit
 def _merge_kernel(
-    x_ptr, w_ptr, src_ptr, dst_ptr, out_ptr,
-    T, n, k, C, sxb, sxn, sxc, swb, sob, son,
-    N: tl.constexpr, KB: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    src_ptr,
+    dst_ptr,
+    out_ptr,
+    T,
+    n,
+    k,
+    C,
+    sxb,
+    sxn,
+    sxc,
+    swb,
+    sob,
+    son,
+    N: tl.constexpr,
+    KB: tl.constexpr,
+    BC: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     g = tl.program_id(0)  # (batch element, tile)
     b = g // T
@@ -225,24 +298,55 @@ def _merge_kernel(
     slots = tl.arange(0, N)
     dslots = tl.arange(0, KB)
     src = tl.load(src_ptr + t * n + slots, mask=slots < n, other=-1)  # token row of each slot, -1 padded
-    x = tl.load(x_ptr + b * sxb + src[:, None] * sxn + c[None, :] * sxc,
-                mask=(src[:, None] >= 0) & (c[None, :] < C), other=0.0)
-    w = tl.load(w_ptr + b * swb + t * k * n + dslots[:, None] * n + slots[None, :],
-                mask=(dslots[:, None] < k) & (slots[None, :] < n), other=0.0)
+    x = tl.load(
+        x_ptr + b * sxb + src[:, None] * sxn + c[None, :] * sxc, mask=(src[:, None] >= 0) & (c[None, :] < C), other=0.0
+    )
+    w = tl.load(
+        w_ptr + b * swb + t * k * n + dslots[:, None] * n + slots[None, :],
+        mask=(dslots[:, None] < k) & (slots[None, :] < n),
+        other=0.0,
+    )
     if IEEE:
         acc = tl.dot(w, x, input_precision="ieee")
     else:
         acc = tl.dot(w, x)
     dst = tl.load(dst_ptr + t * k + dslots, mask=dslots < k, other=-1)  # output row, -1 unused
-    tl.store(out_ptr + b * sob + dst[:, None] * son + c[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(dst[:, None] >= 0) & (c[None, :] < C))
+    tl.store(
+        out_ptr + b * sob + dst[:, None] * son + c[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(dst[:, None] >= 0) & (c[None, :] < C),
+    )
 
 
 @triton.jit
 def _unmerge_kernel(
-    y_ptr, a_ptr, src_ptr, dst_ptr, out_ptr, res_ptr,
-    T, n, k, C, syb, syn, syc, sab, sat, sak, san, sob, son, srb, srn, src_c,
-    N: tl.constexpr, KB: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr, RESIDUAL: tl.constexpr,
+    y_ptr,
+    a_ptr,
+    src_ptr,
+    dst_ptr,
+    out_ptr,
+    res_ptr,
+    T,
+    n,
+    k,
+    C,
+    syb,
+    syn,
+    syc,
+    sab,
+    sat,
+    sak,
+    san,
+    sob,
+    son,
+    srb,
+    srn,
+    src_c,
+    N: tl.constexpr,
+    KB: tl.constexpr,
+    BC: tl.constexpr,
+    IEEE: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     g = tl.program_id(0)
     b = g // T
@@ -251,11 +355,15 @@ def _unmerge_kernel(
     slots = tl.arange(0, N)
     dslots = tl.arange(0, KB)
     dst = tl.load(dst_ptr + t * k + dslots, mask=dslots < k, other=-1)
-    y = tl.load(y_ptr + b * syb + dst[:, None] * syn + c[None, :] * syc,
-                mask=(dst[:, None] >= 0) & (c[None, :] < C), other=0.0)
+    y = tl.load(
+        y_ptr + b * syb + dst[:, None] * syn + c[None, :] * syc, mask=(dst[:, None] >= 0) & (c[None, :] < C), other=0.0
+    )
     # A^T (n, k), read from the (k, n) assignment through its strides
-    at = tl.load(a_ptr + b * sab + t * sat + dslots[None, :] * sak + slots[:, None] * san,
-                 mask=(slots[:, None] < n) & (dslots[None, :] < k), other=0.0)
+    at = tl.load(
+        a_ptr + b * sab + t * sat + dslots[None, :] * sak + slots[:, None] * san,
+        mask=(slots[:, None] < n) & (dslots[None, :] < k),
+        other=0.0,
+    )
     if IEEE:
         acc = tl.dot(at, y, input_precision="ieee")
     else:
@@ -278,8 +386,9 @@ def _block_c(c: int) -> int:
     return max(16, min(64, triton.next_power_of_2(c)))
 
 
-def merge_tokens(x: torch.Tensor, merge_w: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
-                 num_merged: int) -> torch.Tensor | None:
+def merge_tokens(
+    x: torch.Tensor, merge_w: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_merged: int
+) -> torch.Tensor | None:
     """Merge ``x`` ``(B, N', C)`` with ``merge_w`` ``(Bp, T, k, n)`` into ``(B, K, C)``, or
     None when the kernel cannot run here (use the torch path).
 
@@ -296,18 +405,43 @@ def merge_tokens(x: torch.Tensor, merge_w: torch.Tensor, src_rows: torch.Tensor,
     out = torch.empty(b, num_merged, c, dtype=x.dtype, device=x.device)
     bc = _block_c(c)
     launched = _launch(
-        "merge", (b * tiles, triton.cdiv(c, bc)),
-        (x, merge_w, src_rows, dst_rows, out,
-         tiles, n, k, c, x.stride(0), x.stride(1), x.stride(2), 0 if bp == 1 else merge_w.stride(0),
-         out.stride(0), out.stride(1)),
-        dict(N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=bc,
-             IEEE=x.dtype == torch.float32),
+        "merge",
+        (b * tiles, triton.cdiv(c, bc)),
+        (
+            x,
+            merge_w,
+            src_rows,
+            dst_rows,
+            out,
+            tiles,
+            n,
+            k,
+            c,
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            0 if bp == 1 else merge_w.stride(0),
+            out.stride(0),
+            out.stride(1),
+        ),
+        dict(
+            N=max(16, triton.next_power_of_2(n)),
+            KB=max(16, triton.next_power_of_2(k)),
+            BC=bc,
+            IEEE=x.dtype == torch.float32,
+        ),
     )
     return out if launched else None
 
 
-def unmerge_tokens(y: torch.Tensor, a: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_rows: int,
-                   residual: torch.Tensor | None = None) -> torch.Tensor | None:
+def unmerge_tokens(
+    y: torch.Tensor,
+    a: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+    num_rows: int,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Unmerge ``y`` ``(B, K, C)`` with the assignment ``a`` ``(Bp, T, k, n)`` (``A``, whose
     transpose is the unmerge weights) into ``(B, num_rows, C)``; rows are placed by
     ``src_rows`` (see :func:`merge_tokens`), and rows no slot names are left unwritten.
@@ -324,13 +458,39 @@ def unmerge_tokens(y: torch.Tensor, a: torch.Tensor, src_rows: torch.Tensor, dst
     res = out if residual is None else residual  # not read without a residual
     bc = _block_c(c)
     launched = _launch(
-        "unmerge", (b * tiles, triton.cdiv(c, bc)),
-        (y, a, src_rows, dst_rows, out, res,
-         tiles, n, k, c, y.stride(0), y.stride(1), y.stride(2),
-         0 if bp == 1 else a.stride(0), a.stride(1), a.stride(2), a.stride(3), out.stride(0), out.stride(1),
-         res.stride(0), res.stride(1), res.stride(2)),
-        dict(N=max(16, triton.next_power_of_2(n)), KB=max(16, triton.next_power_of_2(k)), BC=bc,
-             IEEE=y.dtype == torch.float32, RESIDUAL=residual is not None),
+        "unmerge",
+        (b * tiles, triton.cdiv(c, bc)),
+        (
+            y,
+            a,
+            src_rows,
+            dst_rows,
+            out,
+            res,
+            tiles,
+            n,
+            k,
+            c,
+            y.stride(0),
+            y.stride(1),
+            y.stride(2),
+            0 if bp == 1 else a.stride(0),
+            a.stride(1),
+            a.stride(2),
+            a.stride(3),
+            out.stride(0),
+            out.stride(1),
+            res.stride(0),
+            res.stride(1),
+            res.stride(2),
+        ),
+        dict(
+            N=max(16, triton.next_power_of_2(n)),
+            KB=max(16, triton.next_power_of_2(k)),
+            BC=bc,
+            IEEE=y.dtype == torch.float32,
+            RESIDUAL=residual is not None,
+        ),
     )
     return out if launched else None
 
@@ -413,8 +573,10 @@ def _fits(name: str, kernel: Any, grid: tuple, args: tuple, meta: dict, device: 
                 f"{needed} bytes of shared memory, more than this device's {limit}; those launches take the torch path"
             )
             if kernel_mode() == "triton":
-                raise RuntimeError(message.replace("; those launches take the torch path", "") +
-                                   f" (a smaller tile_size fits; {KERNELS_ENV}=auto falls back by itself)")
+                raise RuntimeError(
+                    message.replace("; those launches take the torch path", "")
+                    + f" (a smaller tile_size fits; {KERNELS_ENV}=auto falls back by itself)"
+                )
             HEALTH.say(message)
     return fits
 

@@ -231,35 +231,83 @@ TINY_FLUX: dict[str, Any] = {
 
 
 TINY_SD3: dict[str, Any] = {
-    "sample_size": 16, "patch_size": 2, "in_channels": 4, "out_channels": 4, "num_layers": 2,
-    "attention_head_dim": 8, "num_attention_heads": 2, "joint_attention_dim": 32, "caption_projection_dim": 16,
-    "pooled_projection_dim": 16, "pos_embed_max_size": 32, "dual_attention_layers": (0,),
+    "sample_size": 16,
+    "patch_size": 2,
+    "in_channels": 4,
+    "out_channels": 4,
+    "num_layers": 2,
+    "attention_head_dim": 8,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "caption_projection_dim": 16,
+    "pooled_projection_dim": 16,
+    "pos_embed_max_size": 32,
+    "dual_attention_layers": (0,),
 }
 
 TINY_WAN: dict[str, Any] = {
-    "patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4, "out_channels": 4,
-    "text_dim": 32, "freq_dim": 16, "ffn_dim": 32, "num_layers": 2, "rope_max_seq_len": 32,
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 8,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 32,
+    "freq_dim": 16,
+    "ffn_dim": 32,
+    "num_layers": 2,
+    "rope_max_seq_len": 32,
 }
 
 TINY_HUNYUAN_VIDEO: dict[str, Any] = {
-    "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2,
-    "num_single_layers": 2, "num_refiner_layers": 1, "text_embed_dim": 32, "pooled_projection_dim": 16, "rope_axes_dim": (2, 2, 4),
+    "in_channels": 4,
+    "out_channels": 4,
+    "num_attention_heads": 2,
+    "attention_head_dim": 8,
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "num_refiner_layers": 1,
+    "text_embed_dim": 32,
+    "pooled_projection_dim": 16,
+    "rope_axes_dim": (2, 2, 4),
 }
 
 TINY_COGVIDEOX: dict[str, Any] = {
-    "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 4, "out_channels": 4, "time_embed_dim": 8,
-    "text_embed_dim": 32, "num_layers": 2, "sample_width": 8, "sample_height": 8, "sample_frames": 5, "patch_size": 2,
-    "max_text_seq_length": 8, "use_rotary_positional_embeddings": True,
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "in_channels": 4,
+    "out_channels": 4,
+    "time_embed_dim": 8,
+    "text_embed_dim": 32,
+    "num_layers": 2,
+    "sample_width": 8,
+    "sample_height": 8,
+    "sample_frames": 5,
+    "patch_size": 2,
+    "max_text_seq_length": 8,
+    "use_rotary_positional_embeddings": True,
 }
 
 TINY_QWEN_IMAGE: dict[str, Any] = {
-    "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
-    "num_attention_heads": 2, "joint_attention_dim": 32, "axes_dims_rope": (4, 6, 6),
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 4,
+    "num_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "axes_dims_rope": (4, 6, 6),
 }
 
 TINY_FLUX2: dict[str, Any] = {
-    "patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,
-    "num_attention_heads": 2, "joint_attention_dim": 32, "timestep_guidance_channels": 16, "axes_dims_rope": (4, 4, 4, 4),
+    "patch_size": 1,
+    "in_channels": 16,
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "timestep_guidance_channels": 16,
+    "axes_dims_rope": (4, 4, 4, 4),
 }
 
 # the config keys that count blocks, per family (what --depth divides)
@@ -362,30 +410,87 @@ ARCHS: dict[str, Arch] = {
     "sdxl": Arch("sdxl", "unet", SDXL_UNET, 1024, 77, 2048, 1280, 8, "SDXL-base UNet", patch=1),
     "sd15": Arch("sd15", "unet", SD15_UNET, 512, 77, 768, 0, 8, "Stable Diffusion 1.5 UNet", patch=1),
     "flux": Arch("flux", "flux", FLUX_DEV, 1024, 512, 4096, 768, 8, "Flux.1-dev transformer"),
-    "flux-kontext": Arch("flux-kontext", "flux", FLUX_DEV, 1024, 512, 4096, 768, 8,
-                         "Flux.1 Kontext transformer, editing one reference image", references=1),
+    "flux-kontext": Arch(
+        "flux-kontext",
+        "flux",
+        FLUX_DEV,
+        1024,
+        512,
+        4096,
+        768,
+        8,
+        "Flux.1 Kontext transformer, editing one reference image",
+        references=1,
+    ),
     "tiny-unet": Arch("tiny-unet", "unet", TINY_UNET, 128, 8, 32, 0, 8, "tiny SD-like UNet (tests)", patch=1),
     "tiny-flux": Arch("tiny-flux", "flux", TINY_FLUX, 128, 8, 32, 16, 8, "tiny Flux-like transformer (tests)"),
-    "tiny-flux-kontext": Arch("tiny-flux-kontext", "flux", TINY_FLUX, 128, 8, 32, 16, 8,
-                              "tiny Flux-like transformer with a reference image (tests)", references=1),
+    "tiny-flux-kontext": Arch(
+        "tiny-flux-kontext",
+        "flux",
+        TINY_FLUX,
+        128,
+        8,
+        32,
+        16,
+        8,
+        "tiny Flux-like transformer with a reference image (tests)",
+        references=1,
+    ),
     "sd35": Arch("sd35", "sd3", SD35_MEDIUM, 1024, 333, 4096, 2048, 8, "SD3.5-Medium transformer"),
     "wan": Arch("wan", "wan", WAN21_1_3B, 480, 512, 4096, 0, 8, "Wan 2.1 T2V 1.3B transformer", 832 / 480, 81),
     "tiny-sd3": Arch("tiny-sd3", "sd3", TINY_SD3, 128, 8, 32, 16, 8, "tiny SD3-like transformer (tests)"),
     "tiny-wan": Arch("tiny-wan", "wan", TINY_WAN, 64, 8, 32, 0, 8, "tiny Wan-like transformer (tests)", 1.0, 5),
     "pixart": Arch("pixart", "pixart", PIXART_SIGMA, 1024, 300, 4096, 0, 8, "PixArt-Sigma XL 1024 transformer"),
     "ltx": Arch("ltx", "ltx", LTX_VIDEO, 512, 128, 4096, 0, 32, "LTX-Video 0.9 transformer", 768 / 512, 121, 8, 1),
-    "hunyuanvideo": Arch("hunyuanvideo", "hunyuanvideo", HUNYUAN_VIDEO, 720, 256, 4096, 768, 8,
-                         "HunyuanVideo 13B transformer", 1280 / 720, 129),
-    "cogvideox": Arch("cogvideox", "cogvideox", COGVIDEOX_5B, 480, 226, 4096, 0, 8, "CogVideoX-5B transformer", 720 / 480, 49),
-    "tiny-hunyuanvideo": Arch("tiny-hunyuanvideo", "hunyuanvideo", TINY_HUNYUAN_VIDEO, 64, 8, 32, 16, 8,
-                              "tiny HunyuanVideo-like transformer (tests)", 1.0, 5),
-    "tiny-cogvideox": Arch("tiny-cogvideox", "cogvideox", TINY_COGVIDEOX, 64, 8, 32, 0, 8,
-                           "tiny CogVideoX-like transformer (tests)", 1.0, 5),
+    "hunyuanvideo": Arch(
+        "hunyuanvideo",
+        "hunyuanvideo",
+        HUNYUAN_VIDEO,
+        720,
+        256,
+        4096,
+        768,
+        8,
+        "HunyuanVideo 13B transformer",
+        1280 / 720,
+        129,
+    ),
+    "cogvideox": Arch(
+        "cogvideox", "cogvideox", COGVIDEOX_5B, 480, 226, 4096, 0, 8, "CogVideoX-5B transformer", 720 / 480, 49
+    ),
+    "tiny-hunyuanvideo": Arch(
+        "tiny-hunyuanvideo",
+        "hunyuanvideo",
+        TINY_HUNYUAN_VIDEO,
+        64,
+        8,
+        32,
+        16,
+        8,
+        "tiny HunyuanVideo-like transformer (tests)",
+        1.0,
+        5,
+    ),
+    "tiny-cogvideox": Arch(
+        "tiny-cogvideox",
+        "cogvideox",
+        TINY_COGVIDEOX,
+        64,
+        8,
+        32,
+        0,
+        8,
+        "tiny CogVideoX-like transformer (tests)",
+        1.0,
+        5,
+    ),
     # Qwen-Image's prompt embeddings are as long as the prompt (its pipeline trims the
     # padding); 128 tokens stands for a prompt of a few sentences. FLUX.2 pads to 512.
     "qwenimage": Arch("qwenimage", "qwenimage", QWEN_IMAGE, 1024, 128, 3584, 0, 8, "Qwen-Image transformer"),
     "flux2": Arch("flux2", "flux2", FLUX2_DEV, 1024, 512, 15360, 0, 8, "FLUX.2-dev transformer"),
-    "tiny-qwenimage": Arch("tiny-qwenimage", "qwenimage", TINY_QWEN_IMAGE, 64, 8, 32, 0, 8, "tiny Qwen-Image-like transformer (tests)"),
+    "tiny-qwenimage": Arch(
+        "tiny-qwenimage", "qwenimage", TINY_QWEN_IMAGE, 64, 8, 32, 0, 8, "tiny Qwen-Image-like transformer (tests)"
+    ),
     "tiny-flux2": Arch("tiny-flux2", "flux2", TINY_FLUX2, 64, 8, 32, 0, 8, "tiny FLUX.2-like transformer (tests)"),
 }
 
@@ -449,7 +554,9 @@ def build_model(
             except (OSError, ValueError, EnvironmentError) as err:
                 errors.append(f"{subfolder or '.'}: {err}")
         else:
-            raise FileNotFoundError(f"no {cls.__name__} weights found at --model {model_path!r} (no download is tried): {errors}")
+            raise FileNotFoundError(
+                f"no {cls.__name__} weights found at --model {model_path!r} (no download is tried): {errors}"
+            )
         return model.to(device).eval()
     config = dict(arch.config)
     if depth != 1 or arch.family in DEPTH_KEYS:
@@ -530,37 +637,75 @@ def make_inputs(
         }
     if arch.family == "wan":
         count = latent_frames(arch, frames)
-        return {"hidden_states": rand(batch, channels, count, lh, lw), "timestep": timestep, "encoder_hidden_states": text, "return_dict": False}
+        return {
+            "hidden_states": rand(batch, channels, count, lh, lw),
+            "timestep": timestep,
+            "encoder_hidden_states": text,
+            "return_dict": False,
+        }
     if arch.family == "pixart":
-        return {"hidden_states": rand(batch, channels, lh, lw), "encoder_hidden_states": text, "timestep": timestep,
-                "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}, "return_dict": False}
+        return {
+            "hidden_states": rand(batch, channels, lh, lw),
+            "encoder_hidden_states": text,
+            "timestep": timestep,
+            "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+            "return_dict": False,
+        }
     if arch.family == "ltx":
         count = latent_frames(arch, frames)
-        return {"hidden_states": rand(batch, count * lh * lw, channels), "encoder_hidden_states": text, "timestep": timestep,
-                "encoder_attention_mask": torch.ones(batch, arch.text_tokens, device=device, dtype=dtype),
-                "num_frames": count, "height": lh, "width": lw, "return_dict": False}
+        return {
+            "hidden_states": rand(batch, count * lh * lw, channels),
+            "encoder_hidden_states": text,
+            "timestep": timestep,
+            "encoder_attention_mask": torch.ones(batch, arch.text_tokens, device=device, dtype=dtype),
+            "num_frames": count,
+            "height": lh,
+            "width": lw,
+            "return_dict": False,
+        }
     if arch.family == "hunyuanvideo":
         count = latent_frames(arch, frames)
-        return {"hidden_states": rand(batch, channels, count, lh, lw), "timestep": timestep, "encoder_hidden_states": text,
-                "encoder_attention_mask": torch.ones(batch, arch.text_tokens, device=device, dtype=dtype),
-                "pooled_projections": rand(batch, arch.pooled_dim),
-                "guidance": torch.full((batch,), 6000.0, device=device, dtype=dtype), "return_dict": False}
+        return {
+            "hidden_states": rand(batch, channels, count, lh, lw),
+            "timestep": timestep,
+            "encoder_hidden_states": text,
+            "encoder_attention_mask": torch.ones(batch, arch.text_tokens, device=device, dtype=dtype),
+            "pooled_projections": rand(batch, arch.pooled_dim),
+            "guidance": torch.full((batch,), 6000.0, device=device, dtype=dtype),
+            "return_dict": False,
+        }
     if arch.family == "cogvideox":
         count = latent_frames(arch, frames)
-        return {"hidden_states": rand(batch, count, channels, lh, lw), "encoder_hidden_states": text, "timestep": timestep,
-                "image_rotary_emb": cogvideox_rotary(arch.config, count, lh, lw, device, dtype), "return_dict": False}
+        return {
+            "hidden_states": rand(batch, count, channels, lh, lw),
+            "encoder_hidden_states": text,
+            "timestep": timestep,
+            "image_rotary_emb": cogvideox_rotary(arch.config, count, lh, lw, device, dtype),
+            "return_dict": False,
+        }
     # Flux, Flux.2 and Qwen-Image pack 2x2 latent patches into one token
     th, tw = lh // 2, lw // 2
     if arch.family == "qwenimage":  # no text mask: the pipeline drops an all-ones mask
-        return {"hidden_states": rand(batch, th * tw, channels), "encoder_hidden_states": text, "timestep": timestep / 1000,
-                "img_shapes": [[(1, th, tw)]] * batch, "return_dict": False}
+        return {
+            "hidden_states": rand(batch, th * tw, channels),
+            "encoder_hidden_states": text,
+            "timestep": timestep / 1000,
+            "img_shapes": [[(1, th, tw)]] * batch,
+            "return_dict": False,
+        }
     if arch.family == "flux2":
         one = torch.arange(1)
         img_ids = torch.cartesian_prod(one, torch.arange(th), torch.arange(tw), one)
         txt_ids = torch.cartesian_prod(one, one, one, torch.arange(arch.text_tokens))
-        return {"hidden_states": rand(batch, th * tw, channels), "encoder_hidden_states": text, "timestep": timestep / 1000,
-                "img_ids": img_ids[None].expand(batch, -1, -1).to(device), "txt_ids": txt_ids[None].expand(batch, -1, -1).to(device),
-                "guidance": torch.full((batch,), 4.0, device=device, dtype=dtype), "return_dict": False}
+        return {
+            "hidden_states": rand(batch, th * tw, channels),
+            "encoder_hidden_states": text,
+            "timestep": timestep / 1000,
+            "img_ids": img_ids[None].expand(batch, -1, -1).to(device),
+            "txt_ids": txt_ids[None].expand(batch, -1, -1).to(device),
+            "guidance": torch.full((batch,), 4.0, device=device, dtype=dtype),
+            "return_dict": False,
+        }
     ids = torch.zeros(1 + arch.references, th, tw, 3)
     ids[..., 0] = torch.arange(1 + arch.references)[:, None, None]  # Kontext: references are frames 1, 2, ...
     ids[..., 1] = torch.arange(th)[:, None]
@@ -577,8 +722,14 @@ def make_inputs(
     }
 
 
-def cogvideox_rotary(config: dict[str, Any], frames: int, lh: int, lw: int, device: torch.device | str = "cpu",
-                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def cogvideox_rotary(
+    config: dict[str, Any],
+    frames: int,
+    lh: int,
+    lw: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``(frames * h * w, head_dim)`` cos and sin tables CogVideoXPipeline passes for a
     ``frames x lh x lw`` latent video (CogVideoX 1.0's crop-to-base-grid positions), in
     ``dtype`` (None: float32)."""
@@ -605,7 +756,9 @@ def latent_frames(arch: Arch, frames: int | None = None) -> int:
     frames = arch.frames if frames is None else frames
     k = arch.time_scale
     if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % k:
-        raise ValueError(f"frames must be 1 + {k}k (the video VAE keeps the first frame and compresses {k} into 1); got {frames!r}")
+        raise ValueError(
+            f"frames must be 1 + {k}k (the video VAE keeps the first frame and compresses {k} into 1); got {frames!r}"
+        )
     return (frames - 1) // k + 1
 
 

@@ -145,8 +145,14 @@ class IdealPlanCache(PlanCache):
         """Never: the ideal keeps tokens in raster order (reordering would cost it copies)."""
         return None
 
-    def get(self, x: torch.Tensor, grid: tuple[int, ...], group: Hashable, tiled: bool = False,  # type: ignore[override]
-            ratio: float | None = None) -> IdealPlan | None:
+    def get(
+        self,
+        x: torch.Tensor,
+        grid: tuple[int, ...],
+        group: Hashable,
+        tiled: bool = False,  # type: ignore[override]
+        ratio: float | None = None,
+    ) -> IdealPlan | None:
         """The ideal plan for tokens ``x`` ``(B, N, C)`` on ``grid`` at ``ratio`` (default: the
         config's), or None (see PlanCache.get)."""
         ratio = self.config.ratio if ratio is None else ratio
@@ -288,7 +294,9 @@ def apply_tomesd(
     if max_downsample is None:
         max_downsample = tomesd_max_downsample(model, **options)
     merge_mlp = bool(options.get("merge_mlp", False))
-    tomesd.apply_patch(model, ratio=ratio, max_downsample=max_downsample, merge_attn=True, merge_crossattn=False, merge_mlp=merge_mlp)
+    tomesd.apply_patch(
+        model, ratio=ratio, max_downsample=max_downsample, merge_attn=True, merge_crossattn=False, merge_mlp=merge_mlp
+    )
     patch = BaselinePatch("tomesd", ratio, [], {"max_downsample": max_downsample, "merge_mlp": merge_mlp})
     setattr(model, _ATTR, patch)
     return patch

@@ -15,9 +15,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from toma.tools.common.images import BUILTIN_UPSCALE, make_grid, side_by_side
-from toma.tools.common.options import add_frames_option, add_toma_options, default_threads, resolve_device_dtype, \
-    toma_options, validate_toma_options
-from toma.tools.common.pipelines import PipelineUnavailableError, check_frames, load_pipeline, pipeline_call, sync, timed
+from toma.tools.common.options import (
+    add_frames_option,
+    add_toma_options,
+    default_threads,
+    resolve_device_dtype,
+    toma_options,
+    validate_toma_options,
+)
+from toma.tools.common.pipelines import (
+    PipelineUnavailableError,
+    check_frames,
+    load_pipeline,
+    pipeline_call,
+    sync,
+    timed,
+)
 from toma.tools.common.report import IMAGE_SUFFIXES, check_output
 
 if TYPE_CHECKING:
@@ -35,31 +48,48 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", default=None,
-                   help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
-                        "the default), builtin-dit (the digits Flux transformer) or builtin-video (the moving-digits Wan "
-                        "transformer)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
+        "the default), builtin-dit (the digits Flux transformer) or builtin-video (the moving-digits Wan "
+        "transformer)",
+    )
     p.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="prompt for --model pipelines")
     p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="built-in model: comma-separated digits to draw")
     p.add_argument("--ratio", type=float, default=0.5, help="ToMA merge ratio in [0, 1) (default 0.5)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: 20 built-in, 30 pipelines)")
     p.add_argument("--seed", type=int, default=0, help="seed of the starting noise")
     p.add_argument("--out", type=Path, default=Path("toma_generate.png"), help="output PNG (default toma_generate.png)")
-    p.add_argument("--compare", action="store_true", help="write the baseline and ToMA images side by side with timings")
+    p.add_argument(
+        "--compare", action="store_true", help="write the baseline and ToMA images side by side with timings"
+    )
     add_toma_options(p)
     p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (default: model's)")
     p.add_argument("--height", type=int, default=None, help="pipelines: image height")
     p.add_argument("--width", type=int, default=None, help="pipelines: image width")
     add_frames_option(p)
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="pipelines: weights dtype (auto: float16 on cuda, float32 on cpu)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: 1 for the built-in model, torch's choice for pipelines)")
-    p.add_argument("--builtin-path", type=Path, default=None,
-                   help="folder written by scripts/train_builtin.py, or by train_builtin_dit.py / train_builtin_video.py "
-                        "for builtin-dit / builtin-video "
-                        "(default: the copy in the package)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="pipelines: weights dtype (auto: float16 on cuda, float32 on cpu)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 for the built-in model, torch's choice for pipelines)",
+    )
+    p.add_argument(
+        "--builtin-path",
+        type=Path,
+        default=None,
+        help="folder written by scripts/train_builtin.py, or by train_builtin_dit.py / train_builtin_video.py "
+        "for builtin-dit / builtin-video "
+        "(default: the copy in the package)",
+    )
     p.set_defaults(func=run)
 
 
@@ -111,8 +141,17 @@ def run_builtin(args: argparse.Namespace) -> int:
     if merged.dim() == 5:  # clips of the video model
         save_video(args, baseline, merged, t_base / len(labels), t_toma / len(labels), upscale=2 * BUILTIN_UPSCALE)
     else:
-        report_and_save(args, baseline, merged, t_base, t_toma, len(labels), upscale=BUILTIN_UPSCALE,
-                        cell_labels=[str(v) for v in labels], setting=f"{steps} steps, seed {args.seed}")
+        report_and_save(
+            args,
+            baseline,
+            merged,
+            t_base,
+            t_toma,
+            len(labels),
+            upscale=BUILTIN_UPSCALE,
+            cell_labels=[str(v) for v in labels],
+            setting=f"{steps} steps, seed {args.seed}",
+        )
     return 0
 
 
@@ -130,16 +169,23 @@ def report_and_save(
     """Print per-image timings and write the PNG (ToMA grid, or both with ``--compare``), each
     grid captioned with its settings and timing, each image with its ``cell_labels`` entry."""
     per_base, per_toma = t_base / n, t_toma / n
-    print(f"time per image: unmerged {per_base:.3f} s, ToMA (ratio {args.ratio}) {per_toma:.3f} s, "
-          f"speedup {per_base / per_toma:.2f}x")
+    print(
+        f"time per image: unmerged {per_base:.3f} s, ToMA (ratio {args.ratio}) {per_toma:.3f} s, "
+        f"speedup {per_base / per_toma:.2f}x"
+    )
     ncols = min(n, 5 if args.compare else 10)
     grid = make_grid(merged, ncols=ncols, upscale=upscale, labels=cell_labels)
     toma_caption = f"ToMA ratio {args.ratio:g}, {args.selection}: {per_toma:.3f} s/image ({per_base / per_toma:.2f}x)"
     if args.compare:
-        grid = side_by_side([
-            (f"unmerged: {per_base:.3f} s/image" + (f"; {setting}" if setting else ""), make_grid(baseline, ncols=ncols, upscale=upscale, labels=cell_labels)),
-            (toma_caption, grid),
-        ])
+        grid = side_by_side(
+            [
+                (
+                    f"unmerged: {per_base:.3f} s/image" + (f"; {setting}" if setting else ""),
+                    make_grid(baseline, ncols=ncols, upscale=upscale, labels=cell_labels),
+                ),
+                (toma_caption, grid),
+            ]
+        )
     else:
         grid = side_by_side([(toma_caption + (f"; {setting}" if setting else ""), grid)])
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,25 +196,40 @@ def report_and_save(
 # ---------------------------------------------------------------------------- pipelines
 
 
-def save_video(args: argparse.Namespace, baseline: torch.Tensor, merged: torch.Tensor, t_base: float,
-               t_toma: float, upscale: int = 1) -> None:
+def save_video(
+    args: argparse.Namespace,
+    baseline: torch.Tensor,
+    merged: torch.Tensor,
+    t_base: float,
+    t_toma: float,
+    upscale: int = 1,
+) -> None:
     """Write clips ``(B, T, C, H, W)`` (C = 1 or 3): an animated GIF (``--out *.gif``), each of
     its frames the clips' frames side by side, else a strip with one row of frames per clip;
     with ``--compare`` the unmerged clips beside (GIF) or above (strip) ToMA's.
     ``t_base`` / ``t_toma``: seconds per clip."""
-    print(f"time per clip: unmerged {t_base:.3f} s, ToMA (ratio {args.ratio}) {t_toma:.3f} s, "
-          f"speedup {t_base / t_toma:.2f}x")
-    captions = (f"unmerged: {t_base:.3f} s/clip", f"ToMA ratio {args.ratio}: {t_toma:.3f} s/clip ({t_base / t_toma:.2f}x)")
+    print(
+        f"time per clip: unmerged {t_base:.3f} s, ToMA (ratio {args.ratio}) {t_toma:.3f} s, "
+        f"speedup {t_base / t_toma:.2f}x"
+    )
+    captions = (
+        f"unmerged: {t_base:.3f} s/clip",
+        f"ToMA ratio {args.ratio}: {t_toma:.3f} s/clip ({t_base / t_toma:.2f}x)",
+    )
     runs = [baseline, merged] if args.compare else [merged]
     names = captions if args.compare else captions[1:]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.out.suffix.lower() == ".gif":
-        frames = [side_by_side([(name, make_grid(clips[:, t], upscale=upscale)) for name, clips in zip(names, runs)])
-                  for t in range(runs[0].shape[1])]
+        frames = [
+            side_by_side([(name, make_grid(clips[:, t], upscale=upscale)) for name, clips in zip(names, runs)])
+            for t in range(runs[0].shape[1])
+        ]
         frames[0].save(args.out, save_all=True, append_images=frames[1:], duration=125, loop=0)
     else:
-        rows = [side_by_side([(name, make_grid(clips.flatten(0, 1), ncols=clips.shape[1], upscale=upscale))])
-                for name, clips in zip(names, runs)]
+        rows = [
+            side_by_side([(name, make_grid(clips.flatten(0, 1), ncols=clips.shape[1], upscale=upscale))])
+            for name, clips in zip(names, runs)
+        ]
         from PIL import Image
 
         strip = Image.new("RGB", (max(r.width for r in rows), sum(r.height for r in rows)), "white")

@@ -15,8 +15,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # ops that only allocate or relabel memory launch no kernel
-_FREE = frozenset({"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
-                   "aten.lift_fresh.default", "aten._unsafe_view.default"})
+_FREE = frozenset(
+    {
+        "aten.empty.memory_format",
+        "aten.empty_strided.default",
+        "aten.empty_like.default",
+        "aten.lift_fresh.default",
+        "aten._unsafe_view.default",
+    }
+)
 
 
 class KernelCounter(TorchDispatchMode):

@@ -41,54 +41,102 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--arch", choices=sorted(ARCHS), help="denoiser architecture (required unless --from-json)")
     p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the arch's native)")
     p.add_argument("--ratios", default="0.25,0.5,0.75", help="comma-separated merge ratios")
-    p.add_argument("--methods", default="none,toma,tomesd,ideal", help=f"comma-separated, from {','.join(METHODS)}, each optionally with a diffusers cache "
-                   f"(+{', +'.join(CACHES)}; transformers only), e.g. none+fbcache,toma+fbcache")
-    p.add_argument("--fbcache-threshold", type=float, default=None,
-                   help="+fbcache: relative change of the first block's residual under which later blocks are "
-                        "skipped (default: diffusers' FirstBlockCacheConfig default)")
+    p.add_argument(
+        "--methods",
+        default="none,toma,tomesd,ideal",
+        help=f"comma-separated, from {','.join(METHODS)}, each optionally with a diffusers cache "
+        f"(+{', +'.join(CACHES)}; transformers only), e.g. none+fbcache,toma+fbcache",
+    )
+    p.add_argument(
+        "--fbcache-threshold",
+        type=float,
+        default=None,
+        help="+fbcache: relative change of the first block's residual under which later blocks are "
+        "skipped (default: diffusers' FirstBlockCacheConfig default)",
+    )
     p.add_argument("--steps", type=int, default=1, help="denoiser forwards (falling timesteps) per timed sample")
     p.add_argument("--repeats", type=int, default=3, help="timed samples per variant, interleaved")
     p.add_argument("--warmup", type=int, default=1, help="untimed samples per variant first")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes (2 = a CFG batch)")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument(
+        "--dtype", default="auto", help="float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on CUDA)"
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--model", default=None, help="local path or cached hub id with real weights (never downloaded)")
-    p.add_argument("--depth", type=int, default=1,
-                   help="transformers: build DEPTH times fewer blocks at full width (merged blocks scale with them)")
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=1,
+        help="transformers: build DEPTH times fewer blocks at full width (merged blocks scale with them)",
+    )
     p.add_argument("--frames", type=int, default=None, help="video: frames in pixels, 1 + 4k (default: the arch's)")
     p.add_argument("--levels", type=int, default=1, help="UNet: attention levels merged, from the highest resolution")
     p.add_argument("--merge-mlp", action="store_true", help="merge the MLPs too")
     p.add_argument("--tile-size", type=int, default=4, help="ToMA tile side in tokens (also sets the ideal's K)")
-    p.add_argument("--tile-frames", type=int, default=None,
-                   help="video: frames a tile spans (default 1: 2-D tiles; 2: spatio-temporal)")
+    p.add_argument(
+        "--tile-frames",
+        type=int,
+        default=None,
+        help="video: frames a tile spans (default 1: 2-D tiles; 2: spatio-temporal)",
+    )
     p.add_argument("--share-batch-plan", action="store_true", help="ToMA: one plan for the whole batch")
     p.add_argument("--recompute-every", type=int, default=1, help="ToMA: fresh plans every this many steps")
-    p.add_argument("--proportional-attention", dest="proportional_attention", action="store_true", default=None,
-                   help="ToMA: log-mass bias in merged self-attention (default: on for UNets, off for Flux)")
-    p.add_argument("--no-proportional-attention", dest="proportional_attention", action="store_false", default=None,
-                   help="ToMA: no log-mass bias in merged self-attention")
-    p.add_argument("--tomesd-max-downsample", type=int, default=None,
-                   help="tomesd max_downsample (default: the UNet levels ToMA merges)")
-    p.add_argument("--compile", action="store_true",
-                   help="also time none and toma under torch.compile, each compiled once, in the same interleaved rounds as "
-                        "the eager rows")
-    p.add_argument("--freezing", action="store_true",
-                   help="with --compile: compile with inductor's freezing (weights prepacked; PyTorch's advice for "
-                        "CPU inference, where inductor's convolutions are otherwise slower than eager's)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="CUDA only: capture each variant's forward once as a CUDA graph and time its replays "
-                        "(no Python or kernel-launch overhead, as in a graph-captured or compiled deployment); "
-                        "variants that cannot be captured are reported as skipped (tomesd, which draws from "
-                        "a private CUDA generator)")
-    p.add_argument("--no-profile", action="store_true",
-                   help="skip the overhead breakdown and kernel-count pass (one more forward per variant)")
+    p.add_argument(
+        "--proportional-attention",
+        dest="proportional_attention",
+        action="store_true",
+        default=None,
+        help="ToMA: log-mass bias in merged self-attention (default: on for UNets, off for Flux)",
+    )
+    p.add_argument(
+        "--no-proportional-attention",
+        dest="proportional_attention",
+        action="store_false",
+        default=None,
+        help="ToMA: no log-mass bias in merged self-attention",
+    )
+    p.add_argument(
+        "--tomesd-max-downsample",
+        type=int,
+        default=None,
+        help="tomesd max_downsample (default: the UNet levels ToMA merges)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time none and toma under torch.compile, each compiled once, in the same interleaved rounds as "
+        "the eager rows",
+    )
+    p.add_argument(
+        "--freezing",
+        action="store_true",
+        help="with --compile: compile with inductor's freezing (weights prepacked; PyTorch's advice for "
+        "CPU inference, where inductor's convolutions are otherwise slower than eager's)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="CUDA only: capture each variant's forward once as a CUDA graph and time its replays "
+        "(no Python or kernel-launch overhead, as in a graph-captured or compiled deployment); "
+        "variants that cannot be captured are reported as skipped (tomesd, which draws from "
+        "a private CUDA generator)",
+    )
+    p.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="skip the overhead breakdown and kernel-count pass (one more forward per variant)",
+    )
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     p.add_argument("--name", default=None, help="file name stem (default: bench_<arch>_<resolution>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--from-json", default=None, metavar="FILE",
-                   help="measure nothing: print the table of a saved report (statistics recomputed) and re-plot it")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="FILE",
+        help="measure nothing: print the table of a saved report (statistics recomputed) and re-plot it",
+    )
     p.set_defaults(func=run)
 
 
@@ -140,8 +188,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     methods = _split(args.methods, "methods", str)
     bad = [m for m in methods if split_method(m)[0] not in METHODS or split_method(m)[1] not in (None, *CACHES)]
     if bad:
-        raise ValueError(f"--methods must be drawn from {','.join(METHODS)}, each optionally followed by "
-                         f"+{' or +'.join(CACHES)}; got {','.join(bad)}")
+        raise ValueError(
+            f"--methods must be drawn from {','.join(METHODS)}, each optionally followed by "
+            f"+{' or +'.join(CACHES)}; got {','.join(bad)}"
+        )
     if args.fbcache_threshold is not None and not args.fbcache_threshold > 0:
         raise ValueError(f"--fbcache-threshold must be > 0; got {args.fbcache_threshold}")
     ratios = _split(args.ratios, "ratios", float)
@@ -156,7 +206,9 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
     if args.depth != 1 and arch.family not in DEPTH_KEYS:
-        raise ValueError(f"--depth applies to transformers ({', '.join(DEPTH_KEYS)}); got --depth {args.depth} with --arch {arch.name}")
+        raise ValueError(
+            f"--depth applies to transformers ({', '.join(DEPTH_KEYS)}); got --depth {args.depth} with --arch {arch.name}"
+        )
     if (args.frames is not None or args.tile_frames is not None) and not arch.frames:
         raise ValueError(f"--frames and --tile-frames apply to video archs; {arch.name} draws images")
     if args.tile_frames is not None and args.tile_frames < 1:
@@ -194,10 +246,17 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "model_path": args.model,
         "depth": args.depth,
         "frames": args.frames,
-        "placement": {"levels": args.levels, "merge_mlp": args.merge_mlp, "tile_size": args.tile_size,
-                      "tile_frames": args.tile_frames},
-        "toma_options": {"share_batch_plan": args.share_batch_plan, "recompute_every": args.recompute_every,
-                         "proportional_attention": args.proportional_attention},
+        "placement": {
+            "levels": args.levels,
+            "merge_mlp": args.merge_mlp,
+            "tile_size": args.tile_size,
+            "tile_frames": args.tile_frames,
+        },
+        "toma_options": {
+            "share_batch_plan": args.share_batch_plan,
+            "recompute_every": args.recompute_every,
+            "proportional_attention": args.proportional_attention,
+        },
         "tomesd_max_downsample": args.tomesd_max_downsample,
         "cache_options": {"fbcache": {} if args.fbcache_threshold is None else {"threshold": args.fbcache_threshold}},
         "compile": args.compile,
@@ -217,4 +276,3 @@ def _split(text: str, name: str, kind: Callable[[str], Any]) -> list[Any]:
     if not items:
         raise ValueError(f"--{name} must not be empty")
     return list(dict.fromkeys(items))
-

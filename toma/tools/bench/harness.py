@@ -19,8 +19,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from toma.tools.archs import STACKS, Arch, build_model, call_denoiser, count_parameters, default_placement, latent_frames, \
-    make_inputs, set_timestep
+from toma.tools.archs import (
+    STACKS,
+    Arch,
+    build_model,
+    call_denoiser,
+    count_parameters,
+    default_placement,
+    latent_frames,
+    make_inputs,
+    set_timestep,
+)
 from toma.tools.bench.constants import OVERHEAD_PARTS, split_method
 from toma.tools.bench.report import RunConditions, build_report
 from toma.tools.opcount import count_kernels
@@ -62,9 +71,15 @@ class Measurement:
 class MethodPatcher:
     """Applies and removes each method on one model."""
 
-    def __init__(self, model: torch.nn.Module, arch: Arch, placement: dict[str, Any],
-                 toma_options: dict[str, Any], tomesd_max_downsample: int | None,
-                 cache_options: dict[str, dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        arch: Arch,
+        placement: dict[str, Any],
+        toma_options: dict[str, Any],
+        tomesd_max_downsample: int | None,
+        cache_options: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
         self.model = model
         self.arch = arch
         self.placement = {k: v for k, v in placement.items() if v is not None}
@@ -105,8 +120,12 @@ class MethodPatcher:
             settings: dict[str, Any] = {}
         elif m == "toma":
             # measuring a setting is no reason to warn that it was measured slower
-            patch = toma.apply_toma(self.model, ratio=r, warn_slower=False,
-                                    **{**self.placement, **self.toma_options, **dict(variant.options)})
+            patch = toma.apply_toma(
+                self.model,
+                ratio=r,
+                warn_slower=False,
+                **{**self.placement, **self.toma_options, **dict(variant.options)},
+            )
             settings = {"merged_modules": len(patch.patched), **patch.config.to_dict()}
         else:
             if m == "ideal":
@@ -189,8 +208,9 @@ def _kineto_lines_dropped() -> Iterator[None]:
                 sys.stderr.flush()
 
 
-def _profile_forward(call: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], device: torch.device,
-                     method: str) -> dict[str, float]:
+def _profile_forward(
+    call: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], device: torch.device, method: str
+) -> dict[str, float]:
     """Share of one forward spent in each overhead part of ``method``, from profiler ranges."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -257,8 +277,10 @@ def benchmark(
     placement = {"levels": 1, "merge_mlp": False, "tile_size": 4, **(placement or {})}
     toma_options = dict(toma_options or {})
     notes: list[str] = []
-    log(f"building {arch.description} ({'weights from ' + model_path if model_path else 'random weights'}) "
-        f"in {str(dtype).replace('torch.', '')} on {device}")
+    log(
+        f"building {arch.description} ({'weights from ' + model_path if model_path else 'random weights'}) "
+        f"in {str(dtype).replace('torch.', '')} on {device}"
+    )
     model = build_model(arch, depth=depth, model_path=model_path, dtype=dtype, device=device, seed=seed)
     if depth != 1:
         built = " and ".join(f"{len(getattr(model, s))} {s}" for s in STACKS[arch.family])
@@ -280,17 +302,23 @@ def benchmark(
             notes.append(f"{m} has no {split_method(m)[0]} row to compare with: add it to --methods")
         variants += [Variant(m, None)] if split_method(m)[0] == "none" else [Variant(m, r) for r in ratios]
     if any(split_method(v.method)[1] for v in variants):
-        notes.append("a cache skips work when consecutive steps change little, which depends on the weights and "
-                     "the latents: with random weights and fixed inputs its saving here is not the real one; "
-                     "what this run shows is whether ToMA's saving and the cache's add up on the steps it computes")
+        notes.append(
+            "a cache skips work when consecutive steps change little, which depends on the weights and "
+            "the latents: with random weights and fixed inputs its saving here is not the real one; "
+            "what this run shows is whether ToMA's saving and the cache's add up on the steps it computes"
+        )
 
     def call(inputs: dict[str, Any]) -> Any:
         if harness.cached:  # diffusers' caches keep their state per context, as pipelines open it
             with model.cache_context("cond"):
                 return call_denoiser(arch, model, inputs)
         return call_denoiser(arch, model, inputs)
+
     step_inputs = {
-        b: [set_timestep(arch, make_inputs(arch, resolution, b, dtype, device, seed, frames), s, steps) for s in range(steps)]
+        b: [
+            set_timestep(arch, make_inputs(arch, resolution, b, dtype, device, seed, frames), s, steps)
+            for s in range(steps)
+        ]
         for b in batches
     }
 
@@ -299,13 +327,16 @@ def benchmark(
     if cuda_graph:
         notes.append("timed as CUDA graph replays of one captured forward per variant (no Python or launch overhead)")
         with torch.inference_mode():
-            variants = _capture_graphs(harness, call, variants, batches, step_inputs, device, graphs, settings,
-                                       skipped, log)
+            variants = _capture_graphs(
+                harness, call, variants, batches, step_inputs, device, graphs, settings, skipped, log
+            )
     picked = [v for v in variants if v.method == "none"][:1] + [v for v in variants if v.method == "toma"][:1]
     picked = picked if compile else []
     if picked:
-        notes.append("compiled rows: each compiled once on its own weight-sharing copy of the model, then timed in "
-                     "the same interleaved rounds as the eager ones" + (", with inductor's freezing" if freezing else ""))
+        notes.append(
+            "compiled rows: each compiled once on its own weight-sharing copy of the model, then timed in "
+            "the same interleaved rounds as the eager ones" + (", with inductor's freezing" if freezing else "")
+        )
     results = {(v, b): Measurement(v, b) for v in variants for b in batches}
     interrupted = False
     total = (len(variants) + len(picked)) * len(batches) * (warmup + repeats)
@@ -316,8 +347,21 @@ def benchmark(
             compiled = compile_variants(harness, picked, batches, step_inputs, warmup, device, log, freezing)
             timed = variants + list(compiled)
             results.update({(v, b): Measurement(v, b) for v in compiled for b in batches})
-            time_rounds(harness, call, timed, batches, step_inputs, warmup, repeats, device, results, settings, bar,
-                        graphs if cuda_graph else None, fixed=compiled)
+            time_rounds(
+                harness,
+                call,
+                timed,
+                batches,
+                step_inputs,
+                warmup,
+                repeats,
+                device,
+                results,
+                settings,
+                bar,
+                graphs if cuda_graph else None,
+                fixed=compiled,
+            )
             if profile:
                 for v in variants:
                     bar.set_postfix_str(f"profiling {v.label}")
@@ -336,9 +380,21 @@ def benchmark(
     finally:
         bar.close()
     conditions = RunConditions(
-        arch=arch, parameters=count_parameters(model), blocks=_blocks(model, arch), resolution=resolution, dtype=dtype,
-        device=device, depth=depth, steps=steps, repeats=repeats, warmup=warmup, methods=methods, ratios=ratios,
-        batches=batches, placement=_placement_in_force(harness, methods, skipped), toma_options=harness.toma_options,
+        arch=arch,
+        parameters=count_parameters(model),
+        blocks=_blocks(model, arch),
+        resolution=resolution,
+        dtype=dtype,
+        device=device,
+        depth=depth,
+        steps=steps,
+        repeats=repeats,
+        warmup=warmup,
+        methods=methods,
+        ratios=ratios,
+        batches=batches,
+        placement=_placement_in_force(harness, methods, skipped),
+        toma_options=harness.toma_options,
         compiled=compile,
     )
     report = build_report(conditions, _rows(results, settings), skipped, notes, interrupted)
@@ -389,12 +445,22 @@ def _blocks(model: torch.nn.Module, arch: Arch) -> dict[str, int]:
     return {"transformer_blocks": sum(isinstance(m, BasicTransformerBlock) for m in model.modules())}
 
 
-def time_rounds(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], variants: list[Variant],
-                batches: list[int], step_inputs: dict[int, list[dict[str, Any]]], warmup: int, repeats: int,
-                device: torch.device, results: dict[tuple[Variant, int], Measurement], settings: dict[str, Any],
-                bar: Any, graphs: dict[tuple[Variant, int], Callable[[], None]] | None = None,
-                stop: Callable[[], bool] | None = None,
-                fixed: dict[Variant, Callable[[dict[str, Any]], Any]] | None = None) -> bool:
+def time_rounds(
+    harness: MethodPatcher,
+    call: Callable[[dict[str, Any]], Any],
+    variants: list[Variant],
+    batches: list[int],
+    step_inputs: dict[int, list[dict[str, Any]]],
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+    results: dict[tuple[Variant, int], Measurement],
+    settings: dict[str, Any],
+    bar: Any,
+    graphs: dict[tuple[Variant, int], Callable[[], None]] | None = None,
+    stop: Callable[[], bool] | None = None,
+    fixed: dict[Variant, Callable[[dict[str, Any]], Any]] | None = None,
+) -> bool:
     """Time every variant and batch size round by round, interleaved, into ``results``.
 
     ``warmup`` untimed rounds, then ``repeats`` timed ones; each round applies every variant
@@ -409,7 +475,7 @@ def time_rounds(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], v
     for rnd in range(warmup + repeats):
         if stop is not None and rnd > warmup and stop():
             return True
-        order = variants[rnd % len(variants):] + variants[: rnd % len(variants)] if variants else []
+        order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)] if variants else []
         for v in order:
             own = (fixed or {}).get(v)
             if graphs is None and own is None:
@@ -433,10 +499,18 @@ def time_rounds(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any], v
     return False
 
 
-def _capture_graphs(harness: MethodPatcher, call: Callable[[dict[str, Any]], Any],
-                    variants: list[Variant], batches: list[int], step_inputs: dict[int, list[dict[str, Any]]],
-                    device: torch.device, graphs: dict[tuple[Variant, int], Callable[[], None]],
-                    settings: dict[str, Any], skipped: dict[str, str], log: Callable[[str], None]) -> list[Variant]:
+def _capture_graphs(
+    harness: MethodPatcher,
+    call: Callable[[dict[str, Any]], Any],
+    variants: list[Variant],
+    batches: list[int],
+    step_inputs: dict[int, list[dict[str, Any]]],
+    device: torch.device,
+    graphs: dict[tuple[Variant, int], Callable[[], None]],
+    settings: dict[str, Any],
+    skipped: dict[str, str],
+    log: Callable[[str], None],
+) -> list[Variant]:
     """Capture one CUDA graph per variant and batch into ``graphs``; returns the variants captured.
 
     A variant whose forward cannot be captured (it synchronises with the host, say) is
@@ -481,9 +555,16 @@ def weight_sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def compile_variants(harness: MethodPatcher, picked: list[Variant], batches: list[int],
-                     step_inputs: dict[int, list[dict[str, Any]]], warmup: int, device: torch.device,
-                     log: Callable[[str], None], freezing: bool = False) -> dict[Variant, Callable[[dict[str, Any]], Any]]:
+def compile_variants(
+    harness: MethodPatcher,
+    picked: list[Variant],
+    batches: list[int],
+    step_inputs: dict[int, list[dict[str, Any]]],
+    warmup: int,
+    device: torch.device,
+    log: Callable[[str], None],
+    freezing: bool = False,
+) -> dict[Variant, Callable[[dict[str, Any]], Any]]:
     """Each of ``picked`` patched for good on its own copy of the model and compiled once.
 
     A compiled model keeps the patch it was compiled with, so the compiled variants cannot
@@ -499,8 +580,9 @@ def compile_variants(harness: MethodPatcher, picked: list[Variant], batches: lis
     for v in picked:
         cv = Variant(v.method, v.ratio, compiled=True, options=v.options, name=v.name)
         model = weight_sharing_copy(harness.model)
-        MethodPatcher(model, harness.arch, harness.placement, harness.toma_options,
-                      harness.tomesd_max_downsample).apply(v)
+        MethodPatcher(
+            model, harness.arch, harness.placement, harness.toma_options, harness.tomesd_max_downsample
+        ).apply(v)
         compiled = torch.compile(model, options={"freezing": True} if freezing else None)
 
         def ccall(inputs: dict[str, Any], compiled: Any = compiled) -> Any:
@@ -529,4 +611,3 @@ def progress_bar(total: int, enabled: bool, desc: str = "toma bench") -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="sample", file=sys.stderr, dynamic_ncols=True)
-

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 @dataclass(frozen=True)
 class RunConditions:
     """What one benchmark run measured under: the model as built, its inputs and the schedule.
@@ -49,8 +48,9 @@ class RunConditions:
     compiled: bool  # whether compiled rows were asked for
 
 
-def build_report(conditions: RunConditions, rows: list[dict[str, Any]], skipped: dict[str, str], notes: list[str],
-                 interrupted: bool) -> dict[str, Any]:
+def build_report(
+    conditions: RunConditions, rows: list[dict[str, Any]], skipped: dict[str, str], notes: list[str], interrupted: bool
+) -> dict[str, Any]:
     """The report of one benchmark run: its conditions, then one row per measured variant and batch.
 
     ``rows`` hold each variant's ``method``, ``ratio``, ``batch``, ``compiled``, ``times_s``,
@@ -118,8 +118,13 @@ def derive(rows: list[dict[str, Any]], first_batch: int) -> list[dict[str, Any]]
             r["speedup" + suffix] = b / t if b else None
             r["latency_reduction" + suffix] = 1 - t / b if b else None
             # the ideal has no cache: a cached row's saving is not bounded by it
-            usable = b is not None and i is not None and r["ratio"] is not None and b - i > 0 \
+            usable = (
+                b is not None
+                and i is not None
+                and r["ratio"] is not None
+                and b - i > 0
                 and split_method(r["method"])[1] is None
+            )
             r["efficiency" + suffix] = (b - t) / (b - i) if usable else None
         if r.get("kernels") is not None and base and base.get("kernels") is not None:
             r["extra_kernels"] = r["kernels"] - base["kernels"]
@@ -153,34 +158,47 @@ def format_report(report: dict[str, Any]) -> str:
     before, after = report.get("load_average_before"), report.get("load_average_after")
     if before and after:
         busy = max(before[0], after[0]) > (report["cpu_count"] or 1)
-        lines.append(f"  load average {before[0]:.2f} before, {after[0]:.2f} after (1 minute) on {report['cpu_count']} CPUs"
-                     + (": more than the CPUs, the timings shared them" if busy else ""))
+        lines.append(
+            f"  load average {before[0]:.2f} before, {after[0]:.2f} after (1 minute) on {report['cpu_count']} CPUs"
+            + (": more than the CPUs, the timings shared them" if busy else "")
+        )
     lines += [f"  note: {n}" for n in report["notes"]]
     lines += [f"  skipped {m}: {why}" for m, why in report["skipped"].items()]
     if report["interrupted"]:
         lines.append("  INTERRUPTED: partial results")
-    head = (f"{'method':<16}{'ratio':>6}{'batch':>6}{'median s':>10}{'min s':>9}{'max s':>9}{'n':>3}"
-            f"{'speedup':>9}{'effic.':>8}{'eff/min':>8}{'overhead':>10}  select/weights/merge/unmerge")
+    head = (
+        f"{'method':<16}{'ratio':>6}{'batch':>6}{'median s':>10}{'min s':>9}{'max s':>9}{'n':>3}"
+        f"{'speedup':>9}{'effic.':>8}{'eff/min':>8}{'overhead':>10}  select/weights/merge/unmerge"
+    )
     lines += ["", head, "-" * len(head)]
     for r in report["results"]:
         ov = r["overhead"] or {}
         parts = "/".join(cell(ov.get(p, 0) * 100 if ov else None, "{:.1f}") for p in OVERHEAD_PARTS) if ov else ""
         name = r["method"] + ("+compile" if r["compiled"] else "")
-        line = (f"{name:<16}{cell(r['ratio'], '{:g}'):>6}{r['batch']:>6}{r['median_s']:>10.3f}{r['min_s']:>9.3f}"
-                f"{r['max_s']:>9.3f}{len(r['times_s']):>3}{cell(r['speedup'], '{:.3f}x'):>9}"
-                f"{cell(None if r['efficiency'] is None else r['efficiency'] * 100, '{:.0f}%'):>8}"
-                f"{cell(None if r.get('efficiency_min') is None else r['efficiency_min'] * 100, '{:.0f}%'):>8}"
-                f"{cell(ov.get('total', 0) * 100 if ov else None, '{:.2f}%'):>10}  {parts}")
+        line = (
+            f"{name:<16}{cell(r['ratio'], '{:g}'):>6}{r['batch']:>6}{r['median_s']:>10.3f}{r['min_s']:>9.3f}"
+            f"{r['max_s']:>9.3f}{len(r['times_s']):>3}{cell(r['speedup'], '{:.3f}x'):>9}"
+            f"{cell(None if r['efficiency'] is None else r['efficiency'] * 100, '{:.0f}%'):>8}"
+            f"{cell(None if r.get('efficiency_min') is None else r['efficiency_min'] * 100, '{:.0f}%'):>8}"
+            f"{cell(ov.get('total', 0) * 100 if ov else None, '{:.2f}%'):>10}  {parts}"
+        )
         extra = [f"{k}={v:.2f}" for k, v in r.items() if k.startswith("vs_batch")]
         lines.append(line + ("  " + " ".join(extra) if extra else ""))
     counted = [r for r in report["results"] if r.get("kernels") is not None]
     if counted:
-        lines.append("kernels per forward (batch {}): ".format(counted[0]["batch"]) + "; ".join(
-            (r["method"] if r["ratio"] is None else f"{r['method']}@{r['ratio']:g}") + " "
-            + (f"{r['extra_kernels']:+d}" if r["method"] != "none" and r.get("extra_kernels") is not None
-               else str(r["kernels"]))
-            for r in counted
-        ))
+        lines.append(
+            "kernels per forward (batch {}): ".format(counted[0]["batch"])
+            + "; ".join(
+                (r["method"] if r["ratio"] is None else f"{r['method']}@{r['ratio']:g}")
+                + " "
+                + (
+                    f"{r['extra_kernels']:+d}"
+                    if r["method"] != "none" and r.get("extra_kernels") is not None
+                    else str(r["kernels"])
+                )
+                for r in counted
+            )
+        )
     flagged = [r for r in report["results"] if r.get("flags")]
     for r in flagged:
         name = r["method"] if r["ratio"] is None else f"{r['method']}@{r['ratio']:g}"
@@ -188,11 +206,13 @@ def format_report(report: dict[str, Any]) -> str:
     if flagged:
         lines.append("  the machine was too noisy for these rows: more --repeats, --threads 1, or a quiet machine help")
     lines.append("")
-    lines.append("speedup = unpatched median / median; efficiency = (unpatched - method) / (unpatched - ideal) at the "
-                 "same ratio, from medians (effic.) and from the fastest samples (eff/min, the least disturbed on a "
-                 "shared machine); overhead = profiled share of one forward (% of it) in selection, weights, merge, "
-                 "unmerge; kernels = ATen ops that launch a kernel (views excluded), unpatched in full, others as "
-                 "the number they add")
+    lines.append(
+        "speedup = unpatched median / median; efficiency = (unpatched - method) / (unpatched - ideal) at the "
+        "same ratio, from medians (effic.) and from the fastest samples (eff/min, the least disturbed on a "
+        "shared machine); overhead = profiled share of one forward (% of it) in selection, weights, merge, "
+        "unmerge; kernels = ATen ops that launch a kernel (views excluded), unpatched in full, others as "
+        "the number they add"
+    )
     return "\n".join(lines)
 
 
@@ -241,9 +261,14 @@ def plot_report(report: dict[str, Any], path: Path) -> bool:
         # a small sideways offset per method keeps error bars at the same ratio apart
         shift = 0.006 * (METHODS.index(method) - 2.5)
         xs = [r["ratio"] + shift for r in mine]
-        ax.errorbar(xs, [r["median_s"] for r in mine],
-                    yerr=[[r["median_s"] - r["min_s"] for r in mine], [r["max_s"] - r["median_s"] for r in mine]],
-                    marker="o", capsize=3, label=method)
+        ax.errorbar(
+            xs,
+            [r["median_s"] for r in mine],
+            yerr=[[r["median_s"] - r["min_s"] for r in mine], [r["max_s"] - r["median_s"] for r in mine]],
+            marker="o",
+            capsize=3,
+            label=method,
+        )
     ax.set_xticks(ratios)
     ax.set_xlabel("merge ratio (fraction of tokens removed)")
     ax.set_ylabel("seconds per denoiser forward (median)")
@@ -260,13 +285,24 @@ def _bars(ax: Any, rows: list[dict[str, Any]]) -> None:
     xs = range(len(ordered))
     medians = [r["median_s"] for r in ordered]
     colours = ["gray" if r["method"] == "none" else f"C{METHODS.index(split_method(r['method'])[0])}" for r in ordered]
-    ax.bar(xs, medians, color=colours,
-           yerr=[[r["median_s"] - r["min_s"] for r in ordered], [r["max_s"] - r["median_s"] for r in ordered]],
-           capsize=4)
+    ax.bar(
+        xs,
+        medians,
+        color=colours,
+        yerr=[[r["median_s"] - r["min_s"] for r in ordered], [r["max_s"] - r["median_s"] for r in ordered]],
+        capsize=4,
+    )
     ax.set_xticks(list(xs), [("none (unpatched)" if r["method"] == "none" else r["method"]) for r in ordered])
     for x, r in zip(xs, ordered):
         if r.get("speedup") and r["method"] != "none":
-            ax.annotate(f"{r['speedup']:.2f}x", (x, r["max_s"]), textcoords="offset points", xytext=(0, 3),
-                        ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                f"{r['speedup']:.2f}x",
+                (x, r["max_s"]),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     ax.set_ylabel("seconds per denoiser forward (median, min-max)")
     ax.grid(alpha=0.3, axis="y")

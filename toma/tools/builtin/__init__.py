@@ -47,10 +47,20 @@ _NO_TOMESD = "tomesd merges the transformer blocks of UNets only; {name} is a {k
 BUILTIN_MODELS: dict[str, BuiltinEntry] = {
     "builtin": BuiltinEntry(samplers.unet_sampler, "built-in digits", UNET_METHODS, _NO_CACHE),
     "builtin-unet": BuiltinEntry(samplers.unet_sampler, "built-in digits", UNET_METHODS, _NO_CACHE),
-    "builtin-dit": BuiltinEntry(samplers.dit_sampler, "built-in digits DiT (Flux)", TRANSFORMER_METHODS,
-                                _NO_TOMESD.format(name="the built-in DiT", kind="Flux"), transformer=True),
-    "builtin-video": BuiltinEntry(samplers.video_sampler, "built-in moving-digits video DiT (Wan)", TRANSFORMER_METHODS,
-                                  _NO_TOMESD.format(name="the built-in video DiT", kind="Wan"), transformer=True),
+    "builtin-dit": BuiltinEntry(
+        samplers.dit_sampler,
+        "built-in digits DiT (Flux)",
+        TRANSFORMER_METHODS,
+        _NO_TOMESD.format(name="the built-in DiT", kind="Flux"),
+        transformer=True,
+    ),
+    "builtin-video": BuiltinEntry(
+        samplers.video_sampler,
+        "built-in moving-digits video DiT (Wan)",
+        TRANSFORMER_METHODS,
+        _NO_TOMESD.format(name="the built-in video DiT", kind="Wan"),
+        transformer=True,
+    ),
 }
 
 
@@ -64,8 +74,10 @@ def builtin_name(model: str | None) -> str | None:
 def check_blocks(name: str, blocks: Any) -> None:
     """Raise ``ValueError`` naming ``--blocks`` when it is given for a built-in UNet (which would ignore it)."""
     if blocks is not None and not BUILTIN_MODELS[name].transformer:
-        raise ValueError(f"--blocks chooses transformer blocks; --model {name} is a UNet, whose merged "
-                         "attention levels --levels chooses (or use --model builtin-dit or builtin-video)")
+        raise ValueError(
+            f"--blocks chooses transformer blocks; --model {name} is a UNet, whose merged "
+            "attention levels --levels chooses (or use --model builtin-dit or builtin-video)"
+        )
 
 
 def check_methods(name: str, methods: Sequence[str]) -> None:
@@ -74,8 +86,10 @@ def check_methods(name: str, methods: Sequence[str]) -> None:
     # a step cache after "+" (toma eval --methods toma+fbcache) goes on transformers only
     bad = [m for m in methods if m.partition("+")[0] not in entry.methods or ("+" in m and not entry.transformer)]
     if bad:
-        raise ValueError(f"--methods {', '.join(bad)} cannot run on --model {name} ({entry.why_not}); "
-                         f"choose from {', '.join(entry.methods)}")
+        raise ValueError(
+            f"--methods {', '.join(bad)} cannot run on --model {name} ({entry.why_not}); "
+            f"choose from {', '.join(entry.methods)}"
+        )
 
 
 def load_sampler(name: str, path: Path | None = None) -> BuiltinSampler:

@@ -68,12 +68,18 @@ def unet_sampler(path: Path | None) -> BuiltinSampler:
 
     model = load_builtin() if path is None else load_builtin(path)
 
-    def draw(labels: Sequence[int], seeds: Sequence[int], steps: int, guidance: float | None, progress: bool | str) -> torch.Tensor:
+    def draw(
+        labels: Sequence[int], seeds: Sequence[int], steps: int, guidance: float | None, progress: bool | str
+    ) -> torch.Tensor:
         return sample(model, labels, seeds, steps=steps, guidance_scale=guidance, progress=progress)
 
     return BuiltinSampler(
-        name="builtin", denoiser=model.unet, draw=draw, classifier=model.classifier,
-        reference_mu=model.reference_mu, reference_sigma=model.reference_sigma,
+        name="builtin",
+        denoiser=model.unet,
+        draw=draw,
+        classifier=model.classifier,
+        reference_mu=model.reference_mu,
+        reference_sigma=model.reference_sigma,
         guidance_scale=model.guidance_scale,
     )
 
@@ -89,12 +95,18 @@ def dit_sampler(path: Path | None) -> BuiltinSampler:
     stats_dir = folder.parent if (folder.parent / "reference_stats.safetensors").is_file() else BUILTIN_DIR
     mu, sigma = load_reference_stats(stats_dir)
 
-    def draw(labels: Sequence[int], seeds: Sequence[int], steps: int, guidance: float | None, progress: bool | str) -> torch.Tensor:
+    def draw(
+        labels: Sequence[int], seeds: Sequence[int], steps: int, guidance: float | None, progress: bool | str
+    ) -> torch.Tensor:
         return sample(model, labels, seeds, steps=steps, guidance_scale=guidance, progress=progress)
 
     return BuiltinSampler(
-        name="builtin-dit", denoiser=model.transformer, draw=draw,
-        classifier=model.classifier, reference_mu=mu, reference_sigma=sigma,
+        name="builtin-dit",
+        denoiser=model.transformer,
+        draw=draw,
+        classifier=model.classifier,
+        reference_mu=mu,
+        reference_sigma=sigma,
         guidance_scale=model.guidance_scale,
     )
 
@@ -105,10 +117,18 @@ def video_sampler(path: Path | None) -> BuiltinSampler:
 
     model = load_video_dit(VIDEO_DIR if path is None else Path(path))
 
-    def draw(labels: Sequence[int], seeds: Sequence[int], steps: int, guidance: float | None, progress: bool | str) -> torch.Tensor:
+    def draw(
+        labels: Sequence[int], seeds: Sequence[int], steps: int, guidance: float | None, progress: bool | str
+    ) -> torch.Tensor:
         return sample_video(model, labels, seeds, steps=steps, guidance_scale=guidance, progress=bool(progress))
 
     return BuiltinSampler(
-        name="builtin-video", denoiser=model.transformer, draw=draw, classifier=model.classifier,
-        reference_mu=None, reference_sigma=None, guidance_scale=model.guidance_scale, classify=classify_frames,
+        name="builtin-video",
+        denoiser=model.transformer,
+        draw=draw,
+        classifier=model.classifier,
+        reference_mu=None,
+        reference_sigma=None,
+        guidance_scale=model.guidance_scale,
+        classify=classify_frames,
     )

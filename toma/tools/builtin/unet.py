@@ -131,9 +131,7 @@ class BuiltinModel:
 def builtin_available(path: Path | str = BUILTIN_DIR) -> bool:
     """Whether the trained built-in model files are present under ``path``."""
     path = Path(path)
-    return (path / "digits-unet" / "config.json").is_file() and (
-        path / "class_embeddings.safetensors"
-    ).is_file()
+    return (path / "digits-unet" / "config.json").is_file() and (path / "class_embeddings.safetensors").is_file()
 
 
 def load_builtin(path: Path | str = BUILTIN_DIR) -> BuiltinModel:
@@ -189,10 +187,7 @@ def initial_noise(seeds: Sequence[int], size: int = IMAGE_SIZE) -> torch.Tensor:
     Per-image seeds make every image reproducible regardless of batch size or of how
     images are split across processes.
     """
-    noise = [
-        torch.randn(1, size, size, generator=torch.Generator().manual_seed(int(s)))
-        for s in seeds
-    ]
+    noise = [torch.randn(1, size, size, generator=torch.Generator().manual_seed(int(s))) for s in seeds]
     return torch.stack(noise)
 
 
@@ -269,7 +264,9 @@ def sample(
 
 
 @torch.no_grad()
-def classify(classifier: DigitClassifier, images: torch.Tensor, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def classify(
+    classifier: DigitClassifier, images: torch.Tensor, batch_size: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Predicted labels ``(B,)`` and features ``(B, 64)`` for images ``(B, 1, 32, 32)`` in ``[0, 1]``."""
     if images.shape[0] == 0:
         return torch.empty(0, dtype=torch.long), torch.empty(0, FEATURE_DIM)

@@ -16,8 +16,9 @@ BUILTIN_UPSCALE = 4  # 32x32 digits are shown at 128x128
 LABEL_HEIGHT = 14  # pixels of the strip under each cell that holds its label
 
 
-def make_grid(images: torch.Tensor, ncols: int | None = None, upscale: int = 1, pad: int = 2,
-              labels: Sequence[str] | None = None) -> Any:
+def make_grid(
+    images: torch.Tensor, ncols: int | None = None, upscale: int = 1, pad: int = 2, labels: Sequence[str] | None = None
+) -> Any:
     """Tile images ``(B, C, H, W)`` in ``[0, 1]`` (C = 1 or 3) into one ``PIL.Image``.
 
     ``labels``: one text per image, written under it (the digit class, say).

@@ -13,43 +13,93 @@ if TYPE_CHECKING:
     import torch
 
 # --dtype spellings -> torch dtype names
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 
 
 def add_frames_option(p: argparse.ArgumentParser) -> None:
     """``--frames``, shared by ``generate`` and ``eval``."""
-    p.add_argument("--frames", type=int, default=None,
-                   help="video pipelines (Wan, LTX, ...): frames per clip (default: the pipeline's); "
-                        "generate writes an animated GIF with --out *.gif, else a strip of frames")
+    p.add_argument(
+        "--frames",
+        type=int,
+        default=None,
+        help="video pipelines (Wan, LTX, ...): frames per clip (default: the pipeline's); "
+        "generate writes an animated GIF with --out *.gif, else a strip of frames",
+    )
 
 
 def add_toma_options(p: argparse.ArgumentParser) -> None:
     """The ToMA settings shared by ``generate`` and ``eval``."""
-    p.add_argument("--selection", default="facility", choices=["facility", "random", "grid"], help="ToMA destination selection")
+    p.add_argument(
+        "--selection", default="facility", choices=["facility", "random", "grid"], help="ToMA destination selection"
+    )
     p.add_argument("--tile-size", type=int, default=4, help="ToMA tile side in tokens (default 4)")
-    p.add_argument("--levels", type=int, default=1, help="UNet attention levels to merge, from the highest resolution (default 1)")
+    p.add_argument(
+        "--levels", type=int, default=1, help="UNet attention levels to merge, from the highest resolution (default 1)"
+    )
     p.add_argument("--temperature", type=float, default=None, help="ToMA assignment temperature (default: ToMA's)")
-    p.add_argument("--proportional-attention", dest="proportional_attention", action="store_true", default=None,
-                   help="log-mass bias in merged self-attention (default: on for UNets, off for Flux)")
-    p.add_argument("--no-proportional-attention", dest="proportional_attention", action="store_false", default=None,
-                   help="no log-mass bias (the paper's plain merged attention)")
-    p.add_argument("--blocks", type=parse_blocks, default=None, metavar="STACK=I,J-K;...",
-                   help="transformers: blocks that merge, e.g. 'transformer_blocks=0-1;single_transformer_blocks=2,3' "
-                        "(stacks left out merge nothing; default: the family's rule)")
-    p.add_argument("--merge-mlp", action="store_true", default=None,
-                   help="also merge the MLPs (feed-forward) of the merged blocks")
-    p.add_argument("--mlp-ratio", type=float, default=None, help="ratio for the MLPs (default: the ratio; needs --merge-mlp)")
-    p.add_argument("--mlp-levels", type=parse_levels, default=None, metavar="I,J",
-                   help="UNets: attention levels whose MLPs merge, e.g. 2 (default: every merged level; needs --merge-mlp)")
-    p.add_argument("--merge-crossattn", action="store_true", default=None,
-                   help="also merge the queries of cross-attention to text (UNets, PixArt, Wan, LTX)")
-    p.add_argument("--crossattn-ratio", type=float, default=None,
-                   help="ratio for cross-attention queries (default: the ratio; needs --merge-crossattn)")
-    p.add_argument("--start-step", type=int, default=None,
-                   help="merge only from this denoising step on (0 = the first; earlier steps run unmerged)")
-    p.add_argument("--stop-step", type=int, default=None,
-                   help="merge only before this denoising step (default: to the end)")
+    p.add_argument(
+        "--proportional-attention",
+        dest="proportional_attention",
+        action="store_true",
+        default=None,
+        help="log-mass bias in merged self-attention (default: on for UNets, off for Flux)",
+    )
+    p.add_argument(
+        "--no-proportional-attention",
+        dest="proportional_attention",
+        action="store_false",
+        default=None,
+        help="no log-mass bias (the paper's plain merged attention)",
+    )
+    p.add_argument(
+        "--blocks",
+        type=parse_blocks,
+        default=None,
+        metavar="STACK=I,J-K;...",
+        help="transformers: blocks that merge, e.g. 'transformer_blocks=0-1;single_transformer_blocks=2,3' "
+        "(stacks left out merge nothing; default: the family's rule)",
+    )
+    p.add_argument(
+        "--merge-mlp", action="store_true", default=None, help="also merge the MLPs (feed-forward) of the merged blocks"
+    )
+    p.add_argument(
+        "--mlp-ratio", type=float, default=None, help="ratio for the MLPs (default: the ratio; needs --merge-mlp)"
+    )
+    p.add_argument(
+        "--mlp-levels",
+        type=parse_levels,
+        default=None,
+        metavar="I,J",
+        help="UNets: attention levels whose MLPs merge, e.g. 2 (default: every merged level; needs --merge-mlp)",
+    )
+    p.add_argument(
+        "--merge-crossattn",
+        action="store_true",
+        default=None,
+        help="also merge the queries of cross-attention to text (UNets, PixArt, Wan, LTX)",
+    )
+    p.add_argument(
+        "--crossattn-ratio",
+        type=float,
+        default=None,
+        help="ratio for cross-attention queries (default: the ratio; needs --merge-crossattn)",
+    )
+    p.add_argument(
+        "--start-step",
+        type=int,
+        default=None,
+        help="merge only from this denoising step on (0 = the first; earlier steps run unmerged)",
+    )
+    p.add_argument(
+        "--stop-step", type=int, default=None, help="merge only before this denoising step (default: to the end)"
+    )
 
 
 def default_threads(args: argparse.Namespace) -> int | None:
@@ -72,7 +122,16 @@ def toma_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["temperature"] = args.temperature
     if getattr(args, "proportional_attention", None) is not None:
         opts["proportional_attention"] = args.proportional_attention
-    for name in ("blocks", "merge_mlp", "mlp_ratio", "mlp_levels", "merge_crossattn", "crossattn_ratio", "start_step", "stop_step"):
+    for name in (
+        "blocks",
+        "merge_mlp",
+        "mlp_ratio",
+        "mlp_levels",
+        "merge_crossattn",
+        "crossattn_ratio",
+        "start_step",
+        "stop_step",
+    ):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
     return opts
@@ -83,7 +142,9 @@ def parse_levels(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated level numbers such as 2 or 1,2; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated level numbers such as 2 or 1,2; got {text!r}"
+        ) from None
 
 
 def parse_blocks(text: str) -> dict[str, tuple[int, ...]]:

@@ -64,8 +64,15 @@ def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
     return pipe.to(device)
 
 
-def pipeline_call(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], steps: int, args: argparse.Namespace,
-                  device: str, progress: bool | str = True) -> torch.Tensor:
+def pipeline_call(
+    pipe: Any,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    steps: int,
+    args: argparse.Namespace,
+    device: str,
+    progress: bool | str = True,
+) -> torch.Tensor:
     """Run a pipeline once per prompt/seed pair; returns images ``(B, 3, H, W)`` in ``[0, 1]``,
     or clips ``(B, T, 3, H, W)`` from a video pipeline.
 
@@ -74,7 +81,9 @@ def pipeline_call(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], steps
     import torch
 
     # the config persists on the pipeline: reset the label when none is given
-    pipe.set_progress_bar_config(disable=not progress, leave=False, desc=progress if isinstance(progress, str) else None)
+    pipe.set_progress_bar_config(
+        disable=not progress, leave=False, desc=progress if isinstance(progress, str) else None
+    )
     kwargs: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt"}
     if getattr(args, "frames", None) is not None:
         kwargs["num_frames"] = args.frames

@@ -29,9 +29,16 @@ from typing import Any
 
 # nothing here imports torch: ``toma doctor --help`` answers without it
 
-DTYPE_NAMES = {"fp16": "float16", "float16": "float16", "half": "float16",
-               "bf16": "bfloat16", "bfloat16": "bfloat16",
-               "fp32": "float32", "float32": "float32", "float": "float32"}
+DTYPE_NAMES = {
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
 KERNEL_CHOICES = ("auto", "torch", "triton")
 
 
@@ -46,38 +53,79 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (a GPU if torch sees one)")
-    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=None,
-                   help="TOMA_KERNELS for this run (default: the environment's, else auto); triton on the CPU "
-                        "runs the kernels in Triton's interpreter, slowly: keep --grid and --channels small")
-    p.add_argument("--grid", type=grid_size, default=None,
-                   help="token grid of the merge checks, N or HxW (default 64; 8 in Triton's interpreter)")
-    p.add_argument("--channels", type=positive_int, default=None,
-                   help="channels of the merge checks (default 3072, Flux's width; 320 on the CPU, 32 in Triton's "
-                        "interpreter)")
+    p.add_argument(
+        "--kernels",
+        choices=KERNEL_CHOICES,
+        default=None,
+        help="TOMA_KERNELS for this run (default: the environment's, else auto); triton on the CPU "
+        "runs the kernels in Triton's interpreter, slowly: keep --grid and --channels small",
+    )
+    p.add_argument(
+        "--grid",
+        type=grid_size,
+        default=None,
+        help="token grid of the merge checks, N or HxW (default 64; 8 in Triton's interpreter)",
+    )
+    p.add_argument(
+        "--channels",
+        type=positive_int,
+        default=None,
+        help="channels of the merge checks (default 3072, Flux's width; 320 on the CPU, 32 in Triton's interpreter)",
+    )
     p.add_argument("--batch", type=positive_int, default=2, help="batch of the merge checks")
     p.add_argument("--tile", type=positive_int, default=4, help="tile side in tokens")
     p.add_argument("--ratio", type=merge_ratio, default=0.5, help="merge ratio, in [0, 1)")
-    p.add_argument("--dtypes", type=dtype_list, default="fp16,bf16,fp32",
-                   help="comma-separated dtypes of the merge and kernel checks, from fp16, bf16, fp32")
-    p.add_argument("--attn-grid", type=grid_size, default=None,
-                   help="token grid of the attention checks (default 64, Flux at 1024px: 4096 tokens; 32 on the CPU, "
-                        "8 in Triton's interpreter)")
-    p.add_argument("--heads", type=positive_int, default=None,
-                   help="attention heads (default 24, Flux's; 2 in Triton's interpreter)")
-    p.add_argument("--head-dim", type=positive_int, default=None,
-                   help="channels per head (default 128, Flux's; 16 in Triton's interpreter)")
+    p.add_argument(
+        "--dtypes",
+        type=dtype_list,
+        default="fp16,bf16,fp32",
+        help="comma-separated dtypes of the merge and kernel checks, from fp16, bf16, fp32",
+    )
+    p.add_argument(
+        "--attn-grid",
+        type=grid_size,
+        default=None,
+        help="token grid of the attention checks (default 64, Flux at 1024px: 4096 tokens; 32 on the CPU, "
+        "8 in Triton's interpreter)",
+    )
+    p.add_argument(
+        "--heads",
+        type=positive_int,
+        default=None,
+        help="attention heads (default 24, Flux's; 2 in Triton's interpreter)",
+    )
+    p.add_argument(
+        "--head-dim",
+        type=positive_int,
+        default=None,
+        help="channels per head (default 128, Flux's; 16 in Triton's interpreter)",
+    )
     p.add_argument("--attn-batch", type=positive_int, default=1, help="batch of the attention checks")
-    p.add_argument("--attn-dtype", type=single_dtype, default=None,
-                   help="dtype of the attention checks (default bf16 on a GPU, fp32 on the CPU)")
-    p.add_argument("--backends", default="all",
-                   help="comma-separated diffusers attention backends to try, or all, or none")
-    p.add_argument("--hub-backends", action="store_true",
-                   help="also try the backends whose kernels diffusers downloads from the Hugging Face Hub "
-                        "(not tried otherwise: the doctor downloads nothing)")
-    p.add_argument("--repeats", type=positive_int, default=None,
-                   help="timed runs per measurement, the median reported (default 5 on a GPU, 3 on the CPU)")
+    p.add_argument(
+        "--attn-dtype",
+        type=single_dtype,
+        default=None,
+        help="dtype of the attention checks (default bf16 on a GPU, fp32 on the CPU)",
+    )
+    p.add_argument(
+        "--backends", default="all", help="comma-separated diffusers attention backends to try, or all, or none"
+    )
+    p.add_argument(
+        "--hub-backends",
+        action="store_true",
+        help="also try the backends whose kernels diffusers downloads from the Hugging Face Hub "
+        "(not tried otherwise: the doctor downloads nothing)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=None,
+        help="timed runs per measurement, the median reported (default 5 on a GPU, 3 on the CPU)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the full report as JSON to PATH")
+    p.add_argument(
+        "--json", dest="json_path", default=None, metavar="PATH", help="write the full report as JSON to PATH"
+    )
     p.set_defaults(func=_run)
 
 

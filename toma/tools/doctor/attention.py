@@ -51,8 +51,10 @@ class AttentionSetup:
 
     def describe(self) -> str:
         """What the attention checks run on."""
-        return (f"{self.h}x{self.w} = {self.tokens} tokens, {self.heads} heads of {self.head_dim}, batch {self.batch}, "
-                f"{nm.dtype_name(self.dtype)}, ratio {self.ratio:g}, median of {self.repeats}")
+        return (
+            f"{self.h}x{self.w} = {self.tokens} tokens, {self.heads} heads of {self.head_dim}, batch {self.batch}, "
+            f"{nm.dtype_name(self.dtype)}, ratio {self.ratio:g}, median of {self.repeats}"
+        )
 
 
 def sync(device: torch.device) -> None:
@@ -148,16 +150,27 @@ def attention_checks(report: Report, a: AttentionSetup, timings_mean_little: boo
         err = relative_error(out, full)
         floor = relative_error(plan.unmerge(plan.merge(full)), full)
         shared.update(ma=ma, plan=plan, merged_qkv=merged_qkv, full=full, full_s=full_s)
-        data = {"unmerged_s": full_s, "merged_s": total_s, "plan_s": plan_s, "merge_s": merge_s,
-                "attention_merged_s": attn_s, "unmerge_s": unmerge_s, "speedup": full_s / total_s,
-                "relative_error": err, "round_trip_error": floor, "merged_tokens": plan.num_merged}
+        data = {
+            "unmerged_s": full_s,
+            "merged_s": total_s,
+            "plan_s": plan_s,
+            "merge_s": merge_s,
+            "attention_merged_s": attn_s,
+            "unmerge_s": unmerge_s,
+            "speedup": full_s / total_s,
+            "relative_error": err,
+            "round_trip_error": floor,
+            "merged_tokens": plan.num_merged,
+        }
         if timings_mean_little:
             data["timings"] = "Triton's interpreter: not the kernels' speed"
         else:
             report.notes.append(f"merged attention {full_s / total_s:.2f}x as fast as unmerged at {a.tokens} tokens")
-        return (f"unmerged {_ms(full_s)}, merged {_ms(total_s)} (merge {_ms(merge_s)} + attention {_ms(attn_s)} + "
-                f"unmerge {_ms(unmerge_s)}): {full_s / total_s:.2f}x; relative error {err:.3f} (the plan's round trip "
-                f"of the exact output alone: {floor:.3f}); plan {_ms(plan_s)}, once per step and group of blocks"), data
+        return (
+            f"unmerged {_ms(full_s)}, merged {_ms(total_s)} (merge {_ms(merge_s)} + attention {_ms(attn_s)} + "
+            f"unmerge {_ms(unmerge_s)}): {full_s / total_s:.2f}x; relative error {err:.3f} (the plan's round trip "
+            f"of the exact output alone: {floor:.3f}); plan {_ms(plan_s)}, once per step and group of blocks"
+        ), data
 
     report.check("merged vs unmerged attention", run_plain)
     if "plan" not in shared:
@@ -170,10 +183,16 @@ def attention_checks(report: Report, a: AttentionSetup, timings_mean_little: boo
         attn_s, _ = timed(lambda: ma.attend(shared["merged_qkv"], bias), a.repeats, a.device)
         _finite(out, "merged attention with the log-mass bias")
         err = relative_error(out, full)
-        data = {"merged_s": total_s, "attention_merged_s": attn_s, "speedup": shared["full_s"] / total_s,
-                "relative_error": err}
-        return (f"merged {_ms(total_s)} (attention {_ms(attn_s)} with the float mask): "
-                f"{shared['full_s'] / total_s:.2f}x; relative error {err:.3f}"), data
+        data = {
+            "merged_s": total_s,
+            "attention_merged_s": attn_s,
+            "speedup": shared["full_s"] / total_s,
+            "relative_error": err,
+        }
+        return (
+            f"merged {_ms(total_s)} (attention {_ms(attn_s)} with the float mask): "
+            f"{shared['full_s'] / total_s:.2f}x; relative error {err:.3f}"
+        ), data
 
     report.check("merged attention, proportional (log-mass key bias)", run_proportional)
     return shared
@@ -206,8 +225,10 @@ def backend_names(spec: str) -> list[str]:
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"--backends: unknown attention backend(s) {', '.join(unknown)}; diffusers {_diffusers()} "
-                         f"offers {', '.join(known)}")
+        raise ValueError(
+            f"--backends: unknown attention backend(s) {', '.join(unknown)}; diffusers {_diffusers()} "
+            f"offers {', '.join(known)}"
+        )
     return names
 
 
@@ -247,7 +268,9 @@ def backend_checks(report: Report, a: AttentionSetup, shared: dict[str, Any], na
         tol = nm.attention(a.dtype, a.head_dim, q.shape[1], logit_bound, value_bound, quantized="sage" in name)
         for masked in (False, True):
             label = f"{name} + log-mass bias" if masked else name
-            report.check(label, lambda: _run_backend(ad, backend, q, k, v, bias if masked else None, refs, tol, timings))
+            report.check(
+                label, lambda: _run_backend(ad, backend, q, k, v, bias if masked else None, refs, tol, timings)
+            )
     if unavailable:
         report.say(f"  {'skip':<8} not available here: {len(unavailable)} backends")
         for line in _grouped(unavailable):
@@ -302,13 +325,23 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Te
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with strict_matmul(), sdpa_kernel(SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)),
-                                             attn_mask=None if bias is None else bias.float())
+        out = F.scaled_dot_product_attention(
+            *(t.float().transpose(1, 2) for t in (q, k, v)), attn_mask=None if bias is None else bias.float()
+        )
     return out.transpose(1, 2)
 
 
-def _run_backend(ad: Any, backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                 refs: dict[bool, torch.Tensor], tol: nm.Tolerance, repeats: int) -> tuple[str, dict]:
+def _run_backend(
+    ad: Any,
+    backend: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    refs: dict[bool, torch.Tensor],
+    tol: nm.Tolerance,
+    repeats: int,
+) -> tuple[str, dict]:
     from toma.adapters.attention import KeyBias, biased_dispatch, rule
 
     masked = bias is not None
@@ -339,11 +372,17 @@ def _run_backend(ad: Any, backend: Any, q: torch.Tensor, k: torch.Tensor, v: tor
         effect = relative_error(refs[True], refs[False])
         data.update(error_to_masked=err_masked, error_to_unmasked=err_plain, mask_effect=effect)
         if err_masked >= err_plain and c.ok:
-            return (f"{c.detail} ({_ms(seconds)}); the bias moves the output by only {effect:.2g} here, too little "
-                    "to tell whether it was applied"), data
+            return (
+                f"{c.detail} ({_ms(seconds)}); the bias moves the output by only {effect:.2g} here, too little "
+                "to tell whether it was applied"
+            ), data
         if err_masked >= err_plain:
-            raise Outcome("fail", f"the mask seems ignored: the output is nearer the unmasked result ({err_plain:.2g}) "
-                                  f"than the masked one ({err_masked:.2g})", data)
+            raise Outcome(
+                "fail",
+                f"the mask seems ignored: the output is nearer the unmasked result ({err_plain:.2g}) "
+                f"than the masked one ({err_masked:.2g})",
+                data,
+            )
     if not c.ok:
         raise Outcome("fail", c.detail, data)
     return f"{form + ': ' if form else ''}{c.detail} ({_ms(seconds)})", data

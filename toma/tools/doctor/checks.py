@@ -55,8 +55,10 @@ def _environment(args: argparse.Namespace) -> Iterator[str | None]:
         else:
             if mode == "triton" and _wants_cpu(args.device) and not env.interpreter_on():
                 if env.triton_loaded():
-                    problem = ("--kernels triton on the CPU runs Triton's interpreter, which is switched on before "
-                               "triton loads: set TRITON_INTERPRET=1 in the environment")
+                    problem = (
+                        "--kernels triton on the CPU runs Triton's interpreter, which is switched on before "
+                        "triton loads: set TRITON_INTERPRET=1 in the environment"
+                    )
                 else:
                     os.environ["TRITON_INTERPRET"] = "1"
         yield problem
@@ -108,8 +110,19 @@ def _run(args: argparse.Namespace) -> int:
     report.say(f"kernels:  {path}: {why}" + (" (Triton's interpreter: slow, tiny sizes)" if interpreter else ""))
 
     merge = MergeSetup(device, h, w, pick("channels"), args.batch, args.tile, args.ratio, dtypes, args.seed)
-    attn = AttentionSetup(device, ah, aw, pick("heads"), pick("head_dim"), args.attn_batch, attn_dtype, args.ratio,
-                          args.tile, repeats, args.seed)
+    attn = AttentionSetup(
+        device,
+        ah,
+        aw,
+        pick("heads"),
+        pick("head_dim"),
+        args.attn_batch,
+        attn_dtype,
+        args.ratio,
+        args.tile,
+        repeats,
+        args.seed,
+    )
     size_note = ""
     if device.type == "cpu" and args.attn_grid is None and not interpreter:
         size_note = " (smaller than Flux's 4096 on the CPU; --attn-grid 64 for that)"
@@ -123,11 +136,26 @@ def _run(args: argparse.Namespace) -> int:
         "versions": versions,
         "device": dev,
         "kernels": {"mode": mode, "path": path, "why": why, "interpreter": interpreter},
-        "sizes": {"merge": {"grid": [h, w], "channels": merge.channels, "batch": merge.batch, "tile": args.tile,
-                            "ratio": args.ratio, "merged_tokens": merge.layout.num_merged,
-                            "temperature": merge.config.temperature, "dtypes": [_dname(d) for d in dtypes]},
-                  "attention": {"grid": [ah, aw], "heads": attn.heads, "head_dim": attn.head_dim,
-                                "batch": attn.batch, "dtype": _dname(attn_dtype), "repeats": repeats}},
+        "sizes": {
+            "merge": {
+                "grid": [h, w],
+                "channels": merge.channels,
+                "batch": merge.batch,
+                "tile": args.tile,
+                "ratio": args.ratio,
+                "merged_tokens": merge.layout.num_merged,
+                "temperature": merge.config.temperature,
+                "dtypes": [_dname(d) for d in dtypes],
+            },
+            "attention": {
+                "grid": [ah, aw],
+                "heads": attn.heads,
+                "head_dim": attn.head_dim,
+                "batch": attn.batch,
+                "dtype": _dname(attn_dtype),
+                "repeats": repeats,
+            },
+        },
     }
 
     report.heading("torch path", "plans, merges and unmerges against a float64 reference")
@@ -217,8 +245,10 @@ def _kernel_skip(device: torch.device, mode: str, path: str, why: str) -> Outcom
         where = "" if device.type == "cpu" else "; pip install triton (CUDA builds of torch bring it)"
         return Outcome("skip", f"skipped: triton is not installed{where}")
     if device.type != "cuda":
-        return Outcome("skip", f"skipped: no GPU here ({why}); --kernels triton runs them in Triton's interpreter "
-                               "(slow, tiny sizes)")
+        return Outcome(
+            "skip",
+            f"skipped: no GPU here ({why}); --kernels triton runs them in Triton's interpreter (slow, tiny sizes)",
+        )
     if "every kernel failed" in why:
         return Outcome("fallback", f"every Triton kernel takes the torch path: {why}")
     return Outcome("skip", f"skipped: {why}")

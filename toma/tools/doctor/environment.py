@@ -45,8 +45,10 @@ def versions() -> dict[str, Any]:
 def format_versions(v: dict[str, Any]) -> str:
     """One line of versions."""
     build = f"CUDA {v['cuda']}" if v["cuda"] else f"ROCm {v['hip']}" if v["hip"] else "CPU-only build"
-    return (f"toma {v['toma']}, python {v['python']}, torch {v['torch']} ({build}), "
-            f"triton {v['triton'] or 'not installed'}, diffusers {v['diffusers'] or 'not installed'}")
+    return (
+        f"toma {v['toma']}, python {v['python']}, torch {v['torch']} ({build}), "
+        f"triton {v['triton'] or 'not installed'}, diffusers {v['diffusers'] or 'not installed'}"
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,8 +68,10 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"--device {name}: torch sees no GPU ({no_gpu_reason()})")
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: torch sees {torch.cuda.device_count()} GPU(s), cuda:0 to "
-                         f"cuda:{torch.cuda.device_count() - 1}")
+        raise ValueError(
+            f"--device {name}: torch sees {torch.cuda.device_count()} GPU(s), cuda:0 to "
+            f"cuda:{torch.cuda.device_count() - 1}"
+        )
     return torch.device("cuda", index)
 
 
@@ -85,8 +89,12 @@ def device_info(device: torch.device) -> dict[str, Any]:
     """Name, compute capability or AMD ISA, memory, and the toma target table's row with its
     shared memory per block (and the device's own figure where torch reports one)."""
     if device.type != "cuda":
-        return {"type": device.type, "name": platform.processor() or platform.machine(),
-                "threads": torch.get_num_threads(), "no_gpu": no_gpu_reason() if not torch.cuda.is_available() else None}
+        return {
+            "type": device.type,
+            "name": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "no_gpu": no_gpu_reason() if not torch.cuda.is_available() else None,
+        }
     props = torch.cuda.get_device_properties(device)
     arch = getattr(props, "gcnArchName", None) if getattr(torch.version, "hip", None) else None
     capability = (props.major, props.minor)
@@ -117,14 +125,20 @@ def format_device(info: dict[str, Any]) -> list[str]:
     row, own = info["target"], info["shared_per_block_optin"]
     own_text = f"; the device reports {own // 1024} KB" if own else ""
     if row is None:
-        lines.append("target:   not in toma's GPU target table (toma.kernels.targets): the kernels are not compiled "
-                     f"ahead of time for it; the fit check still reads the device's limit{own_text}")
+        lines.append(
+            "target:   not in toma's GPU target table (toma.kernels.targets): the kernels are not compiled "
+            f"ahead of time for it; the fit check still reads the device's limit{own_text}"
+        )
     else:
-        lines.append(f"target:   {row['name']} ({row['example']}): {row['shared'] // 1024} KB shared memory per block, "
-                     f"warp {row['warp']}{own_text}")
+        lines.append(
+            f"target:   {row['name']} ({row['example']}): {row['shared'] // 1024} KB shared memory per block, "
+            f"warp {row['warp']}{own_text}"
+        )
         if own and own != row["shared"]:
-            lines.append(f"          note: the table says {row['shared']} bytes, the device {own}: "
-                         "the kernels' fit check uses the device's figure")
+            lines.append(
+                f"          note: the table says {row['shared']} bytes, the device {own}: "
+                "the kernels' fit check uses the device's figure"
+            )
     return lines
 
 

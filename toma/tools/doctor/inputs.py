@@ -64,8 +64,14 @@ def reference_merge(x: torch.Tensor, merge_w: torch.Tensor, rows: torch.Tensor, 
     return out
 
 
-def reference_unmerge(y: torch.Tensor, unmerge_w: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor,
-                      num_tokens: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+def reference_unmerge(
+    y: torch.Tensor,
+    unmerge_w: torch.Tensor,
+    rows: torch.Tensor,
+    dst: torch.Tensor,
+    num_tokens: int,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The unmerged tokens ``(B, N, C)`` in raster order, in float64: every real slot mixes
     its tile's destinations with ``unmerge_w`` ``(Bp, T, n, k)``; plus ``residual``."""
     b, _, c = y.shape
@@ -118,8 +124,17 @@ def cluster_sizes(real: int, keep: int) -> list[int]:
     return sizes + [1] * (keep - groups)
 
 
-def margin_tokens(h: int, w: int, th: int, tw: int, keep: tuple[int, ...], slots: int, batch: int, channels: int,
-                  generator: torch.Generator) -> MarginTokens:
+def margin_tokens(
+    h: int,
+    w: int,
+    th: int,
+    tw: int,
+    keep: tuple[int, ...],
+    slots: int,
+    batch: int,
+    channels: int,
+    generator: torch.Generator,
+) -> MarginTokens:
     """Tokens whose destinations the greedy must pick, for every tile of an ``h x w`` grid.
 
     Each tile's ``keep`` clusters point in mutually orthogonal directions (rows of a
@@ -140,12 +155,14 @@ def margin_tokens(h: int, w: int, th: int, tw: int, keep: tuple[int, ...], slots
     n = rows.shape[1]
     size = 1 << max(0, (n - 1).bit_length())
     if channels < size:
-        raise NoMarginDesign(f"tiles of {n} slots need at least {size} channels for orthogonal directions; got {channels}")
+        raise NoMarginDesign(
+            f"tiles of {n} slots need at least {size} channels for orthogonal directions; got {channels}"
+        )
     reps = channels // size
     spread = hadamard(size).repeat(1, reps)
     signs = torch.randint(0, 2, (spread.shape[1],), generator=generator) * 2 - 1
     directions = torch.zeros(size, channels)
-    directions[:, :spread.shape[1]] = spread * signs
+    directions[:, : spread.shape[1]] = spread * signs
     directions = directions[:, torch.randperm(channels, generator=generator)]
 
     x = torch.zeros(batch, h * w, channels)

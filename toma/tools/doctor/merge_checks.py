@@ -74,8 +74,10 @@ class MergeSetup:
     def describe(self) -> str:
         """What the checks run on."""
         lay = self.layout
-        return (f"{self.h}x{self.w} tokens x {self.channels} channels, batch {self.batch}, tile {lay.th}x{lay.tw}, "
-                f"ratio {self.ratio:g} ({lay.num_merged} merged tokens), temperature {self.config.temperature:g}")
+        return (
+            f"{self.h}x{self.w} tokens x {self.channels} channels, batch {self.batch}, tile {lay.th}x{lay.tw}, "
+            f"ratio {self.ratio:g} ({lay.num_merged} merged tokens), temperature {self.config.temperature:g}"
+        )
 
     def random(self, *shape: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
         """Standard normal values (drawn on the CPU, so every device gets the same), in ``dtype``."""
@@ -108,8 +110,12 @@ def strict_matmul() -> Iterator[None]:
     tolerances assume: TF32 and cuBLAS' reduced-precision split-K reductions round
     intermediate sums to fewer bits. Restores the settings after."""
     m = torch.backends.cuda.matmul
-    saved = (torch.get_float32_matmul_precision(), m.allow_fp16_reduced_precision_reduction,
-             m.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32)
+    saved = (
+        torch.get_float32_matmul_precision(),
+        m.allow_fp16_reduced_precision_reduction,
+        m.allow_bf16_reduced_precision_reduction,
+        torch.backends.cudnn.allow_tf32,
+    )
     torch.set_float32_matmul_precision("highest")
     m.allow_fp16_reduced_precision_reduction = False
     m.allow_bf16_reduced_precision_reduction = False
@@ -141,12 +147,23 @@ def _all_pass(named: dict[str, nm.Comparison]) -> tuple[str, dict[str, Any]]:
 def torch_path_checks(report: Report, s: MergeSetup) -> None:
     """Plans (margin tokens, weight sums) and merges/unmerges of the torch path against a
     float64 reference, per dtype."""
-    report.say("  (bounds are the worst case of the dtype's rounding: a correct result may come near one, "
-               "a bug lands orders of magnitude beyond)")
+    report.say(
+        "  (bounds are the worst case of the dtype's rounding: a correct result may come near one, "
+        "a bug lands orders of magnitude beyond)"
+    )
     for dtype in s.dtypes:
         name = nm.dtype_name(dtype)
         x = s.random(s.batch, s.tokens, s.channels, dtype=dtype, salt=1)
-        plan = _once(lambda: build_plan(to_tiles(x, s.layout, s.index.gather_index), s.layout, dtype, selection=s.config.selection, temperature=s.config.temperature, index=s.index))
+        plan = _once(
+            lambda: build_plan(
+                to_tiles(x, s.layout, s.index.gather_index),
+                s.layout,
+                dtype,
+                selection=s.config.selection,
+                temperature=s.config.temperature,
+                index=s.index,
+            )
+        )
         report.check(f"{name} plan on margin tokens", lambda: _torch_margin_plan(s, dtype))
         report.check(f"{name} plan weights", lambda: _weight_sums(s, plan(), dtype))
         report.check(f"{name} merge", lambda: _torch_merge(s, plan(), x, dtype))
@@ -175,7 +192,14 @@ def _torch_margin_plan(s: MergeSetup, dtype: torch.dtype) -> tuple[str, dict]:
     except NoMarginDesign as err:
         raise Outcome("skip", str(err)) from None
     x = x.to(dtype)
-    plan = build_plan(to_tiles(x, s.layout, s.index.gather_index), s.layout, dtype, selection=s.config.selection, temperature=s.config.temperature, index=s.index)
+    plan = build_plan(
+        to_tiles(x, s.layout, s.index.gather_index),
+        s.layout,
+        dtype,
+        selection=s.config.selection,
+        temperature=s.config.temperature,
+        index=s.index,
+    )
     return _destinations_as_designed(plan.dest, expected, margin, "torch greedy")
 
 
@@ -184,12 +208,21 @@ def _destinations_as_designed(dest: torch.Tensor, expected: torch.Tensor, margin
     wrong = ((dest != expected) & used).any(-1)  # (B, T): tiles with a destination off the design
     designed = used.any(-1)
     tiles, all_tiles = int(designed.sum()), designed.numel()
-    data = {"tiles": tiles, "tiles_without_design": all_tiles - tiles, "wrong_tiles": int(wrong.sum()), "margin": margin}
+    data = {
+        "tiles": tiles,
+        "tiles_without_design": all_tiles - tiles,
+        "wrong_tiles": int(wrong.sum()),
+        "margin": margin,
+    }
     if wrong.any():
         b, t = (int(i) for i in wrong.nonzero()[0])
         got, want = dest[b, t][used[b, t]].tolist(), expected[b, t][used[b, t]].tolist()
-        raise Outcome("fail", f"{int(wrong.sum())} of {tiles} tiles off the design (batch {b}, tile {t}: {who} "
-                              f"picked {got}, designed {want})", data)
+        raise Outcome(
+            "fail",
+            f"{int(wrong.sum())} of {tiles} tiles off the design (batch {b}, tile {t}: {who} "
+            f"picked {got}, designed {want})",
+            data,
+        )
     left = f"; {all_tiles - tiles} edge tiles have no design and are not checked" if tiles < all_tiles else ""
     gap = f"smallest greedy margin {margin:.3f}" if math.isfinite(margin) else "no choice to make: every token kept"
     return f"all {tiles} tiles' destinations as designed ({gap}){left}", data
@@ -206,10 +239,12 @@ def _weight_sums(s: MergeSetup, plan: Plan, dtype: torch.dtype) -> tuple[str, di
     picked_real = torch.gather(real.expand(plan.dest.shape[0], -1, -1), 2, plan.dest)[:, used]
     if not bool(picked_real.all()):
         raise Outcome("fail", f"{int((~picked_real).sum())} destinations on padded slots")
-    return _all_pass({
-        "merge rows sum to 1": nm.compare(rows, torch.ones_like(rows), nm.row_sums(dtype, n)),
-        "unmerge rows sum to 1": nm.compare(cols, torch.ones_like(cols), nm.row_sums(dtype, k)),
-    })
+    return _all_pass(
+        {
+            "merge rows sum to 1": nm.compare(rows, torch.ones_like(rows), nm.row_sums(dtype, n)),
+            "unmerge rows sum to 1": nm.compare(cols, torch.ones_like(cols), nm.row_sums(dtype, k)),
+        }
+    )
 
 
 def _torch_merge(s: MergeSetup, plan: Plan, x: torch.Tensor, dtype: torch.dtype) -> tuple[str, dict]:
@@ -223,8 +258,9 @@ def _torch_merge(s: MergeSetup, plan: Plan, x: torch.Tensor, dtype: torch.dtype)
     return _all_pass(named)
 
 
-def _torch_unmerge(s: MergeSetup, plan: Plan, y: torch.Tensor, dtype: torch.dtype,
-                   residual: torch.Tensor | None = None) -> tuple[str, dict]:
+def _torch_unmerge(
+    s: MergeSetup, plan: Plan, y: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor | None = None
+) -> tuple[str, dict]:
     scale, k = float(y.abs().max()), s.layout.slots
     if residual is None:
         tol = nm.convex_mix(dtype, k, scale, against_exact=True)
@@ -253,8 +289,10 @@ def kernel_checks(report: Report, s: MergeSetup, interpreter: bool) -> None:
         from toma.tools.doctor.triton_control import bf16_dot_works
 
         if not bf16_dot_works(s.device):
-            bf16_skip = ("Triton's interpreter computes bf16 dot products wrongly (a control tl.dot of small "
-                         "integers in bf16 failed), so bf16 kernel results on the CPU mean nothing; checked on GPUs")
+            bf16_skip = (
+                "Triton's interpreter computes bf16 dot products wrongly (a control tl.dot of small "
+                "integers in bf16 failed), so bf16 kernel results on the CPU mean nothing; checked on GPUs"
+            )
     for dtype in s.dtypes:
         name = nm.dtype_name(dtype)
         if dtype == torch.bfloat16 and bf16_skip:
@@ -264,13 +302,16 @@ def kernel_checks(report: Report, s: MergeSetup, interpreter: bool) -> None:
         report.check(f"{name} plan kernel", lambda: _plan_kernel(s, kidx, x, dtype, triton_ops))
         report.check(f"{name} plan kernel on margin tokens", lambda: _plan_kernel_margin(s, kidx, dtype, triton_ops))
         # the API's plan (the plan kernel's, or the torch path's where that kernel cannot run)
-        plan = _once(lambda: build_fused_plan(x, False, s.layout, dtype, s.index, kidx, temperature=s.config.temperature))
+        plan = _once(
+            lambda: build_fused_plan(x, False, s.layout, dtype, s.index, kidx, temperature=s.config.temperature)
+        )
         y = s.random(s.batch, s.layout.num_merged, s.channels, dtype=dtype, salt=12)
         res = s.random(s.batch, s.tokens, s.channels, dtype=dtype, salt=13)
         report.check(f"{name} merge kernel", lambda: _merge_kernel(s, kidx, plan(), x, dtype, triton_ops))
         report.check(f"{name} unmerge kernel", lambda: _unmerge_kernel(s, kidx, plan(), y, dtype, triton_ops))
-        report.check(f"{name} unmerge kernel + residual",
-                     lambda: _unmerge_kernel(s, kidx, plan(), y, dtype, triton_ops, res))
+        report.check(
+            f"{name} unmerge kernel + residual", lambda: _unmerge_kernel(s, kidx, plan(), y, dtype, triton_ops, res)
+        )
 
 
 def _raise(outcome: Outcome) -> None:
@@ -289,7 +330,9 @@ def fallback_reason(name: str) -> str:
 def _plan_kernel(s: MergeSetup, kidx: KernelIndex, x: torch.Tensor, dtype: torch.dtype, ops: Any) -> tuple[str, dict]:
     lay, temperature = s.layout, s.config.temperature
     with strict_matmul():
-        out = ops.plan_tiles(x, kidx.src_raster, lay.slots, temperature, dtype, kidx.token_mask, kidx.keep, save_sim=True)
+        out = ops.plan_tiles(
+            x, kidx.src_raster, lay.slots, temperature, dtype, kidx.token_mask, kidx.keep, save_sim=True
+        )
         if out is None:
             raise Outcome("fallback", fallback_reason("plan"))
         dest, a, mw, mass, log_mass, sim = out
@@ -301,19 +344,25 @@ def _plan_kernel(s: MergeSetup, kidx: KernelIndex, x: torch.Tensor, dtype: torch
         picks = facility_location(sim, lay.slots, mask)  # the torch greedy on the kernel's similarities
         if not torch.equal(dest, picks):
             wrong = int((dest != picks).any(-1).sum())
-            raise Outcome("fail", f"destinations: {wrong} of {dest.shape[0] * dest.shape[1]} tiles differ from the "
-                                  "torch greedy on the kernel's own similarities")
+            raise Outcome(
+                "fail",
+                f"destinations: {wrong} of {dest.shape[0] * dest.shape[1]} tiles differ from the "
+                "torch greedy on the kernel's own similarities",
+            )
         a_ref = assignment(sim, dest, temperature, mask, s.index.slot_mask)
         mass_ref = destination_mass(a_ref)
         n, k = lay.tile_area, lay.slots
-        return _all_pass({
-            "similarities": nm.compare(sim[:, real], sim_t[:, real], nm.similarity(s.channels)),
-            "assignment": nm.compare(a, a_ref.to(dtype), nm.assignment(dtype, temperature, k)),
-            "merge weights": nm.compare(mw, merge_weights(a_ref, mass_ref).to(dtype),
-                                        nm.merge_weights(dtype, temperature, k, n)),
-            "masses": nm.compare(mass, mass_ref.squeeze(-1), nm.mass(temperature, k, n)),
-            "log masses": nm.compare(log_mass, mass.log().to(dtype), nm.log_of(dtype)),
-        })
+        return _all_pass(
+            {
+                "similarities": nm.compare(sim[:, real], sim_t[:, real], nm.similarity(s.channels)),
+                "assignment": nm.compare(a, a_ref.to(dtype), nm.assignment(dtype, temperature, k)),
+                "merge weights": nm.compare(
+                    mw, merge_weights(a_ref, mass_ref).to(dtype), nm.merge_weights(dtype, temperature, k, n)
+                ),
+                "masses": nm.compare(mass, mass_ref.squeeze(-1), nm.mass(temperature, k, n)),
+                "log masses": nm.compare(log_mass, mass.log().to(dtype), nm.log_of(dtype)),
+            }
+        )
 
 
 def _plan_kernel_margin(s: MergeSetup, kidx: KernelIndex, dtype: torch.dtype, ops: Any) -> tuple[str, dict]:
@@ -325,7 +374,14 @@ def _plan_kernel_margin(s: MergeSetup, kidx: KernelIndex, dtype: torch.dtype, op
     out = ops.plan_tiles(x, kidx.src_raster, lay.slots, s.config.temperature, dtype, kidx.token_mask, kidx.keep)
     if out is None:
         raise Outcome("fallback", fallback_reason("plan"))
-    torch_plan = build_plan(to_tiles(x, lay, s.index.gather_index), lay, dtype, selection=s.config.selection, temperature=s.config.temperature, index=s.index)
+    torch_plan = build_plan(
+        to_tiles(x, lay, s.index.gather_index),
+        lay,
+        dtype,
+        selection=s.config.selection,
+        temperature=s.config.temperature,
+        index=s.index,
+    )
     used = expected >= 0
     if not torch.equal(out[0][used], torch_plan.dest[used]):
         wrong = int(((out[0] != torch_plan.dest) & used).any(-1).sum())
@@ -334,8 +390,9 @@ def _plan_kernel_margin(s: MergeSetup, kidx: KernelIndex, dtype: torch.dtype, op
     return detail.replace("as designed", "as designed and as the torch greedy's"), data
 
 
-def _merge_kernel(s: MergeSetup, kidx: KernelIndex, plan: Plan, x: torch.Tensor, dtype: torch.dtype,
-                  ops: Any) -> tuple[str, dict]:
+def _merge_kernel(
+    s: MergeSetup, kidx: KernelIndex, plan: Plan, x: torch.Tensor, dtype: torch.dtype, ops: Any
+) -> tuple[str, dict]:
     torch_plan = dataclasses.replace(plan, kernels=None)
     tol = nm.convex_mix(dtype, s.layout.tile_area, float(x.abs().max()))
     with strict_matmul():
@@ -354,8 +411,15 @@ def _merge_kernel(s: MergeSetup, kidx: KernelIndex, plan: Plan, x: torch.Tensor,
     return _all_pass(named)
 
 
-def _unmerge_kernel(s: MergeSetup, kidx: KernelIndex, plan: Plan, y: torch.Tensor, dtype: torch.dtype, ops: Any,
-                    residual: torch.Tensor | None = None) -> tuple[str, dict]:
+def _unmerge_kernel(
+    s: MergeSetup,
+    kidx: KernelIndex,
+    plan: Plan,
+    y: torch.Tensor,
+    dtype: torch.dtype,
+    ops: Any,
+    residual: torch.Tensor | None = None,
+) -> tuple[str, dict]:
     torch_plan = dataclasses.replace(plan, kernels=None)
     k, scale = s.layout.slots, float(y.abs().max())
     if residual is None:

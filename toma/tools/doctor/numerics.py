@@ -69,8 +69,8 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> Com
     flat_a, flat_e = actual.detach().reshape(-1), expected.detach().reshape(-1)
     used, max_abs = 0.0, 0.0
     for start in range(0, flat_a.numel(), _CHUNK):
-        e = flat_e[start:start + _CHUNK].to(work)  # may be a view of ``expected``: not written to
-        diff = (flat_a[start:start + _CHUNK].to(work) - e).abs_()
+        e = flat_e[start : start + _CHUNK].to(work)  # may be a view of ``expected``: not written to
+        diff = (flat_a[start : start + _CHUNK].to(work) - e).abs_()
         max_abs = max(max_abs, float(diff.max()))
         used = max(used, float(diff.div_(e.abs().mul_(tol.rtol).add_(tol.atol)).max()))
     if not (math.isfinite(used) and math.isfinite(max_abs)):
@@ -103,12 +103,13 @@ def convex_mix(dtype: torch.dtype, terms: int, scale: float, against_exact: bool
         atol=sides * acc * (1 + eps) + TINY[dtype],
         rtol=(eps / 2 if against_exact else eps) * (1 + eps),
         why=f"{sides} x ({terms}+1) float32 spacings of {bound:.3g}"
-            + (f" + {sides}/2 {dtype_name(dtype)} eps" if eps else ""),
+        + (f" + {sides}/2 {dtype_name(dtype)} eps" if eps else ""),
     )
 
 
-def mix_plus_residual(dtype: torch.dtype, terms: int, scale: float, residual_scale: float,
-                      against_exact: bool = False) -> Tolerance:
+def mix_plus_residual(
+    dtype: torch.dtype, terms: int, scale: float, residual_scale: float, against_exact: bool = False
+) -> Tolerance:
     """``residual + sum_j a_j y_j``: the fused kernel (and the tile-order ``baddbmm``) rounds
     the float32 sum once; the raster torch path rounds the unmerged value to ``dtype``
     first (``eps / 2`` of up to ``scale``) and the sum again. The accumulation runs over
@@ -122,7 +123,7 @@ def mix_plus_residual(dtype: torch.dtype, terms: int, scale: float, residual_sca
         atol=sides * acc * (1 + eps) + eps / 2 * scale * (1 + eps) + TINY[dtype],
         rtol=(eps / 2 if against_exact else eps) * (1 + eps),
         why=f"{sides} x ({terms}+2) float32 spacings of {bound:.3g} + {dtype_name(dtype)} eps/2 of the unmerged values"
-            + (f" + {sides}/2 eps" if eps else ""),
+        + (f" + {sides}/2 eps" if eps else ""),
     )
 
 
@@ -196,8 +197,9 @@ def row_sums(dtype: torch.dtype, terms: int) -> Tolerance:
     return Tolerance(atol=EPS[dtype] / 2 + (terms + 2) * EPS32, rtol=0.0, why=f"{dtype_name(dtype)} eps/2")
 
 
-def attention(dtype: torch.dtype, head_dim: int, keys: int, logit_bound: float, value_bound: float,
-              quantized: bool = False) -> Tolerance:
+def attention(
+    dtype: torch.dtype, head_dim: int, keys: int, logit_bound: float, value_bound: float, quantized: bool = False
+) -> Tolerance:
     """An attention backend's output ``o = sum_j p_j v_j``, ``p = softmax(s)``, against float32
     math SDPA on the same ``dtype`` inputs.
 
@@ -220,8 +222,11 @@ def attention(dtype: torch.dtype, head_dim: int, keys: int, logit_bound: float, 
         ds += 2.0**-7 * logit_bound
         p_round = 2.0**-4
     atol = (math.expm1(2 * ds) + p_round + 2 * (keys + 1) * EPS32) * value_bound
-    return Tolerance(atol=atol + TINY[dtype], rtol=eps / 2 + EPS32,
-                     why=f"logits within {ds:.2g} of {logit_bound:.3g}, P and output in {dtype_name(dtype)}")
+    return Tolerance(
+        atol=atol + TINY[dtype],
+        rtol=eps / 2 + EPS32,
+        why=f"logits within {ds:.2g} of {logit_bound:.3g}, P and output in {dtype_name(dtype)}",
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -31,8 +31,14 @@ class Result:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready."""
-        return {"section": self.section, "name": self.name, "status": self.status, "detail": self.detail,
-                "seconds": round(self.seconds, 4), "data": self.data}
+        return {
+            "section": self.section,
+            "name": self.name,
+            "status": self.status,
+            "detail": self.detail,
+            "seconds": round(self.seconds, 4),
+            "data": self.data,
+        }
 
 
 class Outcome(Exception):
@@ -120,8 +126,12 @@ class Report:
         """The full report."""
         code, line = self.verdict()
         counts = {s: self.count(s) for s in STATUSES}
-        return {**self.info, "results": [r.as_dict() for r in self.results], "counts": counts,
-                "verdict": {"ok": code == 0, "exit_code": code, "line": line}}
+        return {
+            **self.info,
+            "results": [r.as_dict() for r in self.results],
+            "counts": counts,
+            "verdict": {"ok": code == 0, "exit_code": code, "line": line},
+        }
 
 
 def _plain(obj: Any) -> Any:

@@ -51,16 +51,22 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", default=None,
-                   help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
-                        "the default), builtin-dit (the digits Flux transformer) or builtin-video (the moving-digits Wan "
-                        "transformer)")
-    p.add_argument("--methods", default=None,
-                   help=f"comma-separated, from {', '.join(METHODS)} (none is always run as the reference; "
-                        "default: all that apply to the model, tomesd only to UNets); on transformers a method "
-                        f"may add a step cache, METHOD+CACHE[:THRESHOLD] with CACHE one of {', '.join(CACHES)} "
-                        "(cache-dit's cachedit and dbprune need cache-dit installed), e.g. "
-                        "none+fbcache:0.05,toma+fbcache:0.05,toma+cachedit")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
+        "the default), builtin-dit (the digits Flux transformer) or builtin-video (the moving-digits Wan "
+        "transformer)",
+    )
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated, from {', '.join(METHODS)} (none is always run as the reference; "
+        "default: all that apply to the model, tomesd only to UNets); on transformers a method "
+        f"may add a step cache, METHOD+CACHE[:THRESHOLD] with CACHE one of {', '.join(CACHES)} "
+        "(cache-dit's cachedit and dbprune need cache-dit installed), e.g. "
+        "none+fbcache:0.05,toma+fbcache:0.05,toma+cachedit",
+    )
     p.add_argument("--ratios", default="0.5", help="comma-separated merge ratios in [0, 1) (default 0.5)")
     p.add_argument("--num-images", type=int, default=100, help="images per method and ratio (default 100)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: 20 built-in, 30 pipelines)")
@@ -77,17 +83,28 @@ def register(subparsers: Any) -> None:
     p.add_argument("--clip-model", default=DEFAULT_CLIP_MODEL, help="pipelines: CLIP model id or folder for --clip")
     p.add_argument("--dino", action="store_true", help="pipelines: report DINO similarity to the unmerged image")
     p.add_argument("--dino-model", default=DEFAULT_DINO_MODEL, help="pipelines: DINOv2 model id or folder for --dino")
-    p.add_argument("--fid-reference", type=Path, default=None,
-                   help="pipelines: folder of reference images; reports the Frechet distance on DINO features")
+    p.add_argument(
+        "--fid-reference",
+        type=Path,
+        default=None,
+        help="pipelines: folder of reference images; reports the Frechet distance on DINO features",
+    )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads per process (default: 1 for the built-in model; "
-                        "for pipelines CPU cores / processes)")
-    p.add_argument("--builtin-path", type=Path, default=None,
-                   help="folder written by scripts/train_builtin.py, or by train_builtin_dit.py / train_builtin_video.py "
-                        "for builtin-dit / builtin-video "
-                        "(default: the copy in the package)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads per process (default: 1 for the built-in model; for pipelines CPU cores / processes)",
+    )
+    p.add_argument(
+        "--builtin-path",
+        type=Path,
+        default=None,
+        help="folder written by scripts/train_builtin.py, or by train_builtin_dit.py / train_builtin_video.py "
+        "for builtin-dit / builtin-video "
+        "(default: the copy in the package)",
+    )
     p.set_defaults(func=run)
 
 
@@ -103,8 +120,10 @@ def parse_methods(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in methods if split_method(m)[0] not in METHODS]
     if bad or not methods:
-        raise ValueError(f"--methods must be a comma-separated subset of {', '.join(METHODS)}, each optionally "
-                         f"+CACHE or +CACHE:THRESHOLD with CACHE one of {', '.join(CACHES)}; got {text!r}")
+        raise ValueError(
+            f"--methods must be a comma-separated subset of {', '.join(METHODS)}, each optionally "
+            f"+CACHE or +CACHE:THRESHOLD with CACHE one of {', '.join(CACHES)}; got {text!r}"
+        )
     return ["none"] + [m for m in dict.fromkeys(methods) if m != "none"]
 
 
@@ -155,8 +174,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--batch-size must be >= 1; got {args.batch_size}")
         validate_toma_options(args, ratios)
         if args.model is None and (args.clip or args.dino or args.fid_reference):
-            raise ValueError("--clip, --dino and --fid-reference apply to --model pipelines; "
-                             "the built-in model reports classifier accuracy and FD instead")
+            raise ValueError(
+                "--clip, --dino and --fid-reference apply to --model pipelines; "
+                "the built-in model reports classifier accuracy and FD instead"
+            )
         check_output(args.out_dir, "--out-dir", folder=True)  # before the whole run
         missing = missing_extra("matplotlib", "eval", "toma eval's quality_vs_speedup.png")
         if missing:
@@ -198,9 +219,16 @@ def run(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "toma_options": toma_options(args),
             "guidance_scale": gathered[0].get("_guidance_scale", args.guidance_scale),
-            "arguments": {k: (v if isinstance(v, (int, float, bool, type(None))) else str(v))
-                          for k, v in vars(args).items() if k != "func"},
-            "machine": {**machine_info(procs), "load_average_before": load_before, "load_average_after": load_average()},
+            "arguments": {
+                k: (v if isinstance(v, (int, float, bool, type(None))) else str(v))
+                for k, v in vars(args).items()
+                if k != "func"
+            },
+            "machine": {
+                **machine_info(procs),
+                "load_average_before": load_before,
+                "load_average_after": load_average(),
+            },
         }
         write_outputs(args, rows, meta, gathered, runs)
     procs.barrier()

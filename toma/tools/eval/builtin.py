@@ -67,9 +67,14 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
             record = _clip_scores(model, images, reference, labels)
         else:
             preds, feats = classify(model.classifier, images)
-            record = {"labels": labels, "psnr": psnr(images, reference).tolist(),
-                      "ssim": ssim(images, reference).tolist(), "preds": preds.tolist(),
-                      "features": feats.double().tolist(), "preview": images[:20].tolist()}
+            record = {
+                "labels": labels,
+                "psnr": psnr(images, reference).tolist(),
+                "ssim": ssim(images, reference).tolist(),
+                "preds": preds.tolist(),
+                "features": feats.double().tolist(),
+                "preview": images[:20].tolist(),
+            }
         if not procs.is_main:
             record["preview"] = None
         records[key(method, ratio)] = {
@@ -139,4 +144,3 @@ def summarise_builtin(gathered: list[dict[str, Any]], runs: list[tuple[str, floa
             row.update(mean_and_sem("temporal_error", torch.tensor(sum((p["temporal_error"] for p in parts), []))))
         rows.append(row)
     return add_speedup(rows)
-

@@ -66,8 +66,11 @@ def enable(denoiser: Any, cache: str, threshold: float | None, steps: int | None
             raise ValueError(f"--methods +{cache}: {type(denoiser).__name__} takes no diffusers cache")
         from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
-        config = FirstBlockCacheConfig(**({} if threshold is None else {"threshold": threshold})) if cache == "fbcache" \
+        config = (
+            FirstBlockCacheConfig(**({} if threshold is None else {"threshold": threshold}))
+            if cache == "fbcache"
             else TaylorSeerCacheConfig()
+        )
         denoiser.enable_cache(config)
         stack = contextlib.ExitStack()
         stack.enter_context(denoiser.cache_context("cond"))  # as pipelines open it around each call

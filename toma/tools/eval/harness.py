@@ -37,8 +37,9 @@ def first_attention_downsample(unet: Any) -> int:
     return 1
 
 
-def apply_method(denoiser: Any, method: str, ratio: float, options: dict[str, Any],
-                 steps: int | None = None) -> Callable[[], None]:
+def apply_method(
+    denoiser: Any, method: str, ratio: float, options: dict[str, Any], steps: int | None = None
+) -> Callable[[], None]:
     """Patch ``denoiser`` with a merging method, and the step cache it names after ``+``
     (:mod:`toma.tools.eval.caches`; ``steps`` per run, which cache-dit counts); returns the
     function that removes both.
@@ -97,8 +98,9 @@ def _apply_base(denoiser: Any, method: str, ratio: float, options: dict[str, Any
 def variants(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, float]]:
     """(method, ratio) pairs to run; the reference ``none`` once, with ratio 0, and a cache
     alone (``none+fbcache``) once too, with ratio 0: it merges nothing."""
-    return [("none", 0.0)] + [(m, r) for m in methods if m != "none"
-                              for r in ((0.0,) if m.startswith("none+") else ratios)]
+    return [("none", 0.0)] + [
+        (m, r) for m in methods if m != "none" for r in ((0.0,) if m.startswith("none+") else ratios)
+    ]
 
 
 def tomesd_available() -> bool:
@@ -288,8 +290,11 @@ def timing(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     full = max((n for _, n in samples), default=0)
     per_image = [t for t, n in samples if n == full]
     spread = (max(per_image) - min(per_image)) / statistics.median(per_image) if len(per_image) > 1 else None
-    return {"latency_s": sum(sum(p["batch_seconds"]) for p in parts) / max(count, 1),
-            "timed_batches": len(per_image), "spread": spread}
+    return {
+        "latency_s": sum(sum(p["batch_seconds"]) for p in parts) / max(count, 1),
+        "timed_batches": len(per_image),
+        "spread": spread,
+    }
 
 
 def add_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -313,11 +318,12 @@ def fd_warning(rows: Sequence[dict[str, Any]]) -> str | None:
     fewest = min(r["n_images"] for r in rows)
     if not fd or fewest >= FD_MIN_IMAGES:
         return None
-    return (f"Frechet distances ({', '.join(fd)}) from {fewest} images per variant are unreliable: "
-            f"they need about {FD_MIN_IMAGES} or more (--num-images)")
+    return (
+        f"Frechet distances ({', '.join(fd)}) from {fewest} images per variant are unreliable: "
+        f"they need about {FD_MIN_IMAGES} or more (--num-images)"
+    )
 
 
 def key(method: str, ratio: float) -> str:
     """The name a variant's records are kept under, e.g. ``toma@0.5``."""
     return f"{method}@{ratio:g}"
-

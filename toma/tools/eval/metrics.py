@@ -77,7 +77,9 @@ def temporal_difference_error(clips: torch.Tensor, reference: torch.Tensor) -> t
         ValueError: the shapes differ, are not 5-D, or have fewer than 2 frames.
     """
     if clips.shape != reference.shape:
-        raise ValueError(f"clips and reference must have the same shape; got {tuple(clips.shape)} and {tuple(reference.shape)}")
+        raise ValueError(
+            f"clips and reference must have the same shape; got {tuple(clips.shape)} and {tuple(reference.shape)}"
+        )
     if clips.dim() != 5 or clips.shape[1] < 2:
         raise ValueError(f"clips must be (B, T, C, H, W) with T >= 2 frames; got shape {tuple(clips.shape)}")
     x, y = clips.double(), reference.double()
@@ -153,9 +155,7 @@ def _sqrtm_psd(m: torch.Tensor) -> torch.Tensor:
     return (vecs * vals.clamp(min=0).sqrt()) @ vecs.T
 
 
-def frechet_distance(
-    mu1: torch.Tensor, sigma1: torch.Tensor, mu2: torch.Tensor, sigma2: torch.Tensor
-) -> float:
+def frechet_distance(mu1: torch.Tensor, sigma1: torch.Tensor, mu2: torch.Tensor, sigma2: torch.Tensor) -> float:
     """Frechet distance between two Gaussians ``N(mu1, sigma1)`` and ``N(mu2, sigma2)``.
 
     ``|mu1 - mu2|^2 + tr(sigma1 + sigma2 - 2 (sigma1 sigma2)^(1/2))``, the formula behind FID.
@@ -186,7 +186,9 @@ def frechet_distance_features(features: torch.Tensor, mu: torch.Tensor, sigma: t
 def accuracy(predictions: torch.Tensor, labels: torch.Tensor) -> float:
     """Fraction of ``predictions`` ``(N,)`` equal to ``labels`` ``(N,)``."""
     if predictions.shape != labels.shape or predictions.numel() == 0:
-        raise ValueError(f"predictions and labels must be non-empty and equally shaped; got {tuple(predictions.shape)} and {tuple(labels.shape)}")
+        raise ValueError(
+            f"predictions and labels must be non-empty and equally shaped; got {tuple(predictions.shape)} and {tuple(labels.shape)}"
+        )
     return (predictions == labels).double().mean().item()
 
 

@@ -78,7 +78,7 @@ def eval_pipeline(args: argparse.Namespace, procs: Processes, runs: list[tuple[s
     ref_dino: torch.Tensor | None = None
 
     def generate(batch: list[tuple[int, str, int]]) -> torch.Tensor:
-        (_, prompt, seed), = batch
+        ((_, prompt, seed),) = batch
         out = pipeline_call(pipe, [prompt], [seed], steps, args, device, progress=False)
         sync(device)
         return out
@@ -125,7 +125,9 @@ def make_preview(images: torch.Tensor, count: int = 4, size: int = 256) -> list[
     return small.tolist()
 
 
-def summarise_pipeline(gathered: list[dict[str, Any]], runs: list[tuple[str, float]], args: argparse.Namespace) -> list[dict[str, Any]]:
+def summarise_pipeline(
+    gathered: list[dict[str, Any]], runs: list[tuple[str, float]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
     """Merge every process's records into one row per variant."""
     ref_stats = None
     if args.fid_reference is not None:
@@ -156,4 +158,3 @@ def summarise_pipeline(gathered: list[dict[str, Any]], runs: list[tuple[str, flo
             row["fd_dino_reference"] = frechet_to(cat("dino_features"), *ref_stats)
         rows.append(row)
     return add_speedup(rows)
-

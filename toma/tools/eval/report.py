@@ -59,16 +59,21 @@ def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     before, after = machine.get("load_average_before"), machine.get("load_average_after")
     if before and after:
         busy = max(before[0], after[0]) > (machine["cpu_count"] or 1)
-        out.append(f"load average {before[0]:.2f} before and {after[0]:.2f} after the run (1 minute) "
-                   f"on {machine['cpu_count']} CPUs" + (", more than the CPUs: the timings shared them" if busy else "")
-                   + "; variants timed interleaved, batch by batch")
+        out.append(
+            f"load average {before[0]:.2f} before and {after[0]:.2f} after the run (1 minute) "
+            f"on {machine['cpu_count']} CPUs"
+            + (", more than the CPUs: the timings shared them" if busy else "")
+            + "; variants timed interleaved, batch by batch"
+        )
     flagged = [r for r in rows if r.get("flags")]
     for r in flagged:
         out.append(f"UNRELIABLE timing of {key(r['method'], r['ratio'])}: " + "; ".join(r["flags"]))
     if flagged:
         threads = "" if machine.get("torch_threads") == 1 else "--threads 1, "
-        out.append(f"the machine was too noisy for these speedups: more images (more timed batches), {threads}"
-                   "or a quiet machine help")
+        out.append(
+            f"the machine was too noisy for these speedups: more images (more timed batches), {threads}"
+            "or a quiet machine help"
+        )
     if rows and all(r.get("spread") is None for r in rows):
         out.append("one timed batch per variant: no spread to judge the timing by (--batch-size below --num-images)")
     warning = fd_warning(rows)
@@ -102,8 +107,9 @@ def place_labels(fig: Any, ax: Any, labels: list[tuple[float, float, str, Any]])
                 break
             note.remove()
         else:
-            note = ax.annotate(text, (x, y), textcoords="offset points", xytext=LABEL_OFFSETS[0], fontsize=7,
-                               color=colour)
+            note = ax.annotate(
+                text, (x, y), textcoords="offset points", xytext=LABEL_OFFSETS[0], fontsize=7, color=colour
+            )
             note.set_in_layout(False)
             box = note.get_window_extent(renderer)
         placed.append(note)
@@ -133,8 +139,11 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Any:
             if not finite:
                 continue  # the unmerged reference has infinite PSNR
             # fixed colour per method so the panels agree
-            style = ({"color": "black", "marker": "*", "markersize": 10} if method == "none"
-                     else {"color": colours(_colour_index(method, methods)), "marker": "s" if "+" in method else "o"})
+            style = (
+                {"color": "black", "marker": "*", "markersize": 10}
+                if method == "none"
+                else {"color": colours(_colour_index(method, methods)), "marker": "s" if "+" in method else "o"}
+            )
             ax.plot([p[0] for p in finite], [p[1] for p in finite], label=method, **style)
             if method != "none" and len(ratios) > 1:
                 labels.setdefault(ax, []).extend((x, y, f"{rt:g}", style["color"]) for x, y, rt in finite)
@@ -193,8 +202,13 @@ def machine_info(procs: Processes) -> dict[str, Any]:
     }
 
 
-def write_outputs(args: argparse.Namespace, rows: list[dict[str, Any]], meta: dict[str, Any],
-                  gathered: list[dict[str, Any]], runs: list[tuple[str, float]]) -> None:
+def write_outputs(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    meta: dict[str, Any],
+    gathered: list[dict[str, Any]],
+    runs: list[tuple[str, float]],
+) -> None:
     """Write results.json, results.md, the plot and the samples sheet."""
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -202,9 +216,11 @@ def write_outputs(args: argparse.Namespace, rows: list[dict[str, Any]], meta: di
     lines = notes(rows, meta)
     write_json(out / "results.json", {**meta, "fd_reliable": warning is None, "notes": lines, "results": rows})
     table = markdown_table(rows, mark_fd=warning is not None)
-    header = (f"# toma eval: {meta['model']}\n\n{meta['num_images']} images per variant, {meta['steps']} steps, "
-              f"seeds {meta['seed']}..{meta['seed'] + meta['num_images'] - 1}; {meta['machine']['processes']} process(es), "
-              f"torch {meta['machine']['torch']}, {meta['machine']['torch_threads']} thread(s) each.\n\n")
+    header = (
+        f"# toma eval: {meta['model']}\n\n{meta['num_images']} images per variant, {meta['steps']} steps, "
+        f"seeds {meta['seed']}..{meta['seed'] + meta['num_images'] - 1}; {meta['machine']['processes']} process(es), "
+        f"torch {meta['machine']['torch']}, {meta['machine']['torch_threads']} thread(s) each.\n\n"
+    )
     footer = "".join(f"\n{line}\n" for line in lines)
     (out / "results.md").write_text(header + table + footer, encoding="utf-8")
     plot(rows, out / "quality_vs_speedup.png", f"{meta['model']}: quality vs speedup")
@@ -213,4 +229,3 @@ def write_outputs(args: argparse.Namespace, rows: list[dict[str, Any]], meta: di
     for line in lines:
         print(line)
     print(wrote(out / name for name in ("results.json", "results.md", "quality_vs_speedup.png", "samples.png")))
-

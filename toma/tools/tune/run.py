@@ -15,8 +15,19 @@ from typing import Any, Callable
 
 import torch
 
-from toma.tools.archs import ARCHS, DEPTH_KEYS, STACKS, Arch, build_model, call_denoiser, get_arch, latent_frames, \
-    make_inputs, set_timestep, token_grid
+from toma.tools.archs import (
+    ARCHS,
+    DEPTH_KEYS,
+    STACKS,
+    Arch,
+    build_model,
+    call_denoiser,
+    get_arch,
+    latent_frames,
+    make_inputs,
+    set_timestep,
+    token_grid,
+)
 from toma.tools.bench.harness import Measurement, MethodPatcher, Variant, compile_variants, progress_bar, time_rounds
 from toma.tools.bench.report import derive
 from toma.tools.common.options import DTYPES
@@ -166,8 +177,9 @@ def _options(args: argparse.Namespace) -> Setup:
     if args.out.suffix.lower() != ".json":
         raise ValueError(f"--out must be a .json file; got {str(args.out)!r}")
     check_output(args.out, "--out", folder=False)
-    return Setup(arch, builtin, resolution, batch, dtype, device, ratios, places, parts, mlp_ratios, min_psnr,
-                 args.max_psnr_drop)
+    return Setup(
+        arch, builtin, resolution, batch, dtype, device, ratios, places, parts, mlp_ratios, min_psnr, args.max_psnr_drop
+    )
 
 
 def _split(text: str, option: str, kind: Callable[[str], Any]) -> list[Any]:
@@ -200,8 +212,11 @@ def candidates(setup: Setup, model: torch.nn.Module) -> list[Variant]:
         return ()  # the harness's default blocks
 
     def add(ratio: float, place: Any, parts: frozenset[str], mlp_ratio: float | None) -> None:
-        options = place_options(place) + (("merge_attn", "attn" in parts), ("merge_crossattn", "cross" in parts),
-                                          ("merge_mlp", "mlp" in parts))
+        options = place_options(place) + (
+            ("merge_attn", "attn" in parts),
+            ("merge_crossattn", "cross" in parts),
+            ("merge_mlp", "mlp" in parts),
+        )
         if mlp_ratio is not None and mlp_ratio != ratio:
             options += (("mlp_ratio", mlp_ratio),)
         where = f"L{place}" if family == "unet" else str(place)
@@ -266,11 +281,15 @@ def psnr_against(reference: torch.Tensor, output: torch.Tensor) -> float:
 def check_description(setup: Setup, args: argparse.Namespace, guidance: float | None) -> str:
     """What the quality check measures, for the table and the config's provenance."""
     if setup.builtin:
-        return (f"mean PSNR of {args.check_images} digits sampled with the built-in DDIM sampler "
-                f"({args.check_steps} steps, guidance {guidance:g}, seeds {args.seed}..) against unpatched")
+        return (
+            f"mean PSNR of {args.check_images} digits sampled with the built-in DDIM sampler "
+            f"({args.check_steps} steps, guidance {guidance:g}, seeds {args.seed}..) against unpatched"
+        )
     weights = "real weights" if args.model else "random weights, so it says little about images"
-    return (f"PSNR of the denoiser output on the timed inputs ({args.steps} timestep(s), random latents and text, "
-            f"seed {args.seed}) against unpatched, peak = its range; {weights}")
+    return (
+        f"PSNR of the denoiser output on the timed inputs ({args.steps} timestep(s), random latents and text, "
+        f"seed {args.seed}) against unpatched, peak = its range; {weights}"
+    )
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -280,8 +299,16 @@ def _first(output: Any) -> torch.Tensor:
     return getattr(output, "sample", output)
 
 
-def _check(setup: Setup, args: argparse.Namespace, harness: MethodPatcher, cands: list[Candidate],
-           call: Callable[[dict[str, Any]], Any], inputs: list[dict[str, Any]], builtin_model: Any, bar: Any) -> None:
+def _check(
+    setup: Setup,
+    args: argparse.Namespace,
+    harness: MethodPatcher,
+    cands: list[Candidate],
+    call: Callable[[dict[str, Any]], Any],
+    inputs: list[dict[str, Any]],
+    builtin_model: Any,
+    bar: Any,
+) -> None:
     """Fill in each candidate's PSNR against the unpatched model (see :func:`check_description`)."""
     from toma.tools.eval.metrics import psnr
 
@@ -290,8 +317,13 @@ def _check(setup: Setup, args: argparse.Namespace, harness: MethodPatcher, cands
             from toma.tools.builtin.unet import NUM_CLASSES, sample
 
             n = args.check_images
-            return sample(builtin_model, [i % NUM_CLASSES for i in range(n)], list(range(args.seed, args.seed + n)),
-                          steps=args.check_steps, progress=False)
+            return sample(
+                builtin_model,
+                [i % NUM_CLASSES for i in range(n)],
+                list(range(args.seed, args.seed + n)),
+                steps=args.check_steps,
+                progress=False,
+            )
         return torch.cat([_first(call(step)).flatten() for step in inputs])
 
     bar.set_postfix_str("quality check: unpatched")
@@ -318,8 +350,9 @@ def quality_bound(setup: Setup, cands: list[Candidate]) -> tuple[float | None, s
     if setup.max_psnr_drop is not None:
         default = next((c for c in cands if c.variant == DEFAULT_VARIANTS.get(setup.arch.family == "unet")), None)
         if default is None or default.psnr is None:
-            return None, " and ".join(words + [f"PSNR within {setup.max_psnr_drop:g} dB of the default setting's "
-                                               "(not measured)"])
+            return None, " and ".join(
+                words + [f"PSNR within {setup.max_psnr_drop:g} dB of the default setting's (not measured)"]
+            )
         floor = max(floor, default.psnr - setup.max_psnr_drop)
         words.append(f"PSNR >= {default.label}'s {default.psnr:.1f} - {setup.max_psnr_drop:g} dB")
     return floor, " and ".join(words)
@@ -327,21 +360,33 @@ def quality_bound(setup: Setup, cands: list[Candidate]) -> tuple[float | None, s
 
 # ToMA's default setting at ratio 0.5 (UNet: True, transformers: False): always a candidate
 DEFAULT_VARIANTS = {
-    True: Variant("toma", 0.5, options=(("levels", 1), ("merge_attn", True), ("merge_crossattn", False),
-                                        ("merge_mlp", False)), name="L1 attn @0.5"),
-    False: Variant("toma", 0.5, options=(("merge_attn", True), ("merge_crossattn", False), ("merge_mlp", False)),
-                   name="default attn @0.5"),
+    True: Variant(
+        "toma",
+        0.5,
+        options=(("levels", 1), ("merge_attn", True), ("merge_crossattn", False), ("merge_mlp", False)),
+        name="L1 attn @0.5",
+    ),
+    False: Variant(
+        "toma",
+        0.5,
+        options=(("merge_attn", True), ("merge_crossattn", False), ("merge_mlp", False)),
+        name="default attn @0.5",
+    ),
 }
 
 
-def _compile_picks(setup: Setup, cands: list[Candidate], results: dict[tuple[Variant, int], Measurement], batch: int,
-                   top: int) -> list[Candidate]:
+def _compile_picks(
+    setup: Setup, cands: list[Candidate], results: dict[tuple[Variant, int], Measurement], batch: int, top: int
+) -> list[Candidate]:
     """The ``top`` fastest eager candidates within the quality bound (by median)."""
     import statistics
 
     floor, _ = quality_bound(setup, cands)
-    ok = [c for c in cands if floor is not None and c.psnr is not None and c.psnr >= floor
-          and results[(c.variant, batch)].times]
+    ok = [
+        c
+        for c in cands
+        if floor is not None and c.psnr is not None and c.psnr >= floor and results[(c.variant, batch)].times
+    ]
     return sorted(ok, key=lambda c: statistics.median(results[(c.variant, batch)].times))[:top]
 
 
@@ -349,8 +394,18 @@ def _rows(results: dict[tuple[Variant, int], Measurement], cands: list[Candidate
     """Result rows with bench's statistics (median, speedup over unpatched in the same mode, spread
     flags) and each candidate's PSNR."""
     psnr = {c.variant.name: c.psnr for c in cands}
-    rows = [{"method": v.name or v.method, "ratio": v.ratio, "batch": b, "compiled": v.compiled, "times_s": m.times,
-             "psnr_db": psnr.get(v.name)} for (v, b), m in results.items() if m.times]
+    rows = [
+        {
+            "method": v.name or v.method,
+            "ratio": v.ratio,
+            "batch": b,
+            "compiled": v.compiled,
+            "times_s": m.times,
+            "psnr_db": psnr.get(v.name),
+        }
+        for (v, b), m in results.items()
+        if m.times
+    ]
     if rows:
         derive(rows, rows[0]["batch"])
     for r in rows:
@@ -358,8 +413,9 @@ def _rows(results: dict[tuple[Variant, int], Measurement], cands: list[Candidate
     return rows
 
 
-def choose(setup: Setup, cands: list[Candidate], rows: list[dict[str, Any]],
-           compiled: bool) -> tuple[Candidate, dict[str, Any]] | None:
+def choose(
+    setup: Setup, cands: list[Candidate], rows: list[dict[str, Any]], compiled: bool
+) -> tuple[Candidate, dict[str, Any]] | None:
     """The candidate with the largest speedup over unpatched (compiled rows when ``compiled``
     and measured) among those within the quality bound and faster than unpatched, with its row."""
     floor, _ = quality_bound(setup, cands)
@@ -367,16 +423,31 @@ def choose(setup: Setup, cands: list[Candidate], rows: list[dict[str, Any]],
         return None
     mode = compiled and any(r["compiled"] and r["method"] != "none" for r in rows)
     by_name = {c.variant.name: c for c in cands}
-    ok = [r for r in rows if r["method"] in by_name and r["compiled"] == mode and r["speedup"] is not None
-          and r["speedup"] > 1 and r["psnr_db"] is not None and r["psnr_db"] >= floor]
+    ok = [
+        r
+        for r in rows
+        if r["method"] in by_name
+        and r["compiled"] == mode
+        and r["speedup"] is not None
+        and r["speedup"] > 1
+        and r["psnr_db"] is not None
+        and r["psnr_db"] >= floor
+    ]
     if not ok:
         return None
     best = max(ok, key=lambda r: r["speedup"])
     return by_name[best["method"]], best
 
 
-def format_table(setup: Setup, args: argparse.Namespace, cands: list[Candidate], rows: list[dict[str, Any]],
-                 choice: tuple[Candidate, dict[str, Any]] | None, notes: list[str], check: str) -> str:
+def format_table(
+    setup: Setup,
+    args: argparse.Namespace,
+    cands: list[Candidate],
+    rows: list[dict[str, Any]],
+    choice: tuple[Candidate, dict[str, Any]] | None,
+    notes: list[str],
+    check: str,
+) -> str:
     """The measurements as a text table, with the conditions, the bound and the verdict."""
     floor, bound = quality_bound(setup, cands)
     lines = [
@@ -394,23 +465,35 @@ def format_table(setup: Setup, args: argparse.Namespace, cands: list[Candidate],
     chosen = choice[1] if choice else None
     psnr_only = {c.variant.name for c in cands} - {r["method"] for r in rows}
     for r in sorted(rows, key=lambda r: (r["compiled"], r["method"] != "none", -(r["speedup"] or 0))):
-        inside = "" if r["method"] == "none" else ("yes" if floor is not None and r["psnr_db"] is not None
-                                                    and r["psnr_db"] >= floor else "no")
-        flag = "" if r["reliable"] or r["method"] == "none" else "  (noisy: " + "; ".join(r["flags"] or ["1 sample"]) + ")"
+        inside = (
+            ""
+            if r["method"] == "none"
+            else ("yes" if floor is not None and r["psnr_db"] is not None and r["psnr_db"] >= floor else "no")
+        )
+        flag = (
+            "" if r["reliable"] or r["method"] == "none" else "  (noisy: " + "; ".join(r["flags"] or ["1 sample"]) + ")"
+        )
         lines.append(
             f"{'* ' if r is chosen else '  '}{r['method']:<28}{'compiled' if r['compiled'] else 'eager':>9}"
             f"{r['median_s']:>10.4f}{r['min_s']:>9.4f}{r['max_s']:>9.4f}{len(r['times_s']):>3}"
-            f"{cell(r['speedup'], '{:.3f}x'):>9}{cell(r['psnr_db'], '{:.1f}'):>9}  {inside}{flag}")
+            f"{cell(r['speedup'], '{:.3f}x'):>9}{cell(r['psnr_db'], '{:.1f}'):>9}  {inside}{flag}"
+        )
     for c in cands:
         if c.variant.name in psnr_only:
             lines.append(f"  {c.label:<28}{'-':>9}{'':>40}{cell(c.psnr, '{:.1f}'):>9}  not timed")
     lines.append("")
     if choice is not None:
         cand, row = choice
-        lines.append(f"fastest within the bound: {cand.label} ({'compiled' if row['compiled'] else 'eager'}), "
-                     f"{row['speedup']:.3f}x, PSNR {row['psnr_db']:.1f} dB"
-                     + ("" if row["reliable"] else "; its samples spread more than the speedup: re-run on a quieter "
-                        "machine or with more --repeats before trusting it"))
+        lines.append(
+            f"fastest within the bound: {cand.label} ({'compiled' if row['compiled'] else 'eager'}), "
+            f"{row['speedup']:.3f}x, PSNR {row['psnr_db']:.1f} dB"
+            + (
+                ""
+                if row["reliable"]
+                else "; its samples spread more than the speedup: re-run on a quieter "
+                "machine or with more --repeats before trusting it"
+            )
+        )
     elif not cands:
         lines.append("no candidate setting could be applied to this model (see the 'skipping' lines above)")
     elif floor is None:
@@ -419,8 +502,10 @@ def format_table(setup: Setup, args: argparse.Namespace, cands: list[Candidate],
         lines.append(f"no candidate meets the quality bound ({bound})")
     else:
         compiled = args.compile and any(r["compiled"] and r["method"] != "none" for r in rows)
-        lines.append(f"no candidate within the quality bound is faster than unpatched{' (compiled)' if compiled else ''} "
-                     "on this machine: ToMA does not pay here at these settings")
+        lines.append(
+            f"no candidate within the quality bound is faster than unpatched{' (compiled)' if compiled else ''} "
+            "on this machine: ToMA does not pay here at these settings"
+        )
     return "\n".join(lines)
 
 
@@ -435,8 +520,14 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else processor_name()
 
 
-def _record_entries(setup: Setup, args: argparse.Namespace, cands: list[Candidate], rows: list[dict[str, Any]],
-                    measured_at: str, model: torch.nn.Module) -> list[dict[str, Any]]:
+def _record_entries(
+    setup: Setup,
+    args: argparse.Namespace,
+    cands: list[Candidate],
+    rows: list[dict[str, Any]],
+    measured_at: str,
+    model: torch.nn.Module,
+) -> list[dict[str, Any]]:
     """One tune record per measured candidate row (see :mod:`toma.tuned`)."""
     from toma.tuned import model_key
 
@@ -447,34 +538,70 @@ def _record_entries(setup: Setup, args: argparse.Namespace, cands: list[Candidat
         c = by_name.get(r["method"])
         if c is None or r["speedup"] is None:
             continue
-        out.append({
-            "key": model_key(model, c.merged, c.settings), "denoiser": type(model).__name__,
-            "model": _model_name(setup, args), "grid": grid, "batch": setup.batch,
-            "mode": "compiled" if r["compiled"] else "eager", "speedup": r["speedup"], "median_s": r["median_s"],
-            "samples": len(r["times_s"]), "reliable": r["reliable"], "psnr_db": r["psnr_db"],
-            "setting": c.label, "settings": c.settings, "measured_at": measured_at,
-        })
+        out.append(
+            {
+                "key": model_key(model, c.merged, c.settings),
+                "denoiser": type(model).__name__,
+                "model": _model_name(setup, args),
+                "grid": grid,
+                "batch": setup.batch,
+                "mode": "compiled" if r["compiled"] else "eager",
+                "speedup": r["speedup"],
+                "median_s": r["median_s"],
+                "samples": len(r["times_s"]),
+                "reliable": r["reliable"],
+                "psnr_db": r["psnr_db"],
+                "setting": c.label,
+                "settings": c.settings,
+                "measured_at": measured_at,
+            }
+        )
     return out
 
 
-def _provenance(setup: Setup, args: argparse.Namespace, cand: Candidate, row: dict[str, Any],
-                rows: list[dict[str, Any]], measured_at: str, model: torch.nn.Module, interrupted: bool,
-                check: str, bound: str) -> dict[str, Any]:
+def _provenance(
+    setup: Setup,
+    args: argparse.Namespace,
+    cand: Candidate,
+    row: dict[str, Any],
+    rows: list[dict[str, Any]],
+    measured_at: str,
+    model: torch.nn.Module,
+    interrupted: bool,
+    check: str,
+    bound: str,
+) -> dict[str, Any]:
     """What the written config was chosen from: the machine, model, inputs, timing and check."""
     from toma import __version__
 
     base = next(r for r in rows if r["method"] == "none" and r["compiled"] == row["compiled"])
     return {
-        "tool": "toma tune", "toma_version": __version__, "measured_at": measured_at,
-        "setting": cand.label, "mode": "compiled" if row["compiled"] else "eager",
-        "speedup": row["speedup"], "median_s": row["median_s"], "unpatched_median_s": base["median_s"],
-        "samples": len(row["times_s"]), "reliable": row["reliable"], "interrupted": interrupted,
-        "psnr_db": row["psnr_db"], "quality_check": check, "quality_bound": bound,
-        "model": _model_name(setup, args), "denoiser": type(model).__name__, "resolution": setup.resolution,
-        "grid": list(token_grid(setup.arch, setup.resolution, args.frames)), "batch": setup.batch,
-        "dtype": str(setup.dtype).replace("torch.", ""), "device": str(setup.device),
-        "device_name": _device_name(setup.device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "torch": torch.__version__, "candidates": len({r["method"] for r in rows}) - 1,
+        "tool": "toma tune",
+        "toma_version": __version__,
+        "measured_at": measured_at,
+        "setting": cand.label,
+        "mode": "compiled" if row["compiled"] else "eager",
+        "speedup": row["speedup"],
+        "median_s": row["median_s"],
+        "unpatched_median_s": base["median_s"],
+        "samples": len(row["times_s"]),
+        "reliable": row["reliable"],
+        "interrupted": interrupted,
+        "psnr_db": row["psnr_db"],
+        "quality_check": check,
+        "quality_bound": bound,
+        "model": _model_name(setup, args),
+        "denoiser": type(model).__name__,
+        "resolution": setup.resolution,
+        "grid": list(token_grid(setup.arch, setup.resolution, args.frames)),
+        "batch": setup.batch,
+        "dtype": str(setup.dtype).replace("torch.", ""),
+        "device": str(setup.device),
+        "device_name": _device_name(setup.device),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "candidates": len({r["method"] for r in rows}) - 1,
     }
 
 
@@ -509,15 +636,27 @@ def _tune(args: argparse.Namespace, setup: Setup) -> int:
         model = builtin_model.unet
         log(f"built-in digits UNet, batch {b}, float32 on cpu")
     else:
-        log(f"building {arch.description} ({'weights from ' + args.model if args.model else 'random weights'}) "
-            f"in {str(setup.dtype).replace('torch.', '')} on {setup.device}")
-        model = build_model(arch, depth=args.depth, model_path=args.model, dtype=setup.dtype, device=setup.device,
-                            seed=args.seed)
+        log(
+            f"building {arch.description} ({'weights from ' + args.model if args.model else 'random weights'}) "
+            f"in {str(setup.dtype).replace('torch.', '')} on {setup.device}"
+        )
+        model = build_model(
+            arch, depth=args.depth, model_path=args.model, dtype=setup.dtype, device=setup.device, seed=args.seed
+        )
     start = time.perf_counter()
     placement = {"levels": 1, "merge_mlp": False, "tile_size": args.tile_size}
     harness = MethodPatcher(model, arch, placement, {}, None)
-    step_inputs = {b: [set_timestep(arch, make_inputs(arch, setup.resolution, b, setup.dtype, setup.device, args.seed,
-                                                      args.frames), s, args.steps) for s in range(args.steps)]}
+    step_inputs = {
+        b: [
+            set_timestep(
+                arch,
+                make_inputs(arch, setup.resolution, b, setup.dtype, setup.device, args.seed, args.frames),
+                s,
+                args.steps,
+            )
+            for s in range(args.steps)
+        ]
+    }
 
     def call(inputs: dict[str, Any]) -> Any:
         return call_denoiser(arch, model, inputs)
@@ -535,11 +674,24 @@ def _tune(args: argparse.Namespace, setup: Setup) -> int:
         with torch.inference_mode():
             _check(setup, args, harness, cands, call, step_inputs[b], builtin_model, bar)
             budget = None if args.budget_s is None else Budget(args.budget_s, start, args.warmup)
-            stopped = time_rounds(harness, call, variants, [b], step_inputs, args.warmup, args.repeats, setup.device,
-                                  results, {}, bar, stop=budget)
+            stopped = time_rounds(
+                harness,
+                call,
+                variants,
+                [b],
+                step_inputs,
+                args.warmup,
+                args.repeats,
+                setup.device,
+                results,
+                {},
+                bar,
+                stop=budget,
+            )
             if stopped:
-                notes.append(f"--budget-s {args.budget_s:g}: timing stopped after "
-                             f"{len(results[(NONE, b)].times)} round(s)")
+                notes.append(
+                    f"--budget-s {args.budget_s:g}: timing stopped after {len(results[(NONE, b)].times)} round(s)"
+                )
             if args.compile:
                 if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
                     notes.append("--compile skipped: the --budget-s was spent")
@@ -547,11 +699,31 @@ def _tune(args: argparse.Namespace, setup: Setup) -> int:
                     picked = _compile_picks(setup, cands, results, b, args.compile_top)
                     bar.set_postfix_str("compiling")
                     # compiled rows interleave with each other (the eager ones are done)
-                    compiled = compile_variants(harness, [NONE] + [c.variant for c in picked], [b], step_inputs,
-                                                args.warmup, setup.device, log, args.freezing)
+                    compiled = compile_variants(
+                        harness,
+                        [NONE] + [c.variant for c in picked],
+                        [b],
+                        step_inputs,
+                        args.warmup,
+                        setup.device,
+                        log,
+                        args.freezing,
+                    )
                     results.update({(v, b): Measurement(v, b) for v in compiled})
-                    time_rounds(harness, call, list(compiled), [b], step_inputs, args.warmup, args.repeats,
-                                setup.device, results, {}, bar, fixed=compiled)
+                    time_rounds(
+                        harness,
+                        call,
+                        list(compiled),
+                        [b],
+                        step_inputs,
+                        args.warmup,
+                        args.repeats,
+                        setup.device,
+                        results,
+                        {},
+                        bar,
+                        fixed=compiled,
+                    )
     except KeyboardInterrupt:
         interrupted = True
         harness.remove()
@@ -578,8 +750,9 @@ def _tune(args: argparse.Namespace, setup: Setup) -> int:
     from toma import ToMAConfig
 
     config = ToMAConfig(**cand.settings)
-    provenance = _provenance(setup, args, cand, row, rows, measured_at, model, interrupted, check,
-                             quality_bound(setup, cands)[1])
+    provenance = _provenance(
+        setup, args, cand, row, rows, measured_at, model, interrupted, check, quality_bound(setup, cands)[1]
+    )
     config.save(args.out, provenance=provenance)
     print(f"wrote {args.out}: apply it with toma.apply_toma(pipe, config=toma.load_config({str(args.out)!r}))")
     return 130 if interrupted else 0
