@@ -61,7 +61,7 @@ def run_family(toma, fam) -> dict[str, torch.Tensor]:
     if isinstance(ts, torch.Tensor):
         out["forward, next step"] = fam.output(model, {**kw, "timestep": ts * 0.5})
     # checkpointed backward, with another forward between the forward and its backward
-    if hasattr(model, "enable_gradient_checkpointing"):
+    if fam.checkpointing and hasattr(model, "enable_gradient_checkpointing"):
         model.enable_gradient_checkpointing()
     name = first_float_input(kw)
     x = kw[name].clone().requires_grad_(True)
