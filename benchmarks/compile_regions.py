@@ -100,7 +100,8 @@ def main() -> None:
         calls = {k: calls[k] for k in wanted}
     print(
         f"{args.side}x{args.side} tokens, {args.channels} channels, {args.heads} heads, batch {args.batch}, "
-        f"ratio {args.ratio}, tile {args.tile}: median CPU ms per call of {args.rounds} rounds of {args.calls} calls, eager | compiled"
+        f"ratio {args.ratio}, tile {args.tile}: median CPU ms per call of {args.rounds} rounds of {args.calls} "
+        "calls, eager | compiled"
     )
     with torch.inference_mode():
         for name, fn in calls.items():

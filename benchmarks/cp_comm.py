@@ -3,7 +3,8 @@ ToMA, and how long a forward takes on CPU processes.
 
 Run under torchrun (gloo on CPU, or NCCL on GPUs with ``--device cuda``)::
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/cp_comm.py --out benchmarks/results/cpu/cp_comm_2.json
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/cp_comm.py \
+        --out benchmarks/results/cpu/cp_comm_2.json
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 benchmarks/cp_comm.py --modes both --time 0
 
 Bytes: diffusers' functional collectives (``all_to_all_single``, ``all_gather_tensor``) and

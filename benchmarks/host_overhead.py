@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from hot_path import median_ms  # benchmarks/ is on sys.path when this script runs
 
-from toma.tools.archs import ARCHS, Arch, build_model, call_denoiser, default_placement, get_arch, make_inputs
+from toma.tools.archs import Arch, build_model, call_denoiser, default_placement, get_arch, make_inputs
 from toma.kernels import kernel_mode
 from toma.tools.opcount import count_kernels
 
@@ -159,7 +159,8 @@ def main() -> None:
             top = ", ".join(f"{k} {v}" for k, v in extra.most_common(5))
             verdict = "none" if sync is None else "READS"
             print(
-                f"{method:<8}{total:>9}{total - sum(base_ops.values()):>+7}{ms:>9.1f}{ms - base_ms:>+10.1f}  {verdict:<8}{top}"
+                f"{method:<8}{total:>9}{total - sum(base_ops.values()):>+7}{ms:>9.1f}{ms - base_ms:>+10.1f}  "
+                f"{verdict:<8}{top}"
             )
             if sync is not None:
                 print(f"         {sync}")

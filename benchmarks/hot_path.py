@@ -65,10 +65,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
-        f"torch {torch.__version__}, {device}, {args.dtype}, {torch.get_num_threads()} threads, batch {args.batch}, ratio 0.5, tile {args.tile}x{args.tile}"
+        f"torch {torch.__version__}, {device}, {args.dtype}, {torch.get_num_threads()} threads, batch "
+        f"{args.batch}, ratio 0.5, tile {args.tile}x{args.tile}"
     )
     print(
-        f"{'grid':<40}{'build ms':>10}{'merge ms':>10}{'unmerge ms':>12}{'reorder ms':>12}{'per forward ms':>16}{'raster order':>14}"
+        f"{'grid':<40}{'build ms':>10}{'merge ms':>10}{'unmerge ms':>12}{'reorder ms':>12}"
+        f"{'per forward ms':>16}{'raster order':>14}"
     )
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():

@@ -12,7 +12,8 @@ model, so that both paths see the same machine state. It prints
   float32 rounding of the similarities; the merges differ by summation order).
 
     python benchmarks/kernels_ab.py --arch sdxl --levels 2 --device cuda --dtype bfloat16 --batch 1,2
-    TRITON_INTERPRET=1 python benchmarks/kernels_ab.py --narrow --resolution 128 --repeats 1 --rounds 1  # a CPU smoke run
+    # a CPU smoke run:
+    TRITON_INTERPRET=1 python benchmarks/kernels_ab.py --narrow --resolution 128 --repeats 1 --rounds 1
 """
 
 from __future__ import annotations

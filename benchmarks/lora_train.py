@@ -367,7 +367,8 @@ def markdown(result: dict[str, Any]) -> str:
         "process per configuration. Held-out loss: epsilon MSE on "
         f"{s['heldout']} noised test digits, unmerged (base model: {fmt(result['heldout_base'], 4)}).",
         "",
-        "| configuration | step median s | min-max s | speed-up (paired) | peak memory growth MiB | final train loss | held-out loss | LoRA distance to plain |",
+        "| configuration | step median s | min-max s | speed-up (paired) | peak memory growth MiB | final train "
+        "loss | held-out loss | LoRA distance to plain |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for config, row in result["configs"].items():
@@ -447,7 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         sampled = [c for c in args.sample_configs.split(",") if c]
     if any(c not in configs for c in sampled) or "plain" not in sampled:
         p.error(
-            f"--sample-configs must include 'plain' and name only configurations in --configs; got {args.sample_configs!r}"
+            "--sample-configs must include 'plain' and name only configurations in --configs; got "
+            f"{args.sample_configs!r}"
         )
     args.sample_configs = sampled
     for name in (

@@ -97,7 +97,8 @@ def print_shape(result: dict) -> None:
     base = times["none"]["wall_s"]
     b, h, sq, sk, d = result["shape"]
     print(
-        f"  {result['dtype']}, {h} heads x {d}, {sq} queries x {sk} keys (flex compile {result['flex_compile_s']:.1f} s)"
+        f"  {result['dtype']}, {h} heads x {d}, {sq} queries x {sk} keys (flex compile "
+        f"{result['flex_compile_s']:.1f} s)"
     )
     for name, t in times.items():
         print(

@@ -54,7 +54,8 @@ def main() -> None:
     tiled = PlanCache.tile_order_layout
     paths = {"tile order": tiled, "raster order": lambda self, grid, device=None: None}
     print(
-        f"{arch.name} {resolution}px {args.dtype} on {device}, {torch.get_num_threads()} threads, ratio 0.5, {placement}"
+        f"{arch.name} {resolution}px {args.dtype} on {device}, {torch.get_num_threads()} threads, ratio 0.5, "
+        f"{placement}"
     )
     print(f"{'round':<7}{'path':<14}{'eager median / min s':>24}{'compiled median / min s':>26}")
     with torch.no_grad():

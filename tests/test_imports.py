@@ -14,7 +14,10 @@ HEAVY = ("torch", "diffusers", "transformers", "matplotlib")
 
 def loaded_after(code: str) -> list[str]:
     """Modules loaded by a fresh interpreter after running ``code`` (after ``import torch``)."""
-    script = f"import torch, sys; before = set(sys.modules); {code}; print(__import__('json').dumps(sorted(set(sys.modules) - before)))"
+    script = (
+        f"import torch, sys; before = set(sys.modules); {code}; "
+        "print(__import__('json').dumps(sorted(set(sys.modules) - before)))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1]
     )
@@ -32,7 +35,8 @@ def test_applying_to_one_family_imports_only_its_adapter():
     mods = loaded_after(
         "from diffusers import SD3Transformer2DModel as M; import toma; "
         "m = M(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8, "
-        "num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=16); "
+        "num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, "
+        "pos_embed_max_size=16); "
         "toma.apply_toma(m, ratio=0.5)"
     )
     adapters = {m for m in mods if m.startswith("toma.adapters.")}
@@ -127,7 +131,10 @@ def test_command_packages_and_shared_helpers_import_without_torch():
         "toma.tools.builtin",
         "toma.tools.builtin.samplers",
     ]
-    script = f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; print(json.dumps(sorted(sys.modules)))"
+    script = (
+        f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; "
+        "print(json.dumps(sorted(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
     heavy = sorted(m for m in json.loads(out.stdout.strip().splitlines()[-1]) if m.split(".")[0] in HEAVY)
     assert not heavy, heavy[:5]

@@ -63,7 +63,8 @@ class ToMAPatch:
         if self.config.windowed:
             stop = "the last" if self.config.stop_step is None else f"{self.config.stop_step - 1}"
             lines.append(
-                f"  steps: merging on denoising steps {self.config.start_step} to {stop} (0 = first); the others run unmerged"
+                f"  steps: merging on denoising steps {self.config.start_step} to {stop} (0 = first); the "
+                "others run unmerged"
             )
         lines += [f"  merged  {p.name}  [{p.where}]" for p in self.patched]
         lines += [f"  skipped {s.name}  ({s.reason})" for s in self.skipped]

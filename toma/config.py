@@ -153,7 +153,8 @@ class ToMAConfig:
             _check_int("stop_step", self.stop_step, minimum=1)
             if self.stop_step <= self.start_step:
                 raise ValueError(
-                    f"stop_step must be greater than start_step (merging runs on steps start_step <= step < stop_step); "
+                    "stop_step must be greater than start_step (merging runs on steps start_step <= step < "
+                    "stop_step); "
                     f"got start_step={self.start_step}, stop_step={self.stop_step}"
                 )
 
@@ -267,7 +268,8 @@ def load_config(path: str | os.PathLike) -> ToMAConfig:
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ConfigFileError(
-            f"toma config file {path}: unknown setting(s) {', '.join(unknown)} in 'settings'; allowed: {', '.join(sorted(known))}"
+            f"toma config file {path}: unknown setting(s) {', '.join(unknown)} in 'settings'; allowed: "
+            f"{', '.join(sorted(known))}"
         )
     if "provenance" in doc and not isinstance(doc["provenance"], dict):
         raise ConfigFileError(
@@ -388,7 +390,8 @@ def _check_blocks(value: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
         pairs = [(stack, indices) for stack, indices in items]
     except (TypeError, ValueError):
         raise TypeError(
-            f"blocks must map block-stack names to block indices, e.g. {{'transformer_blocks': range(5, 19)}}; got {value!r}"
+            f"blocks must map block-stack names to block indices, e.g. {{'transformer_blocks': range(5, 19)}}; "
+            f"got {value!r}"
         ) from None
     out = []
     for stack, indices in pairs:

@@ -140,7 +140,7 @@ def test_sd3_controlnet_residuals_stay_in_raster_order(tile_orders):
 def test_kept_token_count_follows_ratio():
     model = make_wan()
     for ratio in (0.25, 0.75):
-        patch = toma.apply_toma(model, ratio=ratio, **ALL_WAN)
+        toma.apply_toma(model, ratio=ratio, **ALL_WAN)
         queries, handles = count_queries(model, (".attn1",))
         run(model, **wan_inputs(1, 4, 16, 16))
         for h in handles:

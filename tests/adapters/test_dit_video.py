@@ -21,7 +21,8 @@ from tests.tiny_models import (  # noqa: E402
 HUNYUAN_ALL = {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}}
 COG_ALL = {"blocks": {"transformer_blocks": range(3)}}
 
-# case -> (family, model maker, inputs(batch, frames, latent height, latent width), every block, latent frames per token)
+# case -> (family, model maker, inputs(batch, frames, latent height, latent width), every block,
+# latent frames per token)
 FAMILIES = {
     "hunyuanvideo": ("hunyuanvideo", make_hunyuan, hunyuan_inputs, HUNYUAN_ALL, 1),
     "cogvideox": ("cogvideox", make_cogvideox, cogvideox_inputs, COG_ALL, 1),

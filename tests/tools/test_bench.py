@@ -21,7 +21,6 @@ from toma.tools.baselines import (
     todo_pool,
 )
 from toma.tools.cli import main
-from toma.adapters.state import PlanCache
 from toma.core.tiling import make_layout
 
 

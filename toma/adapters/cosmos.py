@@ -1,4 +1,5 @@
-"""Cosmos-Predict 1 / 2 / 2.5, Transfer, Anima (``CosmosTransformer3DModel``): self-attention with 3-D rotary, cross-attention, MLP.
+"""Cosmos-Predict 1 / 2 / 2.5, Transfer, Anima (``CosmosTransformer3DModel``): self-attention
+with 3-D rotary, cross-attention, MLP.
 
 Each block merges the video tokens of its self-attention (``attn1``); its rotary tables
 (one ``(N, D)`` cos/sin pair for the batch, from ``rope``) are gathered to the merged

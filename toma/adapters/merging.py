@@ -157,7 +157,8 @@ class MergeHook(Hook):
             own = site.joint_mask(own, merged.tokens, merged.plan.num_merged)
             if own is None:
                 self._warn_once(
-                    f"ToMA: {type(module).__name__} got an attention mask it cannot fit to merged tokens; such calls run unmerged"
+                    f"ToMA: {type(module).__name__} got an attention mask it cannot fit to merged tokens; such "
+                    "calls run unmerged"
                 )
                 return args, kwargs
             name, index = site.mask or ("attention_mask", None)

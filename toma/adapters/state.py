@@ -93,9 +93,10 @@ class TokenOrder:
         while the stretch keeps the model's order. Reordering counts as merging's cost.
 
         Under context parallelism (``shard``: this rank's
-        :class:`~toma.adapters.parallel.Shard`, with the layout a shard's), a sequence of every rank's tokens (before diffusers splits it,
-        as at Qwen-Image's ``img_in``) has each shard's run put in its own tile order, so
-        that the split hands each rank its shard in tile order.
+        :class:`~toma.adapters.parallel.Shard`, with the layout a shard's), a sequence of
+        every rank's tokens (before diffusers splits it, as at Qwen-Image's ``img_in``) has
+        each shard's run put in its own tile order, so that the split hands each rank its
+        shard in tile order.
         """
         if self.extra:  # conditioning tokens lead: one gather each way
             index = self.enter if enter else self.leave

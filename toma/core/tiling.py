@@ -340,7 +340,8 @@ def tile_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     """
     if layout.padded:
         raise ValueError(
-            f"a {layout.t}x{layout.h}x{layout.w} grid is padded by {layout.tt}x{layout.th}x{layout.tw} tiles: no tile order"
+            f"a {layout.t}x{layout.h}x{layout.w} grid is padded by {layout.tt}x{layout.th}x{layout.tw} tiles: "
+            "no tile order"
         )
     return to_tiles(x, layout).flatten(1, 2)
 

@@ -145,7 +145,8 @@ def use_triton(device: torch.device) -> bool:
         raise RuntimeError(f"{KERNELS_ENV}=triton, but triton is not installed (pip install triton)")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
-            f"{KERNELS_ENV}=triton on a {device.type} tensor: Triton runs on CUDA, or on the CPU under TRITON_INTERPRET=1"
+            f"{KERNELS_ENV}=triton on a {device.type} tensor: Triton runs on CUDA, or on the CPU under "
+            "TRITON_INTERPRET=1"
         )
     return True
 

@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="toma",
-        description="ToMA token merging for diffusers: generate, benchmark, evaluate, tune, and check this machine (doctor).",
+        description=(
+            "ToMA token merging for diffusers: generate, benchmark, evaluate, tune, and check this machine (doctor)."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"toma {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

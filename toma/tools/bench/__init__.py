@@ -207,7 +207,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
     if args.depth != 1 and arch.family not in DEPTH_KEYS:
         raise ValueError(
-            f"--depth applies to transformers ({', '.join(DEPTH_KEYS)}); got --depth {args.depth} with --arch {arch.name}"
+            f"--depth applies to transformers ({', '.join(DEPTH_KEYS)}); got --depth {args.depth} with --arch "
+            f"{arch.name}"
         )
     if (args.frames is not None or args.tile_frames is not None) and not arch.frames:
         raise ValueError(f"--frames and --tile-frames apply to video archs; {arch.name} draws images")

@@ -169,7 +169,8 @@ def frechet_distance(mu1: torch.Tensor, sigma1: torch.Tensor, mu2: torch.Tensor,
     mu1, mu2, sigma1, sigma2 = (t.double() for t in (mu1, mu2, sigma1, sigma2))
     if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != (mu1.numel(),) * 2:
         raise ValueError(
-            f"shape mismatch: mu {tuple(mu1.shape)}/{tuple(mu2.shape)}, sigma {tuple(sigma1.shape)}/{tuple(sigma2.shape)}"
+            f"shape mismatch: mu {tuple(mu1.shape)}/{tuple(mu2.shape)}, sigma "
+            f"{tuple(sigma1.shape)}/{tuple(sigma2.shape)}"
         )
     root1 = _sqrtm_psd(sigma1)
     cross = torch.linalg.eigvalsh(root1 @ sigma2 @ root1).clamp(min=0).sqrt().sum()
@@ -187,7 +188,8 @@ def accuracy(predictions: torch.Tensor, labels: torch.Tensor) -> float:
     """Fraction of ``predictions`` ``(N,)`` equal to ``labels`` ``(N,)``."""
     if predictions.shape != labels.shape or predictions.numel() == 0:
         raise ValueError(
-            f"predictions and labels must be non-empty and equally shaped; got {tuple(predictions.shape)} and {tuple(labels.shape)}"
+            f"predictions and labels must be non-empty and equally shaped; got {tuple(predictions.shape)} and "
+            f"{tuple(labels.shape)}"
         )
     return (predictions == labels).double().mean().item()
 

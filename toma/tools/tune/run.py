@@ -10,13 +10,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from toma.tools.archs import (
-    ARCHS,
     DEPTH_KEYS,
     STACKS,
     Arch,
@@ -460,7 +458,10 @@ def format_table(
         f"  quality bound: {bound}",
     ]
     lines += [f"  note: {n}" for n in notes]
-    head = f"{'':2}{'setting':<28}{'mode':>9}{'median s':>10}{'min s':>9}{'max s':>9}{'n':>3}{'speedup':>9}{'PSNR dB':>9}  within bound"
+    head = (
+        f"{'':2}{'setting':<28}{'mode':>9}{'median s':>10}{'min s':>9}{'max s':>9}{'n':>3}{'speedup':>9}"
+        f"{'PSNR dB':>9}  within bound"
+    )
     lines += ["", head, "-" * len(head)]
     chosen = choice[1] if choice else None
     psnr_only = {c.variant.name for c in cands} - {r["method"] for r in rows}
