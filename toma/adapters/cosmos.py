@@ -16,21 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
 
 _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return [Site("attn1", "attn", rotary=_ROTARY), Site("attn2", "cross"), Site("ff", "mlp")]
-
-
-def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
-    video = call.get("hidden_states")
-    if video is None or video.ndim != 5:
-        return None
-    pt, ph, pw = model.config.patch_size
-    return (video.shape[2] // pt, video.shape[3] // ph, video.shape[4] // pw)
 
 
 def _tile_order_ok(model: torch.nn.Module, call: dict) -> bool:
@@ -44,7 +36,7 @@ SPEC = FamilySpec(
     classes=("CosmosTransformer3DModel",),
     stacks=("transformer_blocks",),
     sites=_sites,
-    grid=_grid,
+    grid=video_grid,
     enter=("block", ""),
     leave="norm_out",
     rope=("rope", 0),

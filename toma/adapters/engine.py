@@ -71,6 +71,7 @@ from toma.adapters.spec import (
     gather_rows,
     head_mask,
     image_grid,
+    video_grid,
     skip_first,
 )
 from toma.config import ToMAConfig
@@ -95,6 +96,7 @@ __all__ = [
     "head_mask",
     "hidden_states_of",
     "image_grid",
+    "video_grid",
     "order_hooks",
     "register",
     "skip_first",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias_text_after
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
 
 
 def _joint_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor | None:
@@ -55,14 +55,6 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return sites
 
 
-def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
-    video = call.get("hidden_states")
-    if video is None or video.ndim != 5:
-        return None
-    p, pt = model.config.patch_size, model.config.patch_size_t
-    return (video.shape[2] // pt, video.shape[3] // p, video.shape[4] // p)
-
-
 def _tile_order_ok(model: torch.nn.Module, call: dict) -> bool:
     return model.config.image_condition_type != "token_replace"
 
@@ -72,7 +64,7 @@ SPEC = FamilySpec(
     classes=("HunyuanVideoTransformer3DModel",),
     stacks=("transformer_blocks", "single_transformer_blocks"),
     sites=_sites,
-    grid=_grid,
+    grid=video_grid,
     enter=("output", "x_embedder"),
     leave="norm_out",
     rope=("rope", 0),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
 
 
 def _text_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor | None:
@@ -31,20 +31,12 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return [Site("attn", "attn", rotary=_ROTARY, joint_mask=_text_mask), Site("ff", "mlp")]
 
 
-def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
-    video = call.get("hidden_states")
-    if video is None or video.ndim != 5:
-        return None
-    p, pt = model.config.patch_size, model.config.patch_size_t
-    return (video.shape[2] // pt, video.shape[3] // p, video.shape[4] // p)
-
-
 SPEC = FamilySpec(
     name="hunyuanvideo15",
     classes=("HunyuanVideo15Transformer3DModel",),
     stacks=("transformer_blocks",),
     sites=_sites,
-    grid=_grid,
+    grid=video_grid,
     enter=("output", "x_embedder"),
     leave="norm_out",
     rope=("rope", 0),

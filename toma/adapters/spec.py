@@ -184,6 +184,18 @@ def image_grid(model: torch.nn.Module, call: dict) -> Grid | None:
     return (1, latents.shape[-2] // p, latents.shape[-1] // p)
 
 
+def video_grid(model: torch.nn.Module, call: dict) -> Grid | None:
+    """The ``(t, h, w)`` token grid of video latents ``(B, C, F, H, W)`` patchified by the
+    model's config: ``patch_size`` as ``(pt, ph, pw)`` (Wan, Cosmos), or a side with
+    ``patch_size_t`` (HunyuanVideo)."""
+    video = call.get("hidden_states")
+    if video is None or video.ndim != 5:
+        return None
+    p = model.config.patch_size
+    pt, ph, pw = p if isinstance(p, (tuple, list)) else (model.config.patch_size_t, p, p)
+    return (video.shape[2] // pt, video.shape[3] // ph, video.shape[4] // pw)
+
+
 def skip_first(count: int) -> Callable[[str, int], tuple[int, ...]]:
     """Default blocks: every block of a stack but the first ``count`` (at most half of it).
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
 
 
 # rotary tables are (1, N, 1, D); per-batch destinations give (Bp, K, 1, D), which the
@@ -29,14 +29,6 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     ]
 
 
-def _grid(model: torch.nn.Module, call: dict) -> Grid | None:
-    video = call.get("hidden_states")
-    if video is None or video.ndim != 5:
-        return None
-    pt, ph, pw = model.config.patch_size
-    return (video.shape[2] // pt, video.shape[3] // ph, video.shape[4] // pw)
-
-
 def _tile_order_ok(model: torch.nn.Module, call: dict) -> bool:
     timestep = call.get("timestep")
     return not (isinstance(timestep, torch.Tensor) and timestep.ndim == 2)
@@ -47,7 +39,7 @@ SPEC = FamilySpec(
     classes=("WanTransformer3DModel",),
     stacks=("blocks",),
     sites=_sites,
-    grid=_grid,
+    grid=video_grid,
     enter=("block", ""),
     leave="norm_out",
     rope=("rope", 1),
