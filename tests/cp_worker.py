@@ -356,15 +356,12 @@ def table(world: int) -> dict[str, Callable[[], dict]]:
                 cases[f"midrow/{family}/{mode}"] = functools.partial(
                     compare, family, mode, world, kw=inputs(family, world, rows=9, frames=1)
                 )
-        if mode == "ulysses":  # Ulysses gathers a mask over the local keys with the keys
-            cases["proportional/wan/ulysses/compare"] = functools.partial(
-                compare, "wan", mode, world, proportional_attention=True
-            )
-        cases[f"proportional/wan/{mode}/cp_first"] = functools.partial(
-            refused, "wan", mode, world, "cp_first", proportional_attention=True
+        # the bias rides in the keys (the key channel), so ring attention's exchanges carry it
+        cases[f"proportional/wan/{mode}/compare"] = functools.partial(
+            compare, "wan", mode, world, proportional_attention=True
         )
-        cases[f"proportional/wan/{mode}/toma_first"] = functools.partial(
-            refused, "wan", mode, world, "toma_first", proportional_attention=True
+        cases[f"proportional/flux/{mode}/compare"] = functools.partial(
+            compare, "flux", mode, world, proportional_attention=True
         )
     if world == 2:  # two samples: Flux's merged attention then runs once per sample, on every rank
         cases["batch2/flux/ulysses"] = functools.partial(

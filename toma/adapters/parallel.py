@@ -47,9 +47,11 @@ grid where a shard spans two rows or more. A sequence with conditioning images' 
 
 Combinations that cannot work are refused with a message naming context parallelism
 (:func:`refusal`): families toma has no CP support for, diffusers' ``ulysses_anything`` /
-``ring_anything`` (uneven shards, hence different layouts and merged lengths), and
-proportional attention under ring attention (ring attention applies a rank's mask to
-every rank's key/value chunk, so a bias over the local merged keys is wrong there).
+``ring_anything`` (uneven shards, hence different layouts and merged lengths).
+Proportional attention is not refused: under context parallelism the backend rule
+(:mod:`toma.adapters.attention`) folds the bias into the keys, which ring attention's
+exchanges carry, where a float mask over the local keys would be applied to every rank's
+key/value chunk.
 
 Nothing here imports diffusers: the model's parallel config and hooks are read as
 attributes.
@@ -111,12 +113,6 @@ def refusal(family: str | None, cp: Any, config: Any) -> str | None:
         return (
             "ToMA does not merge under context parallelism with ulysses_anything or ring_anything: their shards "
             "differ in length, so ranks would merge to different lengths; use equal shards"
-        )
-    if bool(getattr(config, "proportional_attention", False)) and int(cp.ring_degree) > 1:
-        return (
-            "proportional_attention=True is wrong under ring attention (context parallelism with ring_degree > 1): "
-            "ring attention applies each rank's mask to every rank's keys; use proportional_attention=False, or "
-            "ulysses_degree alone"
         )
     return None
 
