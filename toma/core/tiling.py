@@ -296,9 +296,12 @@ def layout_index(layout: TileLayout, device: torch.device | str | None = None) -
     mask = gather = scatter = None
     if real is not None:
         slots, flat = slot_raster_index(layout, "cpu"), real.flatten()
-        scatter = torch.empty(layout.num_tokens, dtype=torch.long).scatter_(
-            0, slots[flat], torch.arange(slots.numel())[flat]
-        )
+        # every real slot writes its index at its token's place; padded slots write at a
+        # spare place past the tokens, dropped after: no boolean selection (a data-dependent
+        # shape, which torch.compile cannot trace when a plan is first built in a graph)
+        places = torch.where(flat, slots, layout.num_tokens)
+        scatter = torch.empty(layout.num_tokens + 1, dtype=torch.long).scatter_(0, places, torch.arange(slots.numel()))
+        scatter = scatter[: layout.num_tokens]
         mask, gather, scatter = real.to(device), slots.to(device), scatter.to(device)
     if layout.uniform:
         return LayoutIndex(mask, None, None, None, gather, scatter)
