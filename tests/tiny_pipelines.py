@@ -66,3 +66,23 @@ def merged_round_trip(pipe, generate, expected_calls, **options) -> None:
     assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
     toma.remove_toma(pipe)
     assert np.array_equal(generate(), ref)
+
+
+def tiny_sd_pipeline(folder, pipeline: type | None = None, scheduler=None):
+    """A tiny random-weight SD 1.x-style pipeline (``pipeline``: ``StableDiffusionPipeline``,
+    or a sibling class taking the same components), its tokenizer's files in ``folder``."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from transformers import CLIPTextModel
+
+    from tests.tiny_models import CROSS_DIM, make_sd15_unet
+
+    return (pipeline or StableDiffusionPipeline)(
+        vae=tiny_vae(),
+        text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
+        tokenizer=tiny_clip_tokenizer(folder),
+        unet=make_sd15_unet(),
+        scheduler=scheduler or DDIMScheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )

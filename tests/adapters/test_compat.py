@@ -87,25 +87,14 @@ def test_lora_before_or_after_apply_gives_the_same_output(family):
 
 def test_lora_loaded_with_load_lora_weights(tmp_path):
     # the user-facing path: a LoRA file saved by one pipeline, loaded into a patched one
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline
     from peft.utils import get_peft_model_state_dict
-    from transformers import CLIPTextModel
 
-    from tests.tiny_models import CROSS_DIM
-    from tests.tiny_pipelines import clip_config, tiny_clip_tokenizer, tiny_vae
+    from tests.tiny_pipelines import tiny_sd_pipeline
 
     def build():
         torch.manual_seed(0)
-        return StableDiffusionPipeline(
-            vae=tiny_vae(),
-            text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
-            tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
-            unet=make_sd15_unet(),
-            scheduler=DDIMScheduler(),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
+        return tiny_sd_pipeline(tmp_path / "tok")
 
     trained = build()
     add_lora(trained.unet)

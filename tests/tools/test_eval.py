@@ -104,23 +104,12 @@ def test_eval_rejects_bad_options(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def tiny_sd_folder(tmp_path_factory):
     """A tiny random-weight SD 1.x-style pipeline saved with save_pretrained (no download)."""
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
-    from transformers import CLIPTextModel
+    from diffusers import DDIMScheduler
 
-    from tests.tiny_models import CROSS_DIM, make_sd15_unet
-    from tests.tiny_pipelines import clip_config, tiny_clip_tokenizer, tiny_vae
+    from tests.tiny_pipelines import tiny_sd_pipeline
 
     root = tmp_path_factory.mktemp("tiny-sd")
-    pipe = StableDiffusionPipeline(
-        vae=tiny_vae(),
-        text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
-        tokenizer=tiny_clip_tokenizer(root / "tok"),
-        unet=make_sd15_unet(),
-        scheduler=DDIMScheduler(clip_sample=False),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    pipe = tiny_sd_pipeline(root / "tok", scheduler=DDIMScheduler(clip_sample=False))
     pipe.save_pretrained(root / "pipe")
     return root / "pipe"
 

@@ -13,7 +13,7 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5Config, T
 
 import toma
 from tests.tiny_models import make_flux, make_sdxl_unet
-from tests.tiny_pipelines import clip_config, merged_round_trip, tiny_clip_tokenizer, tiny_vae
+from tests.tiny_pipelines import clip_config, merged_round_trip, tiny_clip_tokenizer, tiny_sd_pipeline, tiny_vae
 
 
 def test_sdxl_pipeline_round_trip(tmp_path):
@@ -174,22 +174,11 @@ def test_img2img_after_a_stopped_run_builds_its_own_plans(tmp_path):
     # With recompute_every > 1, plans carry over between steps of one run. A run stopped
     # early followed by img2img (which starts at a lower timestep) looked like the same run
     # to the denoiser, and reused the stopped run's plans for another image.
-    from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline
-
-    from tests.tiny_models import CROSS_DIM, make_sd15_unet
+    from diffusers import StableDiffusionImg2ImgPipeline
 
     def build():
         torch.manual_seed(0)
-        return StableDiffusionImg2ImgPipeline(
-            vae=tiny_vae(),
-            text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
-            tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
-            unet=make_sd15_unet(),
-            scheduler=DDIMScheduler(),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
+        return tiny_sd_pipeline(tmp_path / "tok", StableDiffusionImg2ImgPipeline)
 
     image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
 
@@ -325,21 +314,8 @@ def test_generate_and_eval_on_a_local_transformer_pipeline(family, tmp_path, one
 
 
 def build_sd(tmp_path):
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
-
-    from tests.tiny_models import CROSS_DIM, make_sd15_unet
-
     torch.manual_seed(0)
-    return StableDiffusionPipeline(
-        vae=tiny_vae(),
-        text_encoder=CLIPTextModel(clip_config(hidden_size=CROSS_DIM)),
-        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
-        unet=make_sd15_unet(),
-        scheduler=DDIMScheduler(),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    return tiny_sd_pipeline(tmp_path / "tok")
 
 
 def test_frames_is_refused_for_image_pipelines(tmp_path, capsys):
