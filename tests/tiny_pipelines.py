@@ -4,6 +4,9 @@ from config (no download), and the round trip a whole pipeline is checked with."
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -86,3 +89,24 @@ def tiny_sd_pipeline(folder, pipeline: type | None = None, scheduler=None):
         feature_extractor=None,
         requires_safety_checker=False,
     )
+
+
+def read_results(out: Path) -> dict:
+    """The results of a ``toma eval`` run in ``out``, after checking it wrote every file."""
+    for name in ("results.json", "results.md", "quality_vs_speedup.png", "samples.png"):
+        assert (out / name).is_file(), name
+    return json.loads((out / "results.json").read_text())
+
+
+def eval_on_two_processes(args: list[str], out: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``toma ARGS --out-dir OUT`` data-parallel on two CPU processes, one thread each.
+
+    accelerate's ``--cpu`` launcher starts a single process (multi-CPU needs mpirun); its
+    torchrun launcher (``--multi_gpu``) starts 2 processes, and toma joins them with gloo.
+    """
+    # fmt: off
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "toma", *args, "--out-dir", str(out)]
+    # fmt: on
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).parents[1])

@@ -6,12 +6,8 @@ Loads the shipped weights; each test samples a few images with 1 or 2 Euler step
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +17,7 @@ import toma
 from toma.tools.builtin import BUILTIN_MODELS, builtin_name, check_methods, load_sampler
 from toma.tools.builtin.dit import load_dit, sample
 from toma.tools.builtin.unet import classify
+from tests.tiny_pipelines import eval_on_two_processes, read_results
 from toma.tools.cli import main
 from toma.tools.common.options import parse_blocks
 from toma.tools.eval.metrics import psnr, ssim
@@ -28,12 +25,6 @@ from toma.tools.eval.metrics import psnr, ssim
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = ["--model", "builtin-dit", "--num-images", "4", "--steps", "2", "--batch-size", "4", "--threads", "1"]
-
-
-def read_results(out: Path) -> dict:
-    for name in ("results.json", "results.md", "quality_vs_speedup.png", "samples.png"):
-        assert (out / name).is_file(), name
-    return json.loads((out / "results.json").read_text())
 
 
 def test_eval_dit_reports_the_dits_own_images(tmp_path):
@@ -180,26 +171,7 @@ def test_eval_dit_data_parallel_two_cpu_processes(tmp_path):
         "toma",
     ]
     assert main([*common, "--threads", "1", "--out-dir", str(single)]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        "accelerate",
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "toma",
-        *common,
-        "--out-dir",
-        str(double),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=Path(__file__).parents[2])
+    proc = eval_on_two_processes(common, double, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     one, two = read_results(single), read_results(double)
     assert two["machine"]["processes"] == 2 and two["model"] == one["model"]

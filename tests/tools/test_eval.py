@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
+from tests.tiny_pipelines import eval_on_two_processes, read_results
 from toma.tools.cli import main
 
 
@@ -18,12 +16,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = ["--num-images", "4", "--steps", "2", "--batch-size", "2", "--threads", "1"]
-
-
-def read_results(out: Path) -> dict:
-    for name in ("results.json", "results.md", "quality_vs_speedup.png", "samples.png"):
-        assert (out / name).is_file(), name
-    return json.loads((out / "results.json").read_text())
 
 
 def test_eval_builtin_writes_sane_results(tmp_path, capsys):
@@ -151,28 +143,7 @@ def test_eval_data_parallel_two_cpu_processes(tmp_path):
     single, double = tmp_path / "one", tmp_path / "two"
     common = ["eval", "--num-images", "4", "--steps", "2", "--batch-size", "2", "--methods", "toma"]
     assert main([*common, "--threads", "1", "--out-dir", str(single)]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # accelerate's --cpu launcher starts a single process (multi-CPU needs mpirun); its torchrun
-    # launcher (--multi_gpu) starts 2 processes and toma joins them with the gloo backend
-    cmd = [
-        "accelerate",
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "toma",
-        *common,
-        "--out-dir",
-        str(double),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parents[2])
+    proc = eval_on_two_processes(common, double, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     one, two = read_results(single), read_results(double)
     assert two["machine"]["processes"] == 2
