@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from toma.tools.common.images import BUILTIN_UPSCALE, make_grid, side_by_side
 from toma.tools.common.options import (
+    add_model_option,
     add_frames_option,
     add_toma_options,
     default_threads,
@@ -48,13 +49,7 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    p.add_argument(
-        "--model",
-        default=None,
-        help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
-        "the default), builtin-dit (the digits Flux transformer) or builtin-video (the moving-digits Wan "
-        "transformer)",
-    )
+    add_model_option(p)
     p.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="prompt for --model pipelines")
     p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="built-in model: comma-separated digits to draw")
     p.add_argument("--ratio", type=float, default=0.5, help="ToMA merge ratio in [0, 1) (default 0.5)")

@@ -23,6 +23,17 @@ DTYPES = {
 }
 
 
+def add_model_option(p: argparse.ArgumentParser) -> None:
+    """``--model``, shared by ``generate`` and ``eval``."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
+        "the default), builtin-dit (the digits Flux transformer) or builtin-video (the moving-digits Wan "
+        "transformer)",
+    )
+
+
 def add_frames_option(p: argparse.ArgumentParser) -> None:
     """``--frames``, shared by ``generate`` and ``eval``."""
     p.add_argument(

@@ -28,6 +28,7 @@ from typing import Any
 
 # torch-free imports only: the CLI builds this parser for ``--help``; ``run`` loads the rest
 from toma.tools.common.options import (
+    add_model_option,
     add_frames_option,
     add_toma_options,
     default_threads,
@@ -51,13 +52,7 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    p.add_argument(
-        "--model",
-        default=None,
-        help="diffusers pipeline id or local folder, or a built-in model: builtin (the digits UNet, "
-        "the default), builtin-dit (the digits Flux transformer) or builtin-video (the moving-digits Wan "
-        "transformer)",
-    )
+    add_model_option(p)
     p.add_argument(
         "--methods",
         default=None,
