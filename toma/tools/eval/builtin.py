@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from toma.tools.common.options import toma_options
+from toma.tools.eval.caches import Skips, count_skips, skip_stats
 from toma.tools.eval.harness import (
     Processes,
     add_speedup,
@@ -48,8 +49,11 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
     reference: torch.Tensor | None = None
     batches = [items[start : start + args.batch_size] for start in range(0, len(items), args.batch_size)]
 
-    def generate(batch: list[tuple[int, int, int]]) -> torch.Tensor:
-        return model.draw([b[1] for b in batch], [b[2] for b in batch], steps, args.guidance_scale, False)
+    def generate(batch: list[tuple[int, int, int]]) -> tuple[torch.Tensor, Skips]:
+        # the steps a cache skips, counted for every variant (two torch hooks: no cost to time)
+        with count_skips(model.denoiser) as skips:
+            images = model.draw([b[1] for b in batch], [b[2] for b in batch], steps, args.guidance_scale, False)
+        return images, skips
 
     def warm_up() -> None:
         # the first calls pay one-off set-up; keep it out of the timing
@@ -58,8 +62,8 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
     with image_progress(len(runs) * len(items), procs.is_main) as progress:
         generated = generate_interleaved(model.denoiser, runs, batches, options, generate, warm_up, progress, steps)
     for method, ratio in runs:
-        chunks, seconds = generated[(method, ratio)]
-        images = torch.cat(chunks) if chunks else torch.empty(0, 1, 32, 32)
+        drawn, seconds = generated[(method, ratio)]
+        images = torch.cat([d[0] for d in drawn]) if drawn else torch.empty(0, 1, 32, 32)
         if reference is None:
             reference = images
         labels = [b[1] for b in items]
@@ -82,6 +86,8 @@ def eval_builtin(args: argparse.Namespace, procs: Processes, runs: list[tuple[st
             **record,
             "batch_seconds": seconds,
             "batch_sizes": [len(b) for b in batches],
+            "skip_steps": [d[1].skipped for d in drawn],
+            "batch_calls": [d[1].calls for d in drawn],
             "count": len(items),
         }
     if model.reference_mu is not None:
@@ -120,6 +126,7 @@ def summarise_builtin(gathered: list[dict[str, Any]], runs: list[tuple[str, floa
     ref_mu, ref_sigma = (torch.tensor(ref["mu"]), torch.tensor(ref["sigma"])) if ref else (None, None)
     rows = []
     base_feats = None
+    cached = any("+" in method for method, _ in runs)
     for method, ratio in runs:
         parts = [g[key(method, ratio)] for g in gathered]
         labels = torch.tensor(sum((p["labels"] for p in parts), []))
@@ -142,5 +149,22 @@ def summarise_builtin(gathered: list[dict[str, Any]], runs: list[tuple[str, floa
             row["fd_real"] = frechet_to(feats, ref_mu, ref_sigma)
         if "temporal_error" in parts[0]:  # clips
             row.update(mean_and_sem("temporal_error", torch.tensor(sum((p["temporal_error"] for p in parts), []))))
+        if cached:  # what each cache skipped, and whether merging moved it
+            row.update(skip_stats(*_skips(parts), _cache_alone(gathered, runs, method)))
         rows.append(row)
     return add_speedup(rows)
+
+
+def _skips(parts: list[dict[str, Any]]) -> tuple[list[list[int]], list[int]]:
+    """Every process's skipped steps and step counts per batch, in rank order."""
+    return sum((p["skip_steps"] for p in parts), []), sum((p["batch_calls"] for p in parts), [])
+
+
+def _cache_alone(gathered: list[dict[str, Any]], runs: list[tuple[str, float]], method: str) -> list[list[int]] | None:
+    """For a merged variant with a cache (``toma+fbcache:0.1``), the steps the same cache
+    skipped on the unmerged model (``none+fbcache:0.1``) per batch, if that ran."""
+    base, plus, cache = method.partition("+")
+    alone = f"none+{cache}"
+    if not plus or base == "none" or (alone, 0.0) not in runs:
+        return None
+    return _skips([g[key(alone, 0.0)] for g in gathered])[0]

@@ -15,13 +15,17 @@ every run starts with an empty cache, as a pipeline call does; for diffusers' ca
 cache context a pipeline opens is opened here, since the built-in samplers call the bare
 transformer.
 
+Each run records which steps the cache skipped (:func:`count_skips`), so that a table can
+say whether merging moves the steps a cache skips.
+
 This module is torch-free at import: the CLI builds its parser from :data:`CACHES`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 CACHES = ("fbcache", "taylorseer", "cachedit", "dbprune")
 _THRESHOLDED = ("fbcache", "cachedit", "dbprune")
@@ -88,11 +92,125 @@ def enable(denoiser: Any, cache: str, threshold: float | None, steps: int | None
     settings: dict[str, Any] = {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "num_inference_steps": steps}
     if threshold is not None:
         settings["residual_diff_threshold"] = threshold
+    order = list(denoiser._modules)
     try:
         cache_dit.enable_cache(denoiser, cache_config=kind(**settings))
     except (ValueError, AssertionError) as err:
         raise ValueError(f"--methods +{cache}: cache-dit cannot cache {type(denoiser).__name__}: {err}") from err
-    return lambda: cache_dit.disable_cache(denoiser)
+
+    def remove() -> None:
+        cache_dit.disable_cache(denoiser)
+        _restore(denoiser, order)
+
+    return remove
+
+
+def _restore(denoiser: Any, order: list[str]) -> None:
+    """Undo what ``cache_dit.disable_cache`` leaves behind, which the next variant of an eval
+    would otherwise inherit.
+
+    * It puts the block stacks back as the last submodules: the modules are the same, but
+      diffusers' FirstBlockCache takes the first block of the first stack in that order for
+      the one that decides, and on Flux it then picks a single-stream block, calls the
+      tail before it, and fails. The order the model had goes back.
+    * For some families (Flux.1 among them) it first replaces the transformer's forward
+      with its own copy (a "patch functor") and keeps it; the class's forward goes back
+      wherever no diffusers hook still wraps it.
+    """
+    for name in order:
+        if name in denoiser._modules:
+            denoiser._modules[name] = denoiser._modules.pop(name)
+    for module in denoiser.modules():
+        func = getattr(module.__dict__.get("forward"), "__func__", None)
+        if func is None or not getattr(func, "__module__", "").startswith("cache_dit"):
+            continue
+        if getattr(module, "_diffusers_hook", None) is None:
+            del module.forward
+            module.__dict__.pop("_is_patched", None)  # so that cache-dit patches it again next time
+
+
+@dataclass
+class Skips:
+    """What :func:`count_skips` saw: the denoiser's calls (one per sampling step on the
+    built-ins) and the 0-based indices of those in which the cache skipped the block stack."""
+
+    calls: int = 0
+    skipped: list[int] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def count_skips(denoiser: Any) -> Iterator[Skips]:
+    """Count, over the block, the calls of ``denoiser`` and those in which a step cache skipped
+    the rest of the block stacks: those in which the last block of no stack ran.
+
+    FirstBlockCache and DBCache (first block computing, none at the end) skip every block
+    after the first together, so the stacks' last blocks stand for them all (cache-dit
+    reorders the stacks among the model's submodules, so no one stack is taken for the
+    last). A skipped block's children are not called, whatever wraps the block
+    (FirstBlockCache's hook returns before the block's own forward; cache-dit does not call
+    it), so torch hooks on the children see only the calls that computed it.
+
+    Raises:
+        ValueError: ``denoiser`` has no block stack (a non-empty ``nn.ModuleList`` child).
+    """
+    import torch
+
+    stacks = [s for s in denoiser.children() if isinstance(s, torch.nn.ModuleList) and len(s)]
+    lasts = [stack[-1] for stack in stacks]
+    if not lasts or not all(list(block.children()) for block in lasts):
+        raise ValueError(f"count_skips: {type(denoiser).__name__} has no block stack (nn.ModuleList of modules)")
+    seen = Skips()
+    ran = [True]
+
+    def close_call() -> None:
+        if not ran[0]:
+            seen.skipped.append(seen.calls - 1)
+
+    def before_call(module: Any, args: Any) -> None:
+        close_call()
+        seen.calls += 1
+        ran[0] = False
+
+    def block_ran(module: Any, args: Any) -> None:
+        ran[0] = True
+
+    handles = [denoiser.register_forward_pre_hook(before_call)]
+    handles += [child.register_forward_pre_hook(block_ran) for block in lasts for child in block.children()]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+        close_call()
+
+
+def skip_stats(skipped: list[list[int]], calls: list[int], alone: list[list[int]] | None) -> dict[str, Any]:
+    """A variant's row entries on what its cache skipped, from :class:`Skips` per batch.
+
+    Args:
+        skipped: per batch, the indices of the steps skipped.
+        calls: per batch, the denoiser calls (steps).
+        alone: the same for the cache alone on the unmerged model (``none+CACHE``) at the
+            same threshold, for a merged variant; None otherwise.
+
+    Returns:
+        ``steps_skipped``, the fraction of all steps skipped; ``skip_steps``, ``skipped``
+        itself; ``skip_overlap``, the Jaccard index of the (batch, step) pairs skipped here
+        and by the cache alone (1: the same steps), None without ``alone`` or when neither
+        skipped any.
+    """
+    total = sum(calls)
+    overlap = None
+    if alone is not None:
+        mine = {(b, step) for b, steps in enumerate(skipped) for step in steps}
+        theirs = {(b, step) for b, steps in enumerate(alone) for step in steps}
+        if mine | theirs:
+            overlap = len(mine & theirs) / len(mine | theirs)
+    return {
+        "steps_skipped": sum(map(len, skipped)) / total if total else float("nan"),
+        "skip_steps": skipped,
+        "skip_overlap": overlap,
+    }
 
 
 def quiet_cache_dit() -> None:

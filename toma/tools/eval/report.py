@@ -36,6 +36,8 @@ COLUMNS = [
     ("latency_s", "latency (s/image)", "{:.3f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("spread", "time spread", "{:.0%}"),
+    ("steps_skipped", "steps skipped", "{:.0%}"),
+    ("skip_overlap", "skip overlap with cache alone", "{:.2f}"),
 ]
 FD_COLUMNS = ("fd_real", "fd_vs_none", "fd_dino_reference")
 
