@@ -12,6 +12,8 @@
 # Speedups are against none in the same run. Results in $OUT/cache_stack_<model>/; hours
 # on this CPU at N=100 (the interleaved run generates N images per variant, 10 variants).
 # A tiny run that only proves it works: N=1 STEPS=2 benchmarks/cache_stack.sh
+# TOMA_FLAGS: more ToMA options for toma eval, e.g. TOMA_FLAGS="--tile-size 2 --proportional-attention";
+# MODELS: which built-ins (default both).
 set -euo pipefail
 OUT=${OUT:-bench-results}
 N=${N:-100}
@@ -19,13 +21,17 @@ STEPS=${STEPS:-20}
 RATIO=${RATIO:-0.5}
 FB=${FB:-"0.05 0.1"}            # FirstBlockCache thresholds (diffusers' default 0.05)
 DB=${DB:-"0.08 0.16"}           # DBCache residual_diff_threshold (cache-dit's default 0.08)
+TOMA_FLAGS=${TOMA_FLAGS:-}
+MODELS=${MODELS:-"builtin-dit builtin-video"}
+export CACHE_DIT_LOG_LEVEL=${CACHE_DIT_LOG_LEVEL:-warning}  # it logs every enable, once per batch and variant
 python3 -c "import cache_dit" || { echo "cache_stack.sh needs cache-dit: pip install --no-deps cache-dit==1.5.3" >&2; exit 2; }
 methods=toma
 for t in $FB; do methods+=",none+fbcache:$t,toma+fbcache:$t"; done
 for t in $DB; do methods+=",none+cachedit:$t,toma+cachedit:$t"; done
 uptime
-for model in builtin-dit builtin-video; do
+for model in $MODELS; do
+  # shellcheck disable=SC2086  # TOMA_FLAGS is a list of options
   toma eval --model "$model" --methods "$methods" --ratios "$RATIO" --num-images "$N" --steps "$STEPS" \
-    --batch-size "${BATCH:-10}" --threads 1 --out-dir "$OUT/cache_stack_$model"
+    --batch-size "${BATCH:-10}" --threads 1 --out-dir "$OUT/cache_stack_$model" $TOMA_FLAGS
 done
 uptime
