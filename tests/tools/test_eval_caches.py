@@ -113,6 +113,9 @@ def test_cache_dit_removal_leaves_the_model_as_it_was():
     order = list(model._modules)
     with torch.no_grad():
         expected = model(**inputs).sample
+        remove = enable(model, "fbcache", 100.0, 2)  # leaves an empty hook registry on the model
+        model(**inputs)
+        remove()
         remove = enable(model, "cachedit", 0.1, 2)
         model(**inputs)
         remove()
@@ -120,9 +123,11 @@ def test_cache_dit_removal_leaves_the_model_as_it_was():
         assert list(model._modules) == order and "forward" not in model.__dict__
         assert torch.equal(model(**inputs).sample, expected)
         remove = enable(model, "fbcache", 100.0, 2)  # failed after cache-dit: it took a single block for the first
-        model(**inputs)
-        model(**inputs)
+        with count_skips(model) as skips:
+            model(**inputs)
+            model(**inputs)
         remove()
+    assert skips.skipped == [1]
 
 
 def test_method_names_with_caches():

@@ -115,7 +115,7 @@ def _restore(denoiser: Any, order: list[str]) -> None:
       tail before it, and fails. The order the model had goes back.
     * For some families (Flux.1 among them) it first replaces the transformer's forward
       with its own copy (a "patch functor") and keeps it; the class's forward goes back
-      wherever no diffusers hook still wraps it.
+      wherever no diffusers hook (ToMA's) still wraps it.
     """
     for name in order:
         if name in denoiser._modules:
@@ -124,7 +124,8 @@ def _restore(denoiser: Any, order: list[str]) -> None:
         func = getattr(module.__dict__.get("forward"), "__func__", None)
         if func is None or not getattr(func, "__module__", "").startswith("cache_dit"):
             continue
-        if getattr(module, "_diffusers_hook", None) is None:
+        registry = getattr(module, "_diffusers_hook", None)  # diffusers' caches leave theirs, empty
+        if registry is None or not registry.hooks:
             del module.forward
             module.__dict__.pop("_is_patched", None)  # so that cache-dit patches it again next time
 
