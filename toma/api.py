@@ -134,7 +134,8 @@ def apply_toma(
         reasons = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4]) or "no candidate blocks"
         raise ValueError(f"no blocks of {type(model).__name__} would be merged with these settings ({reasons})")
     remove_toma(model)
-    patch = ToMAPatch(cfg, name, targets, skipped, PlanCache(cfg, adapter.tile_frames(cfg)), _adapter=adapter)
+    cache = PlanCache(cfg, adapter.tile_frames(cfg), getattr(adapter, "reference_tokens", None))
+    patch = ToMAPatch(cfg, name, targets, skipped, cache, _adapter=adapter)
     setattr(model, _ATTR, patch)
     # copy.deepcopy looks __deepcopy__ up on the instance: see _deepcopy_patched
     model.__dict__["__deepcopy__"] = functools.partial(_deepcopy_patched, model)

@@ -13,6 +13,11 @@ from typing import Any
 from toma.core.selection import SELECTIONS
 
 
+# tile_size="auto": tiles of AUTO_BASE tokens a side, halved on small grids
+AUTO_TILE = "auto"
+AUTO_BASE = 4
+
+
 @dataclass(frozen=True)
 class ToMAConfig:
     """Settings for :func:`toma.apply_toma`.
@@ -22,6 +27,11 @@ class ToMAConfig:
             0 patches nothing into the computation (outputs are bitwise unchanged).
         tile_size: tile side in tokens (int) or ``(height, width)``; selection and merging
             happen inside tiles. The authors' default is 4 (16 tokens, 8 kept at ratio 0.5).
+            ``"auto"`` (the default) scales the tile to the grid: 4x4, or 2x2 where a frame
+            has under half the tokens of its family's reference frame (Flux at 1024px, Wan
+            at 480p, ...), so that small grids hold about as many tiles as the reference
+            does (the evidence: BENCHMARKS.md, "Defaults that follow the grid"). UNets and
+            families without a reference keep 4x4.
         selection: ``"facility"`` (ToMA's submodular greedy), ``"random"`` or ``"grid"``.
         temperature: softmax temperature of the token-to-destination assignment on cosine
             similarities. 0.001 matches the authors' beta of 1000; 0 means a hard assignment.
@@ -47,12 +57,13 @@ class ToMAConfig:
         proportional_attention: in merged self-attention, weight each merged key by the
             number of tokens it stands for (a ``log(mass)`` bias on the attention logits), so
             that a destination absorbing many similar tokens draws the attention those
-            tokens would have drawn. Exact when merged tokens are identical; costs an
-            additive attention mask. None (the default) means on for UNets, where it was
-            measured to help, and off for transformers, where a float mask can keep GPU
-            attention off its flash kernels; turn it on where quality matters more than
-            that cost (the quality it buys on the built-in DiT and what it costs:
-            BENCHMARKS.md).
+            tokens would have drawn. Exact when merged tokens are identical. None (the
+            default) means on for UNets, where it was measured to help, and for
+            transformers wherever its form on the attention backend was measured to cost
+            at most 3% of a forward: on CPU (the float mask, or the key channel under
+            context parallelism). On GPUs it stays off under None until a GPU has measured
+            it; True turns it on there in the backend's exact form
+            (:mod:`toma.adapters.attention`). What it buys and costs: BENCHMARKS.md.
         flux_double_blocks: Flux only. Indices of double-stream blocks to merge; None means
             every block but the first 5 (the authors' default). Same as
             ``blocks={"transformer_blocks": ...}``.
@@ -80,7 +91,7 @@ class ToMAConfig:
     """
 
     ratio: float = 0.5
-    tile_size: int | tuple[int, int] = 4
+    tile_size: int | tuple[int, int] | str = "auto"
     selection: str = "facility"
     temperature: float = 0.001
     recompute_every: int = 1
@@ -183,8 +194,16 @@ class ToMAConfig:
         return largest
 
     @property
+    def auto_tile(self) -> bool:
+        """Whether the tile side follows the grid (``tile_size="auto"``)."""
+        return self.tile_size == AUTO_TILE
+
+    @property
     def tile(self) -> tuple[int, int]:
-        """Tile size as ``(height, width)`` in tokens."""
+        """Tile size as ``(height, width)`` in tokens; under ``"auto"`` the largest it takes
+        (:func:`toma.core.tiling.scaled_tile_side` gives the one for a grid)."""
+        if self.tile_size == AUTO_TILE:
+            return (AUTO_BASE, AUTO_BASE)
         return self.tile_size  # type: ignore[return-value]  # normalised in __post_init__
 
     def to_dict(self) -> dict[str, Any]:
@@ -353,14 +372,16 @@ def _check_ratio(ratio: Any, name: str = "ratio") -> None:
         raise ValueError(f"{name} must be in [0, 1) (the fraction of tokens merged away); got {ratio}")
 
 
-def _check_tile(tile: Any) -> tuple[int, int]:
+def _check_tile(tile: Any) -> tuple[int, int] | str:
+    if tile == AUTO_TILE:
+        return AUTO_TILE
     pair = (tile, tile) if isinstance(tile, int) and not isinstance(tile, bool) else tile
     if (
         not isinstance(pair, (tuple, list))
         or len(pair) != 2
         or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
     ):
-        raise TypeError(f"tile_size must be an int or a (height, width) pair of ints; got {tile!r}")
+        raise TypeError(f"tile_size must be 'auto', an int or a (height, width) pair of ints; got {tile!r}")
     if min(pair) < 1:
         raise ValueError(f"tile_size must be at least 1 token on each side; got {tile!r}")
     return (int(pair[0]), int(pair[1]))

@@ -252,22 +252,34 @@ def projections(fam, model, kw, options: dict | None, keep: bool = False):
     return patch, targets, seen
 
 
+def auto_side(patch, grid: tuple[int, int, int]) -> int:
+    """``tile_size="auto"``'s side on ``grid``, from the family's reference frame: 2 where
+    the frame has under half its tokens, else 4 (UNets, which have none: 4)."""
+    spec = getattr(patch._adapter, "spec", None)
+    reference = None if spec is None else spec.reference
+    if reference is None:
+        return 4
+    return 2 if 2 * grid[1] * grid[2] < reference[0] * reference[1] else 4
+
+
+@pytest.mark.parametrize("tile", [4, "auto"])
 @pytest.mark.parametrize("name", NAMES)
-def test_attention_sees_the_token_counts_the_ratio_implies(name):
+def test_attention_sees_the_token_counts_the_ratio_implies(name, tile):
     # every projection of a merged attention that takes the image tokens takes K of them
-    # in place of N (K counted from the grid, the 4x4 tiles and the ratio), whatever text
+    # in place of N (K counted from the grid, the tiles and the ratio), whatever text
     # or conditioning tokens join them; a projection of text alone takes all of it
     fam = FAMILIES[name]
     model, kw = fam.make(), fam.inputs(1)  # batch 1: one call per module, also where samples would run one each
     _, targets, before = projections(fam, model, kw, None)
     ratio = 0.45  # shares that round: a 16-token tile keeps 9 (8.8), an 8-token edge tile 4 (4.4)
-    patch, _, after = projections(fam, model, kw, {**fam.every_part(), "ratio": ratio})
+    patch, _, after = projections(fam, model, kw, {**fam.every_part(), "ratio": ratio, "tile_size": tile})
     downsample = {name: ds for name, _, ds in targets}
     assert before and before.keys() == after.keys()
     merged = 0
     for key, counts in before.items():
         grid = level_grid(fam, downsample[key.split(":")[0]])
-        n, k = math.prod(grid), kept_tokens(grid, ratio)
+        side = auto_side(patch, grid) if tile == "auto" else tile
+        n, k = math.prod(grid), kept_tokens(grid, ratio, side)
         assert k == patch.cache.layout(*grid, ratio=ratio).num_merged  # the engine's layout counts alike
         expected = [c - n + k if c >= n else c for c in counts]  # text alone is fewer tokens than any grid here
         assert after[key] == expected, key
@@ -564,7 +576,7 @@ def test_a_new_padded_grid_compiles_without_graph_breaks():
     # the graph in toma.core.tiling.layout_index, once per grid
     fam = FAMILIES["sd3"]  # 8 x 10 tokens: the 4x4 tiles pad the last column of tiles
     model, kw = fam.make(), fam.inputs(1)
-    patch = toma.apply_toma(model, ratio=0.5, **fam.options)
+    patch = toma.apply_toma(model, ratio=0.5, tile_size=4, **fam.options)
     assert patch.cache.layout(*fam.grid).padded
     calls = []
     handle = model.transformer_blocks[0].register_forward_pre_hook(

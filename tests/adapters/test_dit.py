@@ -59,7 +59,7 @@ def test_sd3_default_skips_the_first_blocks():
 def test_wan_merges_video_self_attention_and_keeps_text_whole():
     model = make_wan()
     kw = wan_inputs(1, 4, 12, 16, text=5)  # 4 x 6 x 8 tokens
-    patch = toma.apply_toma(model, ratio=0.5, merge_crossattn=True, **ALL_WAN)
+    patch = toma.apply_toma(model, ratio=0.5, merge_crossattn=True, tile_size=4, **ALL_WAN)
     queries, handles = count_queries(model, (".attn1", ".attn2"))
     keys: list[int] = []
     handles += [b.attn2.to_k.register_forward_hook(lambda m, a, o: keys.append(a[0].shape[1])) for b in model.blocks]

@@ -69,7 +69,7 @@ def remove_all(handles):
 def test_hunyuan_merges_video_tokens_only():
     model = make_hunyuan()
     kw = hunyuan_inputs(1, 4, 12, 16, text=6)  # 4 x 6 x 8 tokens in 2 x 4 x 4 tiles
-    patch = toma.apply_toma(model, ratio=0.5, merge_mlp=True, **HUNYUAN_ALL)
+    patch = toma.apply_toma(model, ratio=0.5, merge_mlp=True, tile_size=4, **HUNYUAN_ALL)
     queries, handles = count_queries(model)
     text: list[int] = []
     mlp: list[int] = []
@@ -229,7 +229,8 @@ def test_hunyuan_mask_that_does_not_fit_runs_unmerged_with_one_warning(monkeypat
     model = make_hunyuan()
     kw = hunyuan_inputs(2, 2, 8, 8)
     ref = run(model, **kw)
-    toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": [0]})
+    # 4x4 tiles divide the grid, where calls that run unmerged in tile order are bitwise
+    toma.apply_toma(model, ratio=0.5, tile_size=4, blocks={"transformer_blocks": [0]})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = run(model, **kw)

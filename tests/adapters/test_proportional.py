@@ -82,7 +82,7 @@ def test_proportional_attention_is_validated():
 
 
 @pytest.mark.parametrize("proportional", [None, True, False])
-def test_flux_bias_is_opt_in_and_covers_image_keys_only(proportional, monkeypatch):
+def test_flux_bias_covers_image_keys_only(proportional, monkeypatch):
     from diffusers.models.transformers import transformer_flux
 
     from tests.tiny_models import flux_inputs, make_flux
@@ -105,7 +105,7 @@ def test_flux_bias_is_opt_in_and_covers_image_keys_only(proportional, monkeypatc
     assert len(merged) == 4 and len(masks) == 6
     plans = [plan for _, plan in patch.cache._plans.values()]
     for mask, keys in masks:
-        if not proportional or keys == 5 + 64:  # None means off for Flux
+        if proportional is False or keys == 5 + 64:  # None means on, on CPU
             assert mask is None
             continue
         assert mask.shape == (1, 1, 1, keys) and keys == 5 + 32

@@ -99,9 +99,9 @@ def test_flux_is_exact_on_duplicate_tokens(form, monkeypatch):
     kw = flux_inputs(1, 4, 8)
     kw["hidden_states"] = clustered_tokens(2)
     ref = run(model, **kw)
-    toma.apply_toma(model, ratio=0.5, proportional_attention=True)
+    toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=True)
     exact = run(model, **kw)
-    toma.apply_toma(model, ratio=0.5, proportional_attention=False)
+    toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=False)
     plain = run(model, **kw)
     toma.remove_toma(model)
     torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
@@ -184,7 +184,7 @@ def test_remove_toma_restores_the_modules_dispatch():
     assert transformer_flux.dispatch_attention_fn._toma_real is dispatch_attention_fn  # second still merges
     toma.remove_toma(second)
     assert transformer_flux.dispatch_attention_fn is dispatch_attention_fn
-    toma.apply_toma(first, ratio=0.5)  # no proportional attention: nothing wrapped
+    toma.apply_toma(first, ratio=0.5, proportional_attention=False)  # no bias: nothing wrapped
     assert transformer_flux.dispatch_attention_fn is dispatch_attention_fn
     toma.remove_toma(first)
 

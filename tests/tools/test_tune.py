@@ -75,7 +75,7 @@ def test_builtin_tune_writes_the_fastest_setting_within_the_bound(tmp_path, monk
     text = capsys.readouterr().out
     assert "quality check: mean PSNR of 2 digits sampled with the built-in DDIM sampler (2 steps" in text
     assert "* L1 attn+mlp @0.5" in text and "fastest within the bound: L1 attn+mlp @0.5 (eager), 1.667x" in text
-    assert toma.load_config(out) == toma.ToMAConfig(ratio=0.5, merge_mlp=True, tile_size=4)
+    assert toma.load_config(out) == toma.ToMAConfig(ratio=0.5, merge_mlp=True, tile_size="auto")
     prov = json.loads(out.read_text())["provenance"]
     assert prov["setting"] == "L1 attn+mlp @0.5" and prov["speedup"] == pytest.approx(1 / 0.6)
     assert prov["grid"] == [32, 32] and prov["batch"] == 2 and prov["mode"] == "eager" and prov["reliable"]
@@ -86,7 +86,7 @@ def test_builtin_tune_writes_the_fastest_setting_within_the_bound(tmp_path, monk
     middle = (psnr["L1 attn+mlp @0.5"] + psnr["L1 attn @0.5"]) / 2
     assert main([*argv, "--min-psnr", str(middle)]) == 0
     assert "fastest within the bound: L1 attn @0.5 (eager), 1.250x" in capsys.readouterr().out
-    assert toma.load_config(out) == toma.ToMAConfig(ratio=0.5, tile_size=4)
+    assert toma.load_config(out) == toma.ToMAConfig(ratio=0.5, tile_size="auto")
     # a drop of 0 dB from the default setting (L1 attn @0.5) keeps exactly the settings at least as faithful
     assert main([*argv, "--max-psnr-drop", "0"]) == 0
     assert "fastest within the bound: L1 attn @0.5" in capsys.readouterr().out
@@ -365,7 +365,7 @@ def test_compile_times_the_fastest_eager_candidates_compiled_and_chooses_among_t
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--compile-top", "0"], "--compile-top must be >= 1"),
         (["--freezing"], "--freezing applies to compiled rows: add --compile"),
-        (["--tile-size", "0"], "--tile-size must be >= 1"),
+        (["--tile-size", "0"], "--tile-size must be 'auto' or a whole number of tokens >= 1"),
         (["--arch", "tiny-unet", "--dtype", "float8"], "--dtype must be one of"),
     ],
 )

@@ -26,8 +26,7 @@ import functools
 import sys
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -35,6 +34,10 @@ from toma.core import proportional as P
 
 MASK, KEY_CHANNEL, FLEX = "mask", "key_channel", "flex"
 FORMS = (MASK, KEY_CHANNEL, FLEX)
+# the forms proportional_attention=None runs (on CPU, where toma.adapters.merging.AUTO_DEVICES
+# puts it): measured at most 3% of a merged forward there (mask +0.18% / +0.32%, key
+# channel +0.81% / +2.22% on Flux / Wan; flex +2.75% / +18.2%): BENCHMARKS.md
+AUTO_FORMS = (MASK, KEY_CHANNEL)
 
 _FLASH = (KEY_CHANNEL, "takes no mask; head dim 136 runs its 160 kernel")
 
@@ -90,9 +93,11 @@ def rule(backend: str, device: torch.device | str, dtype: torch.dtype) -> tuple[
     return None, f"no rule for {backend!r} on {kind}"
 
 
-@dataclass(frozen=True)
-class KeyBias:
+class KeyBias(NamedTuple):
     """The key bias of a merged call, passed as the processor's attention mask.
+
+    A named tuple, so that torch.compile can hand one made inside a graph from a hook's
+    frame to the processor's (it cannot rebuild a dataclass made in the graph).
 
     Attributes:
         log_mass: ``(Bp, S)`` over the call's first keys (0 for text, ``-inf`` for keys the
@@ -101,11 +106,18 @@ class KeyBias:
             tokens, as in HunyuanVideo): log mass 0.
         model_mask: the model's own mask folded into ``log_mass`` (:meth:`with_model_mask`),
             which a call without the bias still takes.
+        auto: the bias was not asked for (``proportional_attention=None``): it runs only in
+            the forms of :data:`AUTO_FORMS`, and silently not in another.
     """
 
     log_mass: torch.Tensor
     pad_after: bool = False
     model_mask: torch.Tensor | None = None
+    auto: bool = False
+
+    def automatic(self) -> KeyBias:
+        """This bias, applied only where its form is one of :data:`AUTO_FORMS`."""
+        return self._replace(auto=True)
 
     def over(self, keys: int) -> torch.Tensor:
         """The log masses over a call's ``keys`` keys, ``(Bp, keys)``."""
@@ -131,7 +143,7 @@ class KeyBias:
         rows = mask[:, 0, 0, :]
         log_mass = self.over(rows.shape[1])
         folded = P.masked_out(log_mass, rows) if rows.dtype == torch.bool else log_mass + rows.to(log_mass.dtype)
-        return KeyBias(folded, model_mask=mask)
+        return KeyBias(folded, model_mask=mask, auto=self.auto)
 
     def batch_slice(self, b: int, batch: int) -> KeyBias:
         """Sample ``b``'s bias, for a call on that sample alone."""
@@ -139,7 +151,7 @@ class KeyBias:
         def one(t: torch.Tensor | None) -> torch.Tensor | None:
             return t[b : b + 1] if t is not None and t.shape[0] == batch else t
 
-        return KeyBias(one(self.log_mass), self.pad_after, one(self.model_mask))
+        return KeyBias(one(self.log_mass), self.pad_after, one(self.model_mask), self.auto)
 
 
 def key_bias(log_mass: torch.Tensor, batch: int, heads: int) -> KeyBias:
@@ -217,6 +229,8 @@ def attend(
     if kwargs.get("parallel_config") is not None and form is not None:
         # context parallel: keys (and their channel) travel between ranks, a mask does not
         form = KEY_CHANNEL
+    if bias.auto and form not in AUTO_FORMS:  # not asked for, and dearer than measured cheap
+        return real(query, key, value, attn_mask=bias.model_mask, **kwargs)
     if form is None:
         _warn_once(
             name,

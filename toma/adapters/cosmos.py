@@ -44,5 +44,6 @@ SPEC = FamilySpec(
     tile_order_ok=_tile_order_ok,
     default_blocks=skip_first(5),
     video=True,
+    reference=(44, 80),  # 704x1280 (Predict2 video)
 )
 ADAPTER = EngineAdapter(SPEC)

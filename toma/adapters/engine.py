@@ -46,6 +46,7 @@ from toma.adapters.merging import (
     SpanOpen,
     SpanState,
     TileState,
+    bias_setting,
     hidden_states_of,
     replace_arg,
     with_hidden_states,
@@ -204,7 +205,7 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
     chunkers = []
     for target in targets:
         site = target.site
-        bias = site.part == "attn" and bool(cache.config.proportional_attention)
+        bias = bias_setting(cache.config, site)
         if site.until is not None:
             span, state = target.module, SpanState()
             hooks += [
@@ -251,7 +252,7 @@ class EngineAdapter:
         """See :func:`attach`; also wraps the dispatched attention of processors that take a
         key bias (:mod:`toma.adapters.attention`)."""
         hooked = attach(self.spec, model, targets, cache)
-        if cache.config.proportional_attention:
+        if any(bias_setting(cache.config, t.site) for t in targets):
             for name, users in dispatch_modules(targets).items():
                 install(name, users)
         return hooked
@@ -260,6 +261,12 @@ class EngineAdapter:
         """Unwraps what :meth:`attach` wrapped; the hooks go with the patch."""
         for name, users in dispatch_modules(targets).items():
             uninstall(name, users)
+
+    @property
+    def reference_tokens(self) -> int | None:
+        """Tokens of a frame at the family's default resolution (``tile_size="auto"``), or None."""
+        ref = self.spec.reference
+        return None if ref is None else ref[0] * ref[1]
 
     def tile_frames(self, config: ToMAConfig) -> int:
         """Frames a tile spans: ``config.tile_frames``, else 1 (2-D tiles; images: always 1).

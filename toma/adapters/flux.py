@@ -169,6 +169,7 @@ SPEC = FamilySpec(
     # ControlNet residuals are added in raster order between blocks
     raster_kwargs=("controlnet_block_samples", "controlnet_single_block_samples"),
     default_blocks=lambda stack, n: default_blocks(n),
+    reference=(64, 64),  # 1024px
 )
 
 

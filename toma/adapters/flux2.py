@@ -51,5 +51,6 @@ SPEC = FamilySpec(
     position_inputs=("img_ids",),
     conditioning_tokens=True,
     default_blocks=skip_first(5),
+    reference=(64, 64),  # 1024px
 )
 ADAPTER = EngineAdapter(SPEC)

@@ -33,5 +33,6 @@ SPEC = dataclasses.replace(
     grid=_grid,
     tile_order_ok=None,
     video=False,
+    reference=(64, 64),  # 2048px
 )
 ADAPTER = EngineAdapter(SPEC)

@@ -71,5 +71,6 @@ SPEC = FamilySpec(
     tile_order_ok=_tile_order_ok,
     default_blocks=skip_first(5),
     video=True,
+    reference=(45, 80),  # 720x1280
 )
 ADAPTER = EngineAdapter(SPEC)

@@ -42,5 +42,6 @@ SPEC = FamilySpec(
     rope=("rope", 0),
     default_blocks=skip_first(5),
     video=True,
+    reference=(45, 80),  # 720x1280
 )
 ADAPTER = EngineAdapter(SPEC)

@@ -55,5 +55,6 @@ SPEC = FamilySpec(
     tile_order_ok=_tile_order_ok,
     default_blocks=skip_first(5),
     video=True,
+    reference=(16, 22),  # 512x704
 )
 ADAPTER = EngineAdapter(SPEC)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from toma.adapters.attention import KeyBias
 from toma.adapters.base import Hook
 from toma.adapters.spec import Rotary, Site
 from toma.core.plan import Plan
@@ -85,6 +86,24 @@ def open_call(
     return None if plan is None else MergedCall(plan, tiled, text, tokens)
 
 
+# proportional_attention=None on a transformer: the bias runs only where its forms were
+# measured to cost at most 3% of a forward (benchmarks/proportional_cost.py): on CPU
+AUTO = "auto"
+AUTO_DEVICES = ("cpu",)
+
+
+def bias_setting(config: Any, site: Site) -> bool | str:
+    """Whether a transformer's merged ``site`` takes the key bias: True under
+    ``proportional_attention=True``, :data:`AUTO` under None where the site takes a mask,
+    else False."""
+    setting = config.proportional_attention
+    if site.part != "attn" or setting is False:
+        return False
+    if setting is True:
+        return True
+    return AUTO if site.mask is not None else False
+
+
 class MergeHook(Hook):
     """Merges the image hidden states ``(B, N, C)`` of a sub-module's call and unmerges its output.
 
@@ -99,7 +118,9 @@ class MergeHook(Hook):
         downsample: the call's token grid is the cache's at this downsample (UNet levels).
         order: the token order of the stretch the sub-module is in.
         site: what the sub-module is (part, rotary tables, masks).
-        bias: add the plan's log masses to the attention logits (proportional attention).
+        bias: add the plan's log masses to the attention logits (proportional attention):
+            True, or :data:`AUTO` for only where its form was measured to be cheap (on
+            CPU; :func:`bias_setting`).
         residual: where a block's forward hands over its residual add, to be done with the
             unmerge (:mod:`toma.adapters.residual`), if it does.
         calls: how the merged module is called (:class:`PerSample`, :class:`Chunked`), outermost first.
@@ -112,7 +133,7 @@ class MergeHook(Hook):
         order: TileState,
         site: Site,
         *,
-        bias: bool = False,
+        bias: bool | str = False,
         residual: ResidualSlot | None = None,
         calls: tuple = (),
     ) -> None:
@@ -175,19 +196,32 @@ class MergeHook(Hook):
         site, plan = self.site, merged.plan
         if site.rotary is not None:
             args, kwargs, self.samples = _gather_rotary(site.rotary, merged, args, kwargs)
-        if self.bias:
+        x = hidden_states_of(args, kwargs)
+        if self._biased(module, x):
             named = kwargs.get(site.text_keys) if site.text_keys else None
             lead = merged.text + (named.shape[1] if isinstance(named, torch.Tensor) else 0)
-            batch, heads = hidden_states_of(args, kwargs).shape[0], module.heads
+            batch, heads = x.shape[0], module.heads
             mask = plan.memo(
                 f"mask_{site.path}_{lead}_{batch}_{heads}",
                 lambda: site.mask_layout(_lead_zeros(plan.log_mass, lead), batch, heads),
             )
+            if self.bias == AUTO and isinstance(mask, KeyBias):
+                mask = mask.automatic()
             own = self._own_mask(args, kwargs)  # the model's, fitted to the merged keys above
             if own is not None and hasattr(mask, "with_model_mask"):  # a KeyBias takes it in
                 mask = mask.with_model_mask(own)
             args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
         return args, kwargs
+
+    def _biased(self, module: torch.nn.Module, x: torch.Tensor) -> bool:
+        """Whether this call takes the key bias: asked for, or under :data:`AUTO` on CPU, and
+        where the module's processor can take it (said once where it cannot)."""
+        if not (self.bias is True or (self.bias == AUTO and x.device.type in AUTO_DEVICES)):
+            return False
+        why = self.site.mask_ok(module) if self.site.mask_ok is not None else None
+        if why is not None:
+            self._warn_once(f"ToMA: proportional attention is off in {type(module).__name__}: {why}")
+        return why is None
 
     def _call_through(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The module's call through this hook's call strategies (its ``new_forward``)."""
@@ -301,7 +335,9 @@ class SpanCall(MergeHook):
     """On the ``call`` module inside a span: its rotary tables and mask follow the merged
     tokens (once per sample where the processor takes one table for the whole batch)."""
 
-    def __init__(self, cache: PlanCache, order: TileState, site: Site, state: SpanState, *, bias: bool = False) -> None:
+    def __init__(
+        self, cache: PlanCache, order: TileState, site: Site, state: SpanState, *, bias: bool | str = False
+    ) -> None:
         shared = site.rotary is not None and site.rotary.shared
         super().__init__(cache, 1, order, site, bias=bias, calls=(PerSample(site.rotary),) if shared else ())
         self.state = state

@@ -76,7 +76,7 @@ class Shard(NamedTuple):
         span: where the shard is no grid of its own (a cut inside a row): its raster run
             ``[start, stop)`` of ``whole``; the forward's grid is then ``(1, 1, tokens)``,
             a stand-in whose layout is the span layout (:func:`toma.core.tiling.make_span_layout`).
-        whole: with ``span``, the whole token grid.
+        whole: the whole token grid.
     """
 
     world: int
@@ -211,5 +211,5 @@ def shard_of(grid: Grid, tokens: int, world: int, index: int) -> tuple[Grid, Sha
         return None
     own = shard_grid(grid, world)
     if own is not None:
-        return own, Shard(world, tokens)
+        return own, Shard(world, tokens, whole=tuple(grid))
     return (1, 1, tokens), Shard(world, tokens, (index * tokens, (index + 1) * tokens), tuple(grid))

@@ -30,5 +30,6 @@ SPEC = FamilySpec(
     enter=("output", "pos_embed"),
     leave="norm_out",
     default_blocks=skip_first(5),
+    reference=(64, 64),  # PixArt-Sigma at 1024px
 )
 ADAPTER = EngineAdapter(SPEC)

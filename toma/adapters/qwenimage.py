@@ -52,5 +52,6 @@ SPEC = FamilySpec(
     rope_items=(0,),
     raster_kwargs=("controlnet_block_samples",),
     default_blocks=skip_first(5),
+    reference=(64, 64),  # 1024px
 )
 ADAPTER = EngineAdapter(SPEC)

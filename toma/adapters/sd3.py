@@ -32,5 +32,6 @@ SPEC = FamilySpec(
     leave="norm_out",
     raster_kwargs=("block_controlnet_hidden_states",),
     default_blocks=skip_first(5),
+    reference=(64, 64),  # 1024px
 )
 ADAPTER = EngineAdapter(SPEC)

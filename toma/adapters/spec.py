@@ -94,6 +94,8 @@ class Site:
             ``mask``.
         group: sites with the same group share one plan per step and grid (None: one group
             for every site of the family without one).
+        mask_ok: ``mask_ok(module)``: why the module's current processor cannot take the
+            mask (a string), or None where it can; not given: it always can.
     """
 
     path: str
@@ -107,6 +109,7 @@ class Site:
     until: str | None = None
     call: str | None = None
     group: str | None = None
+    mask_ok: Callable[[torch.nn.Module], str | None] | None = None
 
     def __post_init__(self) -> None:
         if (self.until is None) != (self.call is None):
@@ -151,6 +154,9 @@ class FamilySpec:
         default_blocks: the block indices merged by default in each stack, given the
             stack name and its length.
         video: whether tiles span frames by default (``tile_frames``).
+        reference: ``(rows, columns)`` of a frame's tokens at the family's default
+            resolution (its pipeline's), to which ``tile_size="auto"`` scales tiles; None:
+            ``"auto"`` keeps 4x4 tiles.
     """
 
     name: str
@@ -168,6 +174,7 @@ class FamilySpec:
     conditioning_tokens: bool = False
     default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
     video: bool = False
+    reference: tuple[int, int] | None = None
 
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` is (a subclass of) one of this family's classes."""

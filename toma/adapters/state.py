@@ -40,6 +40,7 @@ from toma.core.tiling import (
     make_layout,
     make_span_layout,
     raster_order,
+    scaled_tile_side,
     shard_target,
     tile_order,
     to_tiles,
@@ -237,11 +238,14 @@ class PlanCache:
     Args:
         config: the ToMA settings.
         tile_frames: frames a tile spans on ``(t, h, w)`` grids (1: spatial tiles only).
+        reference: tokens of a frame at the family's reference resolution, which
+            ``tile_size="auto"`` scales tiles to (None: ``"auto"`` keeps 4x4 tiles).
     """
 
-    def __init__(self, config: ToMAConfig, tile_frames: int = 1) -> None:
+    def __init__(self, config: ToMAConfig, tile_frames: int = 1, reference: int | None = None) -> None:
         self.config = config
         self.tile = (tile_frames, *config.tile)
+        self.reference = reference
         # the patch's lifetime: built once per grid, ratio and device
         self._layouts: dict[tuple[Hashable, float], TileLayout] = {}
         self._indices: dict[tuple[Hashable, float, torch.device], LayoutIndex] = {}
@@ -339,14 +343,26 @@ class PlanCache:
         where = self._where(grid)
         if (where, ratio) not in self._layouts:
             shard = self.forward.shard
+            tile = self.tile_for(grid)
             if where is not grid:  # a context-parallel shard cut inside a row: its span of the whole grid
                 t, h, w = shard.whole
-                target = shard_target(h, w, self.tile, ratio, shard.world, t=t)
-                self._layouts[(where, ratio)] = make_span_layout(h, w, self.tile, ratio, shard.span, t=t, target=target)
+                target = shard_target(h, w, tile, ratio, shard.world, t=t)
+                self._layouts[(where, ratio)] = make_span_layout(h, w, tile, ratio, shard.span, t=t, target=target)
             else:
                 *t, h, w = grid
-                self._layouts[(where, ratio)] = make_layout(h, w, self.tile, ratio, t=t[0] if t else 1)
+                self._layouts[(where, ratio)] = make_layout(h, w, tile, ratio, t=t[0] if t else 1)
         return self._layouts[(where, ratio)]
+
+    def tile_for(self, grid: tuple[int, ...]) -> tuple[int, int, int]:
+        """The ``(frames, height, width)`` tile of ``grid``: the config's, or under
+        ``tile_size="auto"`` one scaled to the frame of the forward's whole grid (a
+        context-parallel shard's tiles are those one process would use)."""
+        if not self.config.auto_tile or self.reference is None:
+            return self.tile
+        shard = self.forward.shard
+        whole = shard.whole if shard is not None and shard.whole is not None else grid
+        side = scaled_tile_side(whole[-2] * whole[-1], self.reference, self.tile[1])
+        return (self.tile[0], side, side)
 
     def _where(self, grid: tuple[int, ...]) -> Hashable:
         """What the layouts of ``grid`` depend on: the grid, and where the forward's grid

@@ -46,5 +46,6 @@ SPEC = FamilySpec(
     tile_order_ok=_tile_order_ok,
     default_blocks=skip_first(5),
     video=True,
+    reference=(30, 52),  # 480x832
 )
 ADAPTER = EngineAdapter(SPEC)

@@ -174,6 +174,19 @@ def make_span_layout(
     )
 
 
+def scaled_tile_side(frame_tokens: int, reference_tokens: int | None, base: int = 4) -> int:
+    """The tile side, ``base`` or ``base // 2``, whose tiles a frame of ``frame_tokens``
+    holds about as many of as a reference frame of ``reference_tokens`` holds ``base`` tiles.
+
+    Of the two sides, the one whose tile count is nearer on a log scale: ``base // 2`` when
+    the frame has under half the reference's tokens, else ``base`` (also with no reference).
+    Never larger than ``base``: larger grids keep ``base``-sided tiles.
+    """
+    if reference_tokens is None or base < 2 or 2 * frame_tokens >= reference_tokens:
+        return base
+    return base // 2
+
+
 def shard_target(h: int, w: int, tile: tuple[int, ...], ratio: float, world: int, t: int = 1) -> int:
     """The tokens every one of ``world`` equal runs of a ``t x h x w`` grid's raster tokens
     keeps (the ``target`` of :func:`make_span_layout`): ``floor(K / world)`` for the whole

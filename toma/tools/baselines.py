@@ -137,8 +137,8 @@ class IdealPlan(Memo):
 class IdealPlanCache(PlanCache):
     """A :class:`PlanCache` whose plans are :class:`IdealPlan`: same ``K``, no selection."""
 
-    def __init__(self, config: ToMAConfig, tile_frames: int = 1) -> None:
-        super().__init__(config, tile_frames)
+    def __init__(self, config: ToMAConfig, tile_frames: int = 1, reference: int | None = None) -> None:
+        super().__init__(config, tile_frames, reference)
         self._ideal: dict[Hashable, IdealPlan] = {}
 
     def tile_order_layout(self, grid: tuple[int, ...], device: torch.device | None = None) -> None:  # type: ignore[override]
@@ -184,7 +184,8 @@ def apply_ideal(model: torch.nn.Module, ratio: float = 0.5, **options: Any) -> B
     targets, _ = adapter.find_targets(model, config)
     if not targets:
         raise ValueError(f"no blocks of {type(model).__name__} would be merged with these settings")
-    hooked = adapter.attach(model, targets, IdealPlanCache(config, adapter.tile_frames(config)))
+    cache = IdealPlanCache(config, adapter.tile_frames(config), getattr(adapter, "reference_tokens", None))
+    hooked = adapter.attach(model, targets, cache)
     patch = BaselinePatch("ideal", ratio, targets, {"placement": _placement(config, name)})
     # the adapter's hooks, under every name it uses (a merged MLP's chunking has its own)
     patch._hooked = [(m, name) for m in hooked for name in HOOK_NAMES]

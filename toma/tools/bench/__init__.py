@@ -24,7 +24,7 @@ from typing import Any, Callable
 # nothing here imports torch at module level: the CLI builds this parser for ``--help``
 from toma.tools.archs import ARCHS, DEPTH_KEYS, get_arch, latent_frames
 from toma.tools.bench.constants import CACHES, METHODS, split_method
-from toma.tools.common.options import DTYPES
+from toma.tools.common.options import DTYPES, TILE_SIZE_HELP, check_tile_size, parse_tile_size
 from toma.tools.common.report import check_output, missing_extra, wrote
 
 
@@ -73,7 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--frames", type=int, default=None, help="video: frames in pixels, 1 + 4k (default: the arch's)")
     p.add_argument("--levels", type=int, default=1, help="UNet: attention levels merged, from the highest resolution")
     p.add_argument("--merge-mlp", action="store_true", help="merge the MLPs too")
-    p.add_argument("--tile-size", type=int, default=4, help="ToMA tile side in tokens (also sets the ideal's K)")
+    p.add_argument(
+        "--tile-size", type=parse_tile_size, default="auto", help=TILE_SIZE_HELP + " (also sets the ideal's K)"
+    )
     p.add_argument(
         "--tile-frames",
         type=int,
@@ -200,9 +202,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     batches = _split(args.batch, "batch", int)
     if any(b < 1 for b in batches):
         raise ValueError(f"--batch sizes must be >= 1; got {args.batch}")
-    for name in ("steps", "repeats", "depth", "levels", "tile_size", "recompute_every"):
+    for name in ("steps", "repeats", "depth", "levels", "recompute_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    check_tile_size(args.tile_size)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
     if args.depth != 1 and arch.family not in DEPTH_KEYS:

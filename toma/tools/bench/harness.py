@@ -274,7 +274,7 @@ def benchmark(
 
     load_before = load_average()
     device = torch.device(device)
-    placement = {"levels": 1, "merge_mlp": False, "tile_size": 4, **(placement or {})}
+    placement = {"levels": 1, "merge_mlp": False, "tile_size": "auto", **(placement or {})}
     toma_options = dict(toma_options or {})
     notes: list[str] = []
     log(

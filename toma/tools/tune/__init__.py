@@ -28,6 +28,7 @@ from typing import Any
 
 from toma.tools.archs import ARCHS
 from toma.tools.cli import HelpFormatter
+from toma.tools.common.options import TILE_SIZE_HELP, parse_tile_size
 from toma.tools.tune.constants import DEFAULT_MIN_PSNR
 
 # the subcommand's arguments live here, apart from the measuring in toma.tools.tune.run, so
@@ -85,7 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="same,0.25",
         help="for candidates merging the MLP: its ratios to try, 'same' meaning the candidate's ratio",
     )
-    p.add_argument("--tile-size", type=int, default=4, help="ToMA tile side in tokens")
+    p.add_argument("--tile-size", type=parse_tile_size, default="auto", help=TILE_SIZE_HELP)
     p.add_argument(
         "--min-psnr",
         type=float,

@@ -28,7 +28,7 @@ from toma.tools.archs import (
 )
 from toma.tools.bench.harness import Measurement, MethodPatcher, Variant, compile_variants, progress_bar, time_rounds
 from toma.tools.bench.report import derive
-from toma.tools.common.options import DTYPES
+from toma.tools.common.options import DTYPES, check_tile_size
 from toma.tools.common.report import cell, check_output, processor_name
 from toma.tools.tune.constants import DEFAULT_MIN_PSNR
 
@@ -83,7 +83,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _options(args: argparse.Namespace) -> Setup:
     """Check every argument before any work; raises ValueError naming the option."""
-    from toma import ToMAConfig
 
     builtin = args.arch is None
     if builtin and args.model is not None:
@@ -91,7 +90,7 @@ def _options(args: argparse.Namespace) -> Setup:
     if not builtin and args.builtin_path is not None:
         raise ValueError("--builtin-path applies to the built-in model; drop it or --arch")
     arch = BUILTIN_ARCH if builtin else get_arch(args.arch)
-    for name in ("depth", "steps", "repeats", "tile_size", "check_images", "check_steps", "compile_top"):
+    for name in ("depth", "steps", "repeats", "check_images", "check_steps", "compile_top"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.warmup < 0:
@@ -145,7 +144,7 @@ def _options(args: argparse.Namespace) -> Setup:
         if not 0 < value < 1:
             raise ValueError(f"--mlp-ratios must hold 'same' or numbers in (0, 1); got {item!r}")
         mlp_ratios.append(value)
-    ToMAConfig(tile_size=args.tile_size)
+    check_tile_size(args.tile_size)
     if args.min_psnr is not None and not math.isfinite(args.min_psnr):
         raise ValueError(f"--min-psnr must be a finite number of dB; got {args.min_psnr}")
     if args.max_psnr_drop is not None and not (math.isfinite(args.max_psnr_drop) and args.max_psnr_drop >= 0):
