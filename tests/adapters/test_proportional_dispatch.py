@@ -139,9 +139,15 @@ def test_a_failing_form_falls_back_once(monkeypatch):
         return query
 
     monkeypatch.setattr(A, "_warned", set())
-    with pytest.warns(UserWarning, match="key_channel failed on the 'flash' backend .*head dim 24"):
-        A.biased_dispatch(real)(q, k, v, attn_mask=bias, backend="flash")
-    assert calls == [24, 16]
+    with pytest.warns(UserWarning, match="key_channel failed on the 'flash' backend .*head dim 24.*float mask"):
+        out = A.biased_dispatch(real)(q, k, v, attn_mask=bias, backend="flash")
+    # the bias is kept: the calls take it as a float mask in torch's SDPA (fp32 rounding of
+    # a softmax over 19 keys), where they once ran without it
+    assert calls == [24]
+    torch.testing.assert_close(out.double(), reference(q, k, v, bias), rtol=0, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        A.biased_dispatch(real)(q, k, v, attn_mask=bias, backend="flash")  # said once
 
 
 def test_install_wraps_once_and_the_last_user_restores(monkeypatch):

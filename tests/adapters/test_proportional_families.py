@@ -231,3 +231,38 @@ def test_hunyuanvideo_is_exact_on_duplicate_tokens(form, monkeypatch):
     toma.remove_toma(model)
     torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
     assert (plain - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("form", [A.KEY_CHANNEL, A.FLEX])
+def test_lora_gradients_through_each_form_equal_the_masks(form, monkeypatch):
+    # LoRA training through merged attention with the bias: the LoRA factors' gradients
+    # through the key channel equal those through the float mask (the same maths, another
+    # summation order: fp32 rounding, relative to the largest gradient); flex has no
+    # backward on CPU, so its calls fall back to the mask in torch's SDPA, said once
+    # (before, they ran without the bias)
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    kw = flux_inputs(2, 8, 8)
+
+    def lora_grads(chosen):
+        force(monkeypatch, chosen)
+        model = make_flux()
+        model.add_adapter(LoraConfig(r=2, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False))
+        toma.apply_toma(model, ratio=0.5, proportional_attention=chosen is not None, share_batch_plan=True)
+        out = model(**kw, return_dict=False)[0]
+        out.square().mean().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad and "lora" in n}
+
+    monkeypatch.setattr(A, "_warned", set())
+    mask, plain = lora_grads(A.MASK), lora_grads(None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other = lora_grads(form)
+    fell_back = [w for w in caught if "float mask in torch's SDPA" in str(w.message)]
+    assert len(fell_back) == (form == A.FLEX)
+    assert mask and mask.keys() == other.keys()
+    scale = max(g.abs().max().item() for g in mask.values())
+    for name in mask:
+        torch.testing.assert_close(other[name], mask[name], rtol=0, atol=1e-5 * scale, msg=name)
+    assert max((plain[n] - mask[n]).abs().max().item() for n in mask) > 1e-3 * scale  # the bias reaches the LoRA

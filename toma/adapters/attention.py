@@ -251,6 +251,16 @@ def attend(
         if torch.compiler.is_compiling():
             raise
         detail = str(err).splitlines()[0] if str(err) else ""
+        if form != MASK and not kwargs.get("parallel_config") and not kwargs.get("enable_gqa"):
+            # e.g. flex, which has no backward on CPU: torch's SDPA with the float mask is
+            # the same maths on any device
+            _warn_once(
+                f"{name}:{form}",
+                f"ToMA: proportional attention's {form} failed on the {name!r} backend "
+                f"({type(err).__name__}: {detail}); those calls take the bias as a float mask "
+                "in torch's SDPA",
+            )
+            return _sdpa_with_mask(query, key, value, log_mass, scale, kwargs.get("dropout_p", 0.0))
         _warn_once(
             f"{name}:{form}",
             f"ToMA: proportional attention's {form} failed on the {name!r} backend "
@@ -258,6 +268,16 @@ def attend(
             "log-mass bias there",
         )
         return real(query, key, value, attn_mask=bias.model_mask, scale=scale, **kwargs)
+
+
+def _sdpa_with_mask(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, log_mass: torch.Tensor, scale: Any, dropout: float
+) -> torch.Tensor:
+    """Attention over ``(B, S, H, D)`` tensors with the bias as a float mask, in torch's SDPA."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    mask = P.additive_mask(log_mass, query.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return out.transpose(1, 2)
 
 
 # module name -> the attention modules of live patches whose processors call its dispatch
