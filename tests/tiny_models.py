@@ -700,6 +700,11 @@ def kontext_inputs(batch: int, h: int, w: int, rh: int, rw: int) -> dict:
     }
 
 
+def flux_joint_mask(kw: dict, keep: torch.Tensor) -> dict:
+    """A Flux.1 / FLUX.2 call with the key mask ``keep`` ``(B, S)`` in ``joint_attention_kwargs``, ``(B, 1, 1, S)``."""
+    return {**kw, "joint_attention_kwargs": {"attention_mask": keep[:, None, None, :]}}
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -726,9 +731,11 @@ class Family:
     grid: tuple[int, int, int] | None = None
     # the forward keyword of a (B, T) text padding mask, where the model takes one
     text_mask: str | None = None
-    # whether the forward takes an attention mask over its joint [text; image] sequence in
-    # joint_attention_kwargs (Flux.1, FLUX.2)
-    joint_mask: bool = False
+    # where the forward takes an attention mask over its joint [text; image] sequence:
+    # joint_mask(kw, keep) is the call with the (B, S) bool mask ``keep`` (True keeps a key)
+    # in the family's place and layout (Flux.1, FLUX.2: joint_attention_kwargs; Chroma:
+    # attention_mask); None where it takes none
+    joint_mask: Callable[[dict, torch.Tensor], dict] | None = None
     # whether its forwards may run in tile order; False where every call adds raster-ordered
     # residuals between blocks (Wan VACE's control hints)
     tile_order: bool = True
@@ -788,7 +795,7 @@ FAMILIES: dict[str, Family] = {
             odd=lambda b: flux_inputs(b, 5, 7),
             odd_tokens=35,
             grid=(1, 8, 8),
-            joint_mask=True,
+            joint_mask=flux_joint_mask,
         ),
         Family(
             "flux-kontext",
@@ -799,7 +806,7 @@ FAMILIES: dict[str, Family] = {
             odd=lambda b: kontext_inputs(b, 5, 7, 3, 3),
             odd_tokens=35,
             grid=(1, 8, 8),
-            joint_mask=True,
+            joint_mask=flux_joint_mask,
         ),
         Family(
             "sd3",
@@ -876,7 +883,7 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=35,
             divided=lambda b: flux2_inputs(b, 8, 8),
             grid=(1, 8, 10),
-            joint_mask=True,
+            joint_mask=flux_joint_mask,
         ),
         Family(
             "hunyuanvideo",

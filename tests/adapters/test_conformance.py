@@ -413,16 +413,16 @@ def toma_warnings(caught) -> list[str]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_text_masks(name):
+def test_text_masks(name, monkeypatch):
     fam = FAMILIES[name]
     model, kw = fam.make(), fam.inputs(2)
     params = inspect.signature(type(model).forward).parameters
     assert fam.text_mask is None or fam.text_mask in params  # the table says what the forward takes
     if fam.text_mask is None:
         assert not set(MASK_KEYWORDS) & set(params)
-        if not fam.joint_mask:
+        if fam.joint_mask is None:
             pytest.skip(f"{name}'s forward takes no text mask")
-        joint_mask_runs_unmerged(fam, model, kw)
+        joint_masks_merge(fam, model, kw, monkeypatch)
         return
     key, text = fam.text_mask, kw["encoder_hidden_states"].shape[1]
     ones = {**kw, key: torch.ones(2, text)}
@@ -451,19 +451,53 @@ def test_text_masks(name):
     assert not torch.allclose(fam.output(model, unhidden)[1], merged[1], atol=1e-3)  # they matter unmasked
 
 
-def joint_mask_runs_unmerged(fam, model, kw) -> None:
-    # a mask over the joint [text; image] sequence is laid out over the unmerged tokens:
-    # such calls run unmerged, bitwise, with one warning
+def without_last_text(kw: dict, count: int) -> dict:
+    """The call without its last ``count`` text tokens (and their ids)."""
+    ids = kw["txt_ids"]
+    return {**kw, "encoder_hidden_states": kw["encoder_hidden_states"][:, :-count], "txt_ids": ids[..., :-count, :]}
+
+
+def sdpa_keys(monkeypatch) -> list[int]:
+    """The key count of every attention call from here on (diffusers' native backend)."""
+    real, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording(query, key, value, *args, **kwargs):
+        seen.append(key.shape[-2])
+        return real(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return seen
+
+
+def joint_masks_merge(fam, model, kw, monkeypatch) -> None:
+    # a mask over the joint [text; image] sequence that hides text padding holds one value
+    # over the image: every merged call takes its slice over the merged tokens, as if the
+    # padded text were not there. One that differs over the image keys (a structured mask)
+    # has no merged form: those calls run unmerged, bitwise, with one warning
+    kw = {k: v for k, v in kw.items() if k != "attention_mask"}  # Chroma's pipeline mask: replaced here
     text, tokens = kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
-    mask = torch.ones(2, 1, 1, text + tokens, dtype=torch.bool)
-    mask[:, :, :, text - 2 : text] = False
-    kw = {**kw, "joint_attention_kwargs": {"attention_mask": mask}}
-    reference = fam.output(model, kw)
-    toma.apply_toma(model, ratio=0.5, **fam.every_part())
+    keep = torch.ones(2, text + tokens, dtype=torch.bool)
+    keep[:, text - 2 : text] = False
+    structured = keep.clone()
+    structured[:, text + 1] = False  # one image key hidden
+    reference = fam.output(model, fam.joint_mask(kw, structured))
+    patch = toma.apply_toma(model, ratio=0.5, **fam.every_part())
+    keys = sdpa_keys(monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = fam.output(model, kw)
-        fam.output(model, kw)
+        masked = fam.output(model, fam.joint_mask(kw, keep))
+    assert toma_warnings(caught) == []  # it merged, mask and all
+    kept = {p.num_merged for _, p in patch.cache._plans.values()}
+    assert len(kept) == 1 and kept.pop() < math.prod(fam.grid)
+    merged_keys = text + tokens - math.prod(fam.grid) + patch.cache.layout(*fam.grid, ratio=0.5).num_merged
+    assert keys and set(keys) == {merged_keys}  # every attention ran on the merged tokens
+    # hidden keys add exp(-inf) = 0 to the softmax; the sums still run over two more keys,
+    # in another kernel (masked SDPA), so they differ by float32 ulps (measured 5e-7)
+    torch.testing.assert_close(masked, fam.output(model, without_last_text(kw, 2)), rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fam.output(model, fam.joint_mask(kw, structured))
+        fam.output(model, fam.joint_mask(kw, structured))
     assert len(toma_warnings(caught)) == 1 and "attention_mask" in toma_warnings(caught)[0]
     assert torch.equal(out, reference)
 

@@ -84,9 +84,11 @@ def test_flux_called_positionally_merges():
 
 
 def test_flux_attention_mask_runs_unmerged_and_says_so():
+    # a mask that differs over the image keys (a text padding mask merges: test_joint_masks)
     model = make_flux()
     kw = flux_inputs(1, 8, 8, text=5)
     mask = torch.ones(1, 5 + 64, dtype=torch.bool)
+    mask[0, 5 + 10] = False
     kw["joint_attention_kwargs"] = {"attention_mask": mask}
     with torch.no_grad():
         ref = model(**kw).sample

@@ -108,12 +108,16 @@ class KeyBias(NamedTuple):
             which a call without the bias still takes.
         auto: the bias was not asked for (``proportional_attention=None``): it runs only in
             the forms of :data:`AUTO_FORMS`, and silently not in another.
+        per_query: ``model_mask`` has a row per query (``(B, 1, Sq, S)``, as Chroma's), so it
+            is not folded into ``log_mass``: the ``"mask"`` form adds the two, and the forms
+            that take only a bias per key have no exact form for it.
     """
 
     log_mass: torch.Tensor
     pad_after: bool = False
     model_mask: torch.Tensor | None = None
     auto: bool = False
+    per_query: bool = False
 
     def automatic(self) -> KeyBias:
         """This bias, applied only where its form is one of :data:`AUTO_FORMS`."""
@@ -129,18 +133,32 @@ class KeyBias(NamedTuple):
         return P.with_text_keys(self.log_mass, after=keys - have)
 
     def mask(self, dtype: torch.dtype | None = None, keys: int | None = None) -> torch.Tensor:
-        """As a float attention mask ``(Bp, 1, 1, keys)``."""
-        return P.additive_mask(self.log_mass if keys is None else self.over(keys), dtype)
+        """As a float attention mask: ``(Bp, 1, 1, keys)``, or with a per-query model mask
+        added, ``(B, 1, Sq, keys)``."""
+        bias = P.additive_mask(self.log_mass if keys is None else self.over(keys), dtype)
+        if not self.per_query:
+            return bias
+        own = self.model_mask
+        if own.dtype == torch.bool:  # True keeps a key
+            own = torch.zeros(own.shape, dtype=bias.dtype, device=own.device).masked_fill(~own, float("-inf"))
+        return bias + own.to(bias.dtype)
 
     def with_model_mask(self, mask: torch.Tensor) -> KeyBias:
-        """This bias and the model's own key mask ``(B, 1, 1, S)`` (bool: True keeps a key;
-        or additive) over the same keys, in one bias over the ``S`` keys."""
-        if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        """This bias and the model's own mask over the same ``S`` keys (bool: True keeps a
+        key; or additive), in one bias.
+
+        A key mask (``(B, S)``, ``(B, 1, S)``, ``(B, 1, 1, S)``: one row for every query, as
+        diffusers' dispatch reads them) folds into the log masses. A ``(B, 1, Sq, S)`` mask
+        with a row per query stays beside them (``per_query``)."""
+        if mask.ndim == 4 and mask.shape[1] == 1 and mask.shape[2] > 1:
+            self.over(mask.shape[-1])  # the same keys, or toma's bug: raised
+            return KeyBias(self.log_mass, self.pad_after, mask, self.auto, per_query=True)
+        if not (mask.ndim == 2 or (mask.ndim in (3, 4) and mask.shape[1:-1] == (1,) * (mask.ndim - 2))):
             raise ValueError(
                 f"ToMA: cannot fold an attention mask of shape {tuple(mask.shape)} into the key bias; "
-                "only key masks (B, 1, 1, S) fold"
+                "key masks (B, S), (B, 1, S), (B, 1, 1, S) and per-query masks (B, 1, Sq, S) fold"
             )
-        rows = mask[:, 0, 0, :]
+        rows = mask.reshape(mask.shape[0], mask.shape[-1])
         log_mass = self.over(rows.shape[1])
         folded = P.masked_out(log_mass, rows) if rows.dtype == torch.bool else log_mass + rows.to(log_mass.dtype)
         return KeyBias(folded, model_mask=mask, auto=self.auto)
@@ -151,7 +169,7 @@ class KeyBias(NamedTuple):
         def one(t: torch.Tensor | None) -> torch.Tensor | None:
             return t[b : b + 1] if t is not None and t.shape[0] == batch else t
 
-        return KeyBias(one(self.log_mass), self.pad_after, one(self.model_mask), self.auto)
+        return KeyBias(one(self.log_mass), self.pad_after, one(self.model_mask), self.auto, self.per_query)
 
 
 def key_bias(log_mass: torch.Tensor, batch: int, heads: int) -> KeyBias:
@@ -238,11 +256,22 @@ def attend(
             "merged attention runs without the log-mass bias",
         )
         return real(query, key, value, attn_mask=bias.model_mask, **kwargs)
+    if bias.per_query and form != MASK:
+        # a bias per key cannot carry a mask whose rows differ by query
+        if not bias.auto:
+            _warn_once(
+                f"{name}:{form}:per_query",
+                f"ToMA: proportional attention is off where the model's attention mask has a row per query "
+                f"(as Chroma's) on the {name!r} backend, whose form ({form}) carries a bias per key only; "
+                "those merged calls run without the log-mass bias",
+            )
+        return real(query, key, value, attn_mask=bias.model_mask, **kwargs)
     scale = kwargs.pop("scale", None)
     log_mass = bias.over(key.shape[1])  # a mismatch is toma's bug: raised, not fallen back from
     try:
         if form == MASK:
-            return real(query, key, value, attn_mask=P.additive_mask(log_mass, query.dtype), scale=scale, **kwargs)
+            mask = bias.mask(query.dtype, key.shape[1]) if bias.per_query else P.additive_mask(log_mass, query.dtype)
+            return real(query, key, value, attn_mask=mask, scale=scale, **kwargs)
         if form == KEY_CHANNEL:
             q, k, v, wide_scale = P.key_channel(query, key, value, log_mass, scale, layout="bshd")
             return P.drop_key_channel(real(q, k, v, scale=wide_scale, **kwargs), value.shape[-1])

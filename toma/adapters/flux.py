@@ -10,8 +10,12 @@ each stack stay unmerged (the authors' setting). Rotary tables come from the ima
 through ``pos_embed``, in tile order with the tokens; the processor applies one table to
 the whole batch, so merged attention runs once per sample when the samples have plans of
 their own. Flux Kontext's reference image (tokens after the image's, ids of their own)
-passes whole, like text. A call with an attention mask in ``joint_attention_kwargs`` runs
-unmerged.
+passes whole, like text. An attention mask in ``joint_attention_kwargs`` (over the joint
+``[text; image]`` sequence, e.g. text padding) merges when it holds one value over the image
+tokens (and any reference's) per sample: the grid reader checks that once per forward
+(:func:`toma.core.masks.image_uniform`), and each merged call takes the mask's slice over
+its merged tokens. A structured mask (image keys or rows that differ) runs unmerged, with a
+warning.
 
 ``flux_double_blocks`` / ``flux_single_blocks`` remain as aliases of
 ``blocks={"transformer_blocks": ..., "single_transformer_blocks": ...}``.
@@ -19,6 +23,7 @@ unmerged.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
@@ -28,6 +33,7 @@ from toma.adapters.base import Patched, Skipped
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.parallel import cp_config, shard_index, unsplit, world_size
 from toma.config import ToMAConfig
+from toma.core.masks import image_uniform, layout_problem, slice_joint_mask
 
 DEFAULT_SKIP = 5  # the authors leave the first 5 double and 5 single blocks unmerged
 STACKS = {"transformer_blocks": "flux_double_blocks", "single_transformer_blocks": "flux_single_blocks"}
@@ -45,6 +51,7 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
                 rotary=_ROTARY,
                 mask=("attention_mask", None),
                 mask_layout=key_bias,
+                joint_mask=slice_joint_mask,
                 text_first=True,
                 until="proj_out",
                 call="attn",
@@ -58,6 +65,7 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
             rotary=_ROTARY,
             mask=("attention_mask", None),
             mask_layout=key_bias,
+            joint_mask=slice_joint_mask,
             text_keys="encoder_hidden_states",
             group="double",
         ),
@@ -91,19 +99,31 @@ class IdsGrid:
     """Reads the image token grid from ``img_ids`` (Flux.1, Flux.2); one per patched model.
 
     Reading the ids waits for the GPU; pipelines pass the same ids tensor at every step, so
-    they are read once per denoising run rather than once per forward.
+    they are read once per denoising run rather than once per forward. So is the check of
+    an attention mask of the model's own (:meth:`model_mask`): the same mask tensors (two,
+    under classifier-free guidance) come back at every step.
     """
+
+    MASK_NAME = "joint_attention_kwargs['attention_mask']"
 
     def __init__(self) -> None:
         self._known: tuple[torch.Tensor, int, tuple[int, int]] | None = None  # (ids, version, grid)
+        self._masks: list[tuple[weakref.ref, int, int, bool]] = []  # (mask, version, tokens, uniform)
+
+    def model_mask(self, call: dict) -> torch.Tensor | None:
+        """The attention mask over the joint ``[text; image]`` sequence in the call, if any."""
+        return (call.get("joint_attention_kwargs") or {}).get("attention_mask")
 
     def __call__(self, model: torch.nn.Module, call: dict) -> Grid | str | None:
         hidden, img_ids = call.get("hidden_states"), call.get("img_ids")
         if hidden is None or img_ids is None:
             return "a Flux call without img_ids gives no token grid"
-        if (call.get("joint_attention_kwargs") or {}).get("attention_mask") is not None:
-            return "joint_attention_kwargs has an attention_mask, laid out over the unmerged sequence"
+        mask = self.model_mask(call)
         cp = cp_config(model)
+        if mask is not None:
+            why = self._mask_problem(mask, call, hidden.shape[1], cp is not None)
+            if why is not None:
+                return why
         if cp is not None:  # the ids are this rank's shard's; hidden_states count every rank's tokens
             whole = unsplit(img_ids, world_size(cp), shard_index(cp), img_ids.ndim - 2)
             if whole is None:
@@ -120,6 +140,34 @@ class IdsGrid:
             return f"img_ids span a {grid[0]}x{grid[1]} grid but the call has {hidden.shape[1]} image tokens"
         # any tokens after the grid's are conditioning images' (Kontext, FLUX.2 references)
         return (1, *grid)
+
+    def _mask_problem(self, mask: torch.Tensor, call: dict, tokens: int, parallel: bool) -> str | None:
+        """Why the model's ``mask`` cannot follow the ``tokens`` image (and conditioning)
+        tokens into merged calls, or None where every merged call can take its slice."""
+        name = self.MASK_NAME
+        if parallel:
+            return f"under context parallelism, a call with {name} runs unmerged"
+        text = call.get("encoder_hidden_states")
+        keys = tokens + (text.shape[1] if isinstance(text, torch.Tensor) else 0)
+        problem = layout_problem(mask, keys)
+        if problem is not None:
+            return f"{name} is {problem}, which toma cannot fit to merged tokens"
+        if not self._uniform(mask, tokens):
+            return (
+                f"{name} differs over the image tokens (a structured mask), so merged tokens cannot keep it; "
+                "only masks that hold one value over the image per sample (text padding) merge"
+            )
+        return None
+
+    def _uniform(self, mask: torch.Tensor, tokens: int) -> bool:
+        """:func:`image_uniform`, remembered for the last two masks while they come back unchanged."""
+        version = _version(mask)
+        for ref, known_version, known_tokens, uniform in self._masks:
+            if ref() is mask and known_version == version and known_tokens == tokens:
+                return uniform
+        uniform = image_uniform(mask, tokens)
+        self._masks = [*self._masks[-1:], (weakref.ref(mask), version, tokens, uniform)]
+        return uniform
 
     def _read(self, img_ids: torch.Tensor) -> tuple[int, int]:
         """The image grid of ``img_ids``, read once while the same ids come back unchanged."""

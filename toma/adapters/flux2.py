@@ -8,7 +8,9 @@ module: attention and the parallel MLP run on the merged tokens, and the text pa
 whole. Rotary tables come from the image ids, which go in tile order with the tokens; the
 processors apply one table to the whole batch, so merged attention runs once per sample
 when the samples have plans of their own (``Rotary(shared=True)``). Reference images'
-tokens (editing) pass whole, like text. Calls with an attention mask do not merge.
+tokens (editing) pass whole, like text. An attention mask in ``joint_attention_kwargs``
+merges where it holds one value over the image (and reference) tokens per sample, sliced
+to the merged tokens; a structured one runs unmerged (:mod:`toma.adapters.flux`).
 Proportional attention is a key bias into the dispatched attention (text keys first, log
 mass 0), applied by the attention backend's rule (:mod:`toma.adapters.attention`).
 """
@@ -20,6 +22,7 @@ import torch
 from toma.adapters.attention import key_bias
 from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first
 from toma.adapters.flux import IdsGrid
+from toma.core.masks import slice_joint_mask
 
 # image_rotary_emb is (cos, sin), each (text + N, D): text rows first
 _ROTARY = Rotary("image_rotary_emb", None, shared=True)
@@ -33,9 +36,27 @@ _MASK = ("attention_mask", None)
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     if stack == "single_transformer_blocks":
-        return [Site("attn", "attn", rotary=_ROTARY, mask=_MASK, mask_layout=key_bias, text_first=True)]
+        return [
+            Site(
+                "attn",
+                "attn",
+                rotary=_ROTARY,
+                mask=_MASK,
+                mask_layout=key_bias,
+                joint_mask=slice_joint_mask,
+                text_first=True,
+            )
+        ]
     return [
-        Site("attn", "attn", rotary=_ROTARY, mask=_MASK, mask_layout=key_bias, text_keys="encoder_hidden_states"),
+        Site(
+            "attn",
+            "attn",
+            rotary=_ROTARY,
+            mask=_MASK,
+            mask_layout=key_bias,
+            joint_mask=slice_joint_mask,
+            text_keys="encoder_hidden_states",
+        ),
         Site("ff", "mlp"),
     ]
 

@@ -347,6 +347,17 @@ class SpanCall(MergeHook):
         merged = self.state.merged
         if merged is None:
             return args, kwargs
+        own = self._own_mask(args, kwargs)
+        if own is not None:
+            # the span merged before this call could be seen, so the family's grid reader
+            # must have refused a forward whose mask cannot fit: one that gets here is toma's bug
+            fitted = self.site.joint_mask(own, merged.tokens, merged.plan.num_merged) if self.site.joint_mask else None
+            if fitted is None:
+                raise RuntimeError(
+                    f"ToMA: {type(module).__name__} got an attention mask of shape {tuple(own.shape)} inside a "
+                    "merged span, which its family cannot fit to merged tokens"
+                )
+            args, kwargs = replace_arg(args, kwargs, *(self.site.mask or ("attention_mask", None)), fitted)
         return self._merged_call(module, merged, args, kwargs)
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
