@@ -705,6 +705,51 @@ def flux_joint_mask(kw: dict, keep: torch.Tensor) -> dict:
     return {**kw, "joint_attention_kwargs": {"attention_mask": keep[:, None, None, :]}}
 
 
+def make_chroma(seed: int = 0, double: int = 2, single: int = 2):
+    """Chroma: Flux.1's blocks with pruned modulation from one small approximator."""
+    from diffusers import ChromaTransformer2DModel
+
+    torch.manual_seed(seed)
+    return ChromaTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=double,
+        num_single_layers=single,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=CROSS_DIM,
+        axes_dims_rope=(4, 6, 6),
+        approximator_num_channels=16,
+        approximator_hidden_dim=32,
+        approximator_layers=1,
+    ).eval()
+
+
+def chroma_inputs(batch: int, h: int, w: int, text: int = 5) -> dict:
+    """Flux.1's call without pooled projections. Without the pipeline's mask
+    (:func:`chroma_pipeline_mask`): diffusers' checkpointed forward drops it from the
+    single-stream blocks, so with it the checkpointed forward computes another function."""
+    kw = flux_inputs(batch, h, w, text)
+    del kw["pooled_projections"]
+    return kw
+
+
+def chroma_pipeline_mask(batch: int, text: int, tokens: int) -> torch.Tensor:
+    """The ``attention_mask`` Chroma's pipeline makes: the text padding hidden but its first
+    token (the second sample's last two text tokens are padding), ones over the image; float,
+    as the pipeline's (its text mask is in the latents' dtype, the image's ones join it), so
+    the blocks' outer product is an additive 0/1 mask."""
+    keep = torch.ones(batch, text + tokens)
+    if batch > 1:
+        keep[1, text - 1] = 0
+    return keep
+
+
+def chroma_joint_mask(kw: dict, keep: torch.Tensor) -> dict:
+    """A Chroma call with the ``(B, S)`` key mask ``keep`` as its ``attention_mask``."""
+    return {**kw, "attention_mask": keep}
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -1001,6 +1046,17 @@ FAMILIES: dict[str, Family] = {
             grid=(1, 8, 10),
             text_mask="encoder_attention_mask",
             checkpointing=False,
+        ),
+        Family(
+            "chroma",
+            "chroma",
+            make_chroma,
+            lambda b: chroma_inputs(b, 8, 8),
+            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+            odd=lambda b: chroma_inputs(b, 5, 7),
+            odd_tokens=35,
+            grid=(1, 8, 8),
+            joint_mask=chroma_joint_mask,
         ),
     )
 }

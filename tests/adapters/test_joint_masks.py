@@ -4,7 +4,7 @@ The helper (toma.core.masks) against a brute-force reference over every layout d
 dispatch takes; the key bias of proportional attention with each fitted layout; and tiny
 Flux.1 and FLUX.2 models, where a text padding mask now merges and a structured one runs
 unmerged. The conformance suite's text-mask test runs the same on every family that takes
-such a mask.
+such a mask (Chroma included).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import toma
-from tests.tiny_models import FAMILIES
+from tests.tiny_models import FAMILIES, chroma_pipeline_mask
 from toma.adapters import attention as A
 from toma.core import masks as M
 
@@ -272,3 +272,58 @@ def test_a_structured_mask_runs_unmerged_bitwise_with_one_warning(name, structur
     messages = [str(w.message) for w in caught if "ToMA" in str(w.message)]
     assert len(messages) == 1 and "structured" in messages[0] and "attention_mask" in messages[0]
     assert torch.equal(out, reference)
+
+
+# ------------------------------------------------------------------ Chroma's pipeline mask
+def test_chromas_pipeline_mask_merges_and_shifts_a_sample_without_padding_by_a_constant(monkeypatch):
+    # the pipeline passes a float (B, S) mask, 1 but over the text padding after its first
+    # token; each block adds the outer product (B, 1, S, S) to the scores. It holds one value
+    # over the image on both axes, so every merged call takes its slice (proportional
+    # attention adds its bias beside it). A sample with no padding gets +1 on every score,
+    # which the softmax cancels: that sample is the unmasked merged call's, up to the
+    # float32 rounding of the shifted scores (~1e-7 a score, under 1e-5 through the model)
+    fam = FAMILIES["chroma"]
+    model, kw = fam.make(), fam.inputs(B)
+    text, tokens = kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
+    patch = toma.apply_toma(model, ratio=0.5, **fam.every_part())
+    unmasked = fam.output(model, kw)
+    keys = sdpa_keys(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        masked = fam.output(model, {**kw, "attention_mask": chroma_pipeline_mask(B, text, tokens)})
+    assert [str(w.message) for w in caught if "ToMA" in str(w.message)] == []
+    kept = patch.cache.layout(*fam.grid, ratio=0.5).num_merged
+    assert kept < tokens and set(keys) == {text + kept}
+    torch.testing.assert_close(masked[0], unmasked[0], rtol=1e-5, atol=1e-5)
+    assert (masked[1] - unmasked[1]).abs().max() > 1e-3  # the hidden padding token mattered
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_chromas_key_bias_on_every_form(masked, monkeypatch):
+    # without a mask every form of the key bias computes what the float mask does (fp32
+    # rounding, under 1e-5 of the output's range, as in test_proportional_families); with
+    # the pipeline's per-query mask the key channel, a bias per key, cannot carry it: those
+    # calls run with the model's mask and no bias, said once
+    from tests.cases import force
+
+    fam = FAMILIES["chroma"]
+    model, kw = fam.make(), fam.inputs(B)
+    if masked:
+        text, tokens = kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
+        kw = {**kw, "attention_mask": chroma_pipeline_mask(B, text, tokens)}
+    out = {}
+    for proportional in (False, True):
+        toma.apply_toma(model, ratio=0.5, proportional_attention=proportional, **fam.options)
+        out[proportional] = fam.output(model, kw)
+        toma.remove_toma(model)
+    scale = float(out[True].abs().max())
+    assert (out[False] - out[True]).abs().max() > 1e-3 * scale  # the bias reached the processors
+    monkeypatch.setattr(A, "_warned", set())
+    with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        force(m, A.KEY_CHANNEL)
+        toma.apply_toma(model, ratio=0.5, proportional_attention=True, **fam.options)
+        got = fam.output(model, kw)
+    messages = [str(w.message) for w in caught if "row per query" in str(w.message)]
+    assert len(messages) == (1 if masked else 0)
+    torch.testing.assert_close(got, out[False] if masked else out[True], atol=1e-5 * scale, rtol=0)

@@ -30,6 +30,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "cosmos": ("toma.adapters.cosmos", ("CosmosTransformer3DModel",)),
     "longcat-image": ("toma.adapters.longcat_image", ("LongCatImageTransformer2DModel",)),
     "hunyuanimage": ("toma.adapters.hunyuanimage", ("HunyuanImageTransformer2DModel",)),
+    "chroma": ("toma.adapters.chroma", ("ChromaTransformer2DModel",)),
 }
 
 
