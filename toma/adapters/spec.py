@@ -78,7 +78,10 @@ class Site:
             passes (over its joint sequence of ``N`` image tokens and the text) to ``K``
             merged image tokens, or returns None when it cannot (the call then runs
             unmerged, with a warning once). Without it, a call with a mask of the model's
-            own runs unmerged.
+            own runs unmerged. :func:`toma.core.masks.slice_joint_mask` fits a text-first
+            mask that holds one value over the image, which the family's grid reader checks
+            once per forward (Flux, FLUX.2, Chroma); a spanning site (``until``) must get only
+            masks it can fit, as its merge happens before its call is seen.
         text_first: the call's hidden states are ``[text; image]`` (a single-stream block):
             the last ``N`` tokens merge, the text before them passes whole, and so does the
             text part of the output.
