@@ -396,6 +396,8 @@ def _concat_batch(outputs: list) -> Any:
 def _gather_rotary(rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict) -> tuple[tuple, dict, list | None]:
     """The call with its rotary tables gathered to the tokens of ``merged``.
 
+    The tables are one tensor or a tuple of items, of which ``rotary.items`` hold image
+    rows; such an item is a tensor or a tuple nesting tensors (and None), each gathered.
     Returns the arguments and, for ``rotary.shared`` when samples have plans of their own,
     each sample's tables (the module must then run once per sample); else None.
     """
@@ -408,11 +410,16 @@ def _gather_rotary(rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict
     wanted = range(len(items)) if rotary.items is None else rotary.items
     plan, tiled, tokens = merged.plan, merged.tiled, merged.tokens
 
+    def rows(table: Any, b: int | None, dest: torch.Tensor) -> Any:
+        # an item may nest its tables (JoyImage's ((cos, sin), text)): every tensor in it is gathered
+        if isinstance(table, (tuple, list)):
+            return type(table)(rows(t, b, dest) for t in table)
+        if table is None:
+            return None
+        return _sample_rows(table, dest[b], tokens) if rotary.shared else rotary.gather(table, dest)
+
     def pick(b: int | None, dest: torch.Tensor) -> Any:
-        gathered = tuple(
-            (_sample_rows(t, dest[b], tokens) if rotary.shared else rotary.gather(t, dest)) if i in wanted else t
-            for i, t in enumerate(items)
-        )
+        gathered = tuple(rows(t, b, dest) if i in wanted else t for i, t in enumerate(items))
         return gathered[0] if single else gathered
 
     def make() -> list:

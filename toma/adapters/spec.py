@@ -39,7 +39,8 @@ class Rotary:
             destinations) and, when samples have their own plans, calls the module once per
             sample (see the module docstring).
         items: which items of the call's table tuple hold image rows (None: all of them);
-            the others pass unchanged (e.g. QwenImage's text table).
+            the others pass unchanged (e.g. QwenImage's text table). An item may be a tuple
+            nesting tables (JoyImage's ``((cos, sin), text)``): each tensor in it is gathered.
         raster: the tables come from the model's caller in raster order and no module of
             the model makes them (so none puts them in tile order): they are gathered with
             raster token indices even while the tokens run in tile order.
