@@ -23,6 +23,7 @@ from tests.tiny_models import (
     flux2_inputs,
     flux_inputs,
     hunyuan_inputs,
+    joyimage_inputs,
     kontext_inputs,
     ltx_inputs,
     pixart_inputs,
@@ -90,6 +91,8 @@ CASES = {
     "hunyuanvideo-padded": ("hunyuanvideo", lambda: hunyuan_inputs(2, 3, 12, 20), PADDED_VIDEO),
     "cogvideox-tiled": ("cogvideox", lambda: cogvideox_inputs(2, 2, 16, 16), {}),
     "cogvideox-padded": ("cogvideox", lambda: cogvideox_inputs(2, 3, 12, 20), PADDED_VIDEO),
+    # rotary tables a method makes, put in the blocks' order at each block (a reference item leads)
+    "joyimage-edit-tiled": ("joyimage-edit", lambda: joyimage_inputs(2, 16, 16, refs=1), {}),
 }
 CROSS = ("sdxl", "sd15", "pixart", "wan", "ltx")  # the rows with a cross-attention whose queries merge
 

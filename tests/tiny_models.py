@@ -619,6 +619,36 @@ def hunyuanimage_inputs(batch: int, h: int, w: int, text: int = 6, padded: int =
     }
 
 
+def make_joyimage(seed: int = 0, layers: int = 2):
+    """JoyAI-Image-Edit-like: dual-stream blocks, 2 heads of 16 channels, 3-D rotary (4, 6, 6)."""
+    from diffusers import JoyImageEditTransformer3DModel
+
+    torch.manual_seed(seed)
+    return JoyImageEditTransformer3DModel(
+        patch_size=[1, 2, 2],
+        in_channels=4,
+        hidden_size=32,
+        num_attention_heads=2,
+        text_dim=TEXT_DIM,
+        mlp_width_ratio=2.0,
+        num_layers=layers,
+        rope_dim_list=[4, 6, 6],
+    ).eval()
+
+
+def joyimage_inputs(batch: int, h: int, w: int, refs: int = 0, text: int = 5, seed: int = 1) -> dict:
+    """Latents of one ``h x w`` frame (tokens ``h/2 x w/2``); with ``refs``, an edit call
+    ``(B, refs + 1, 4, 1, h, w)``: the reference items first, the generated one last, as
+    JoyImageEditPipeline passes them."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, 4, 1, h, w) if not refs else (batch, refs + 1, 4, 1, h, w)
+    return {
+        "hidden_states": torch.randn(*shape, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+    }
+
+
 def make_animatediff_unet(seed: int = 0):
     """AnimateDiff-like (``UNetMotionModel``): an SD-1.5-like UNet whose levels each add
     motion modules, temporal attention over the frames of every latent pixel."""
@@ -1057,6 +1087,30 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=35,
             grid=(1, 8, 8),
             joint_mask=chroma_joint_mask,
+        ),
+        Family(
+            "joyimage",
+            "joyimage",
+            make_joyimage,
+            lambda b: joyimage_inputs(b, 16, 20),
+            {"blocks": {"double_blocks": range(2)}},
+            proportional=False,
+            odd=lambda b: joyimage_inputs(b, 10, 14),
+            odd_tokens=35,
+            divided=lambda b: joyimage_inputs(b, 16, 16),
+            grid=(1, 8, 10),
+        ),
+        Family(
+            "joyimage-edit",
+            "joyimage",
+            make_joyimage,
+            lambda b: joyimage_inputs(b, 16, 20, refs=1),
+            {"blocks": {"double_blocks": range(2)}},
+            proportional=False,
+            odd=lambda b: joyimage_inputs(b, 10, 14, refs=1),
+            odd_tokens=35,
+            divided=lambda b: joyimage_inputs(b, 16, 16, refs=1),
+            grid=(1, 8, 10),
         ),
     )
 }

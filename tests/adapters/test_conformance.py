@@ -338,6 +338,11 @@ def tables_of(rotary, args: tuple, kwargs: dict) -> tuple:
     return (tables,) if isinstance(tables, torch.Tensor) else tuple(tables)
 
 
+def leaves(item) -> list:
+    """The tensors (and Nones) of a rotary item, nested tuples flattened in order."""
+    return [t for part in item for t in leaves(part)] if isinstance(item, (tuple, list)) else [item]
+
+
 def rotary_calls(fam, model, kw, patch) -> dict[str, list]:
     """The calls of every merged site that takes rotary tables, recorded inside toma's hooks
     (what the family's processor receives) when ``model`` is patched, else as the model makes them."""
@@ -379,6 +384,8 @@ def test_rotary_rows_are_the_destinations(name, layout):
     n = math.prod(grid)
     tokens = kw["hidden_states"]
     extra = tokens.shape[1] - n if tokens.ndim == 3 else 0  # conditioning tokens after the image's
+    if tokens.ndim == 6:  # (B, items, C, T, H, W): JoyImage's reference items, after the generated one
+        extra = (tokens.shape[1] - 1) * n
     for target, site in sites.items():
         rotary = site.rotary
         [plan] = [p for key, (_, p) in patch.cache._plans.items() if key[0] == plan_group(site, grid)]
@@ -392,8 +399,13 @@ def test_rotary_rows_are_the_destinations(name, layout):
         assert len(calls) == (2 if rotary.shared else 1), target
         for b in range(2):
             got = tables_of(rotary, *calls[b if rotary.shared else 0])
-            for i, (f, g) in enumerate(zip(whole, got)):
-                if i not in wanted:
+            # an item may nest its tables (JoyImage's ((cos, sin), text)): compare tensor by tensor
+            pairs = [(i, f, g) for i, (fi, gi) in enumerate(zip(whole, got)) for f, g in zip(leaves(fi), leaves(gi))]
+            assert len(pairs) == sum(len(leaves(item)) for item in whole)
+            for i, f, g in pairs:
+                if f is None or g is None:
+                    assert f is None and g is None
+                elif i not in wanted:
                     assert torch.equal(g, f)  # e.g. Qwen-Image's text table
                 elif rotary.shared:  # (lead + N + extra, ...) -> (lead + extra + K, ...)
                     lead = f.shape[0] - n - extra

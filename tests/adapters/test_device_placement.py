@@ -106,6 +106,10 @@ ON_FAKE_DEVICE = [
     not in ("sdxl-padded", "flux-padded", "sd3-padded", "pixart-padded", "qwenimage-padded", "hunyuanvideo-padded")
 ]
 
+# cases whose model makes rotary tables on the host at every forward: JoyImage's cos and
+# sin (get_rotary_pos_embed), which toma moves to the device once per forward
+HOST_TABLES = {"joyimage-edit-tiled": 2}
+
 
 @pytest.fixture(autouse=True)
 def torch_path(monkeypatch):
@@ -215,8 +219,9 @@ def test_patched_forward_makes_no_tensor_off_the_input_device(name):
     for call in lengths:
         assert call and all(0 < longest < entered for entered, longest in call.values()), call
     # the first call builds the index tensors toma keeps (a padded grid's on the host, then
-    # copied to the device); the second copies nothing
-    assert uploads[1] == 0, uploads
+    # copied to the device); the second copies nothing but the rotary tables a model makes
+    # on the host at every forward (it copies them to the device at every attention call)
+    assert uploads[1] == HOST_TABLES.get(name, 0), uploads
 
 
 # ------------------------------------------------------------------ the checks catch

@@ -31,6 +31,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "longcat-image": ("toma.adapters.longcat_image", ("LongCatImageTransformer2DModel",)),
     "hunyuanimage": ("toma.adapters.hunyuanimage", ("HunyuanImageTransformer2DModel",)),
     "chroma": ("toma.adapters.chroma", ("ChromaTransformer2DModel",)),
+    "joyimage": ("toma.adapters.joyimage", ("JoyImageEditTransformer3DModel",)),
 }
 
 

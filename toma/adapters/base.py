@@ -12,11 +12,13 @@ HOOK_NAME = "toma"
 CHUNK_HOOK_NAME = "toma_chunk"  # a block's second hook, where its MLP's chunking is taken over
 RESIDUAL_HOOK_NAME = "toma_residual"  # a block's hook that leaves its residual adds to the merge hooks
 REPLAY_HOOK_NAME = "toma_replay"  # a block's outermost hook, for its recomputation under checkpointing
+ROPE_HOOK_NAME = "toma_rope"  # a block's hook that puts the rotary tables it takes in the blocks' order
 HOOK_NAMES = (
     HOOK_NAME,
     CHUNK_HOOK_NAME,
     RESIDUAL_HOOK_NAME,
     REPLAY_HOOK_NAME,
+    ROPE_HOOK_NAME,
 )  # every name an adapter's attach registers hooks under
 
 

@@ -13,6 +13,8 @@ engine does the rest, the same way for every family:
   positions follow the tokens. So the tokens are put in tile order once where they enter
   the blocks and back in raster order where they leave, and merging is a matmul on a view.
   Padded grids and calls that add raster-ordered residuals (ControlNet) stay in raster order.
+  Rotary tables follow: at the output of the module that makes them or, where a method of
+  the model makes them (``FamilySpec.block_rope``), at every block's call.
 * where a family's sequence may carry conditioning images after the generated one's
   (``FamilySpec.conditioning_tokens``: editing), their tokens lead in the blocks and pass
   every merge whole, as text does.
@@ -31,6 +33,7 @@ import torch
 from toma.adapters.attention import dispatch_modules, install, uninstall
 from toma.adapters.base import (
     HOOK_NAME,
+    ROPE_HOOK_NAME,
     Hook,
     Patched,
     Skipped,
@@ -192,6 +195,21 @@ def order_hooks(
     return order, hooks
 
 
+def block_rope_hooks(
+    spec: FamilySpec, model: torch.nn.Module, cache: PlanCache, order: TileState
+) -> list[torch.nn.Module]:
+    """Registers, on every block of the stacks, the hook that puts the rotary tables the
+    block takes in the blocks' order (``spec.block_rope``); returns the blocks."""
+    if spec.block_rope is None:
+        return []
+    memo: dict = {}  # one reordering per forward, shared by the blocks
+    blocks = [block for stack in spec.stacks for block in getattr(model, stack)]
+    for block in blocks:
+        hook = BlockRotaryToOrder(cache, order, spec.block_rope, spec.rope_items, memo)
+        register_innermost(block, hook, ROPE_HOOK_NAME)
+    return blocks
+
+
 def register(hooks: list[tuple[torch.nn.Module, Hook]]) -> list[torch.nn.Module]:
     """Register ``hooks`` under toma's hook name; returns the hooked modules (for removal)."""
     for module, hook in hooks:
@@ -223,7 +241,9 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
             calls.append(PerSample(site.rotary))
         hooks.append((target.module, MergeHook(cache, 1, order, site, bias=bias, calls=tuple(calls))))
     blocks = [".".join(target.name.split(".")[:2]) for target in targets]  # "stack.index"
-    return register(hooks) + chunkers + attach_replay(model, blocks, cache)
+    return (
+        register(hooks) + block_rope_hooks(spec, model, cache, order) + chunkers + attach_replay(model, blocks, cache)
+    )
 
 
 class EngineAdapter:
@@ -320,14 +340,21 @@ class StepHook(Hook):
         # conditioning tokens lead only in forwards that merge: others keep the model's order
         # (under context parallelism a shard's tokens are all the generated image's)
         lead = grid is not None and self.spec.conditioning_tokens and self.cache.merging and shard is None
-        if lead and isinstance(x, torch.Tensor) and x.ndim == 3:
-            order.extra = x.shape[1] - math.prod(grid)
+        if lead and isinstance(x, torch.Tensor):
+            order.extra = self._conditioning(module, named, x, grid)
             if order.extra:
                 order.enter, order.leave = self._lead_index(math.prod(grid), order.extra, order.layout, x.device)
         if order.layout is not None or order.extra:
             for name in self.spec.position_inputs:
                 args, kwargs = _positions_to_block_order(module, name, named.get(name), order, args, kwargs)
         return args, kwargs
+
+    def _conditioning(self, module: torch.nn.Module, named: dict, x: torch.Tensor, grid: Grid) -> int:
+        """How many conditioning tokens follow the image's on ``grid`` in the call."""
+        count = self.spec.conditioning_tokens
+        if callable(count):  # hidden_states are latents: the family counts them
+            return count(module, named)
+        return x.shape[1] - math.prod(grid) if x.ndim == 3 else 0
 
     def _warn_once(self, reason: str) -> None:
         if reason not in self._warned:
@@ -429,25 +456,116 @@ class RotaryToTileOrder(Hook):
             return output
         items = range(len(output)) if self.items is None else self.items
         table = output[items[0]]
-        if order.extra:  # the conditioning tokens' rows, then the image's, after the text's
-            text = table.shape[self.seq_dim] - order.enter.numel()
-            key = (text, order.enter, table.device)  # the step hook keeps one index per shape
-            rows = self._rows.get(key)
-            if rows is None:
-                with torch.inference_mode(False):
-                    rows = torch.cat([torch.arange(text, device=table.device), order.enter.to(table.device) + text])
-                self._rows[key] = rows
-        else:
-            # diffusers splits the output of some rotary modules (Wan's, LTX's, Qwen-Image's)
-            # after this hook: their tables then hold every shard's rows
-            runs = order.shard.world if order.shard is not None and splits_output(module) else 1
-            text = table.shape[self.seq_dim] - runs * layout.num_tokens
-            key = (text, layout, runs, table.device)
-            rows = self._rows.get(key)
-            if rows is None:  # built on the device once per grid: no host-to-device copy per step
-                rows = self._rows[key] = rotary_rows(layout, text, table.device, runs)
+        # diffusers splits the output of some rotary modules (Wan's, LTX's, Qwen-Image's)
+        # after this hook: their tables then hold every shard's rows
+        runs = order.shard.world if not order.extra and order.shard is not None and splits_output(module) else 1
+        rows = block_order_rows(order, table.shape[self.seq_dim], table.device, self._rows, runs)
         with profiled("toma::merge"):
             return tuple(t.index_select(self.seq_dim, rows) if i in items else t for i, t in enumerate(output))
+
+
+class BlockRotaryToOrder(Hook):
+    """On a block that takes rotary tables its model makes with no module (``FamilySpec.block_rope``):
+    their image rows to the blocks' order at the block's call, as :class:`RotaryToTileOrder`
+    does at a rotary module's output. Items may nest tensors; every block of a forward gets
+    the same tables, reordered once (``memo``, shared by the blocks).
+
+    A model may make them on the host whatever its device (JoyImage's ``get_rotary_pos_embed``;
+    its processor copies them to the device at every call): in a forward that merges they go
+    to the device of the block's hidden states, once per forward, so that their gathers to
+    merged tokens (whose indices are on the device) run there.
+    """
+
+    def __init__(
+        self,
+        cache: PlanCache,
+        order: TileState,
+        where: tuple[str, int | None, int],
+        items: tuple[int, ...] | None,
+        memo: dict,
+    ) -> None:
+        self.cache = cache
+        self.order = order
+        self.name, self.index, self.seq_dim = where
+        self.items = items
+        self.memo = memo
+        self._rows: dict[tuple, torch.Tensor] = {}
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if not self.cache.merging:  # the model's own tables, untouched
+            return args, kwargs
+        order = self.order
+        positional = self.index is not None and len(args) > self.index
+        tables = args[self.index] if positional else kwargs.get(self.name)
+        x = hidden_states_of(args, kwargs)
+        if tables is None or not isinstance(x, torch.Tensor):
+            return args, kwargs
+        single = isinstance(tables, torch.Tensor)
+        items = (tables,) if single else tuple(tables)
+        wanted = range(len(items)) if self.items is None else self.items
+        sources = tuple(items[i] for i in wanted)
+        tensors = _tensors(sources)  # what identifies the tables (Dynamo compares tensors, not tuples)
+        reorder = order.layout is not None or bool(order.extra)
+        if not reorder and all(t.device == x.device for t in tensors):
+            return args, kwargs
+        known = self.memo.get("last")
+        if not (
+            known is not None
+            and known[1] is order.layout
+            and known[2] is order.enter
+            and known[3] == x.device
+            and len(known[0]) == len(tensors)
+            and all(a is b for a, b in zip(known[0], tensors))
+        ):
+            with profiled("toma::merge"):
+                done = [self._reorder(t, x.device, reorder) for t in sources]
+            known = self.memo["last"] = (tensors, order.layout, order.enter, x.device, done)
+        ordered = iter(known[4])
+        new = tuple(next(ordered) if i in wanted else t for i, t in enumerate(items))
+        return replace_arg(args, kwargs, self.name, self.index if positional else None, new[0] if single else new)
+
+    def _reorder(self, table: Any, device: torch.device, reorder: bool) -> Any:
+        if isinstance(table, (tuple, list)):
+            return type(table)(self._reorder(t, device, reorder) for t in table)
+        if not isinstance(table, torch.Tensor):
+            return table
+        table = table.to(device)
+        if not reorder:
+            return table
+        rows = block_order_rows(self.order, table.shape[self.seq_dim], device, self._rows)
+        return table.index_select(self.seq_dim, rows)
+
+
+def _tensors(tables: Any) -> list[torch.Tensor]:
+    """The tensors nested in ``tables`` (tuples, lists, None), in order."""
+    if isinstance(tables, torch.Tensor):
+        return [tables]
+    if isinstance(tables, (tuple, list)):
+        return [t for part in tables for t in _tensors(part)]
+    return []
+
+
+def block_order_rows(order: TileState, length: int, device: torch.device, known: dict, runs: int = 1) -> torch.Tensor:
+    """Row order that takes a ``(text + N + extra, ...)`` rotary table in the model's order to
+    the blocks' (text rows, then conditioning tokens', then the image's in tile order); with
+    ``runs`` > 1, a table of ``runs`` shards' image rows (see :func:`rotary_rows`). Built on
+    the device once per shape (kept in ``known``): no host-to-device copy per step."""
+    if order.extra:  # the conditioning tokens' rows, then the image's, after the text's
+        text = length - order.enter.numel()
+        key = (text, order.enter, device)  # the step hook keeps one index per shape
+        rows = known.get(key)
+        if rows is None:
+            with torch.inference_mode(False):
+                rows = torch.cat([torch.arange(text, device=device), order.enter.to(device) + text])
+            known[key] = rows
+        return rows
+    layout = order.layout
+    text = length - runs * layout.num_tokens
+    key = (text, layout, runs, device)
+    rows = known.get(key)
+    if rows is None:
+        rows = known[key] = rotary_rows(layout, text, device, runs)
+    return rows
 
 
 def rotary_rows(layout: TileLayout, text: int, device: torch.device, runs: int = 1) -> torch.Tensor:

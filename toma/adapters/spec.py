@@ -142,7 +142,13 @@ class FamilySpec:
         rope: path of the module whose output tuple holds the rotary tables, and the
             sequence dimension of each table (their image rows are put in tile order), or
             None.
-        rope_items: which items of that tuple hold image rows (None: all of them).
+        rope_items: which items of that tuple hold image rows (None: all of them); with
+            ``block_rope``, of the blocks' table tuple (an item may nest tensors).
+        block_rope: ``(keyword, position, sequence dimension)`` of the rotary tables every
+            block of the stacks takes, for families whose forward makes them with no module
+            (a method, JoyImage's): at each block's call their image rows are put in the
+            blocks' order (tile order, conditioning tokens first), merged or not; None if
+            there are none or ``rope`` reorders them.
         position_inputs: forward arguments holding one position row per image token,
             ``(N, d)`` or ``(B, N, d)`` (Flux.2's ``img_ids``), put in tile order at the call
             when tokens are, so that tables computed from them follow the tokens.
@@ -154,7 +160,9 @@ class FamilySpec:
             ``grid`` followed by conditioning images' (Flux Kontext, FLUX.2 references,
             Qwen-Image-Edit): those pass whole, like text; between the modules that bracket
             the blocks they lead the sequence, so that every site sees them before the
-            image tokens it merges.
+            image tokens it merges. True counts them from ``hidden_states`` ``(B, S, C)``;
+            a function ``(model, call) -> int`` counts them from the call's named arguments
+            where ``hidden_states`` are latents (JoyImage's reference frames).
         default_blocks: the block indices merged by default in each stack, given the
             stack name and its length.
         video: whether tiles span frames by default (``tile_frames``).
@@ -172,10 +180,11 @@ class FamilySpec:
     leave: str
     rope: tuple[str, int] | None = None
     rope_items: tuple[int, ...] | None = None
+    block_rope: tuple[str, int | None, int] | None = None
     position_inputs: tuple[str, ...] = ()
     raster_kwargs: tuple[str, ...] = ()
     tile_order_ok: Callable[[torch.nn.Module, dict], bool] | None = None
-    conditioning_tokens: bool = False
+    conditioning_tokens: bool | Callable[[torch.nn.Module, dict], int] = False
     default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
     video: bool = False
     reference: tuple[int, int] | None = None

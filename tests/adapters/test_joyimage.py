@@ -1,0 +1,55 @@
+"""JoyAI-Image-Edit beyond the conformance suite (its rows: ``joyimage``, ``joyimage-edit``
+in tests/tiny_models.py): rotary tables made by a method, put in the blocks' order at every
+block, merged or not, and the options it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import toma
+from tests.tiny_models import joyimage_inputs, make_joyimage
+from toma.adapters.state import PlanCache
+
+
+@pytest.mark.parametrize("rope_type", ["rope", "mrope"])  # mrope: a text table too, which passes whole
+@pytest.mark.parametrize("refs", [0, 1])
+def test_unmerged_blocks_in_tile_order_keep_their_positions(refs, rope_type, monkeypatch):
+    # blocks 0 and 1 run unmerged on tokens in tile order (reference tokens first), block 2
+    # merged: each block must get tables in that order. Against raster order (the same
+    # plans, tokens gathered at each merge), attention sums its keys in another order, a
+    # few float32 ulps per op, under 1e-5 through this model; tables left in the model's
+    # order moved outputs by ~5e-2
+    model = make_joyimage(layers=3)
+    model.register_to_config(rope_type=rope_type)
+    model.rope_type = rope_type
+    kw = joyimage_inputs(2, 16, 16, refs=refs)
+    toma.apply_toma(model, ratio=0.5, blocks={"double_blocks": (2,)})
+    real, used = PlanCache.tile_order_layout, []
+    monkeypatch.setattr(
+        PlanCache, "tile_order_layout", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1]
+    )
+    with torch.no_grad():
+        tiled = model(**kw).sample
+    assert used and all(layout is not None for layout in used)
+    monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)
+    with torch.no_grad():
+        raster = model(**kw).sample
+    torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)
+
+
+def test_default_blocks_and_tiles_at_the_pipelines_resolution():
+    # the published depth (20 blocks) on meta: the first 5 stay unmerged; at 1024px
+    # (64 x 64 tokens, the family's reference) tile_size="auto" keeps 4x4 tiles
+    with torch.device("meta"):
+        model = make_joyimage(layers=20)
+    patch = toma.apply_toma(model, ratio=0.5)
+    merged = sorted({int(t.name.split(".")[1]) for t in patch.patched})
+    assert merged == list(range(5, 20))
+    assert patch.cache.tile_for((1, 64, 64))[1:] == (4, 4)
+
+
+def test_proportional_attention_is_refused_with_the_reason():
+    # the processor hands dispatch attn_mask=None, so no key bias can reach attention
+    with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
+        toma.apply_toma(make_joyimage(), ratio=0.5, proportional_attention=True)
