@@ -327,3 +327,42 @@ def test_chromas_key_bias_on_every_form(masked, monkeypatch):
     messages = [str(w.message) for w in caught if "row per query" in str(w.message)]
     assert len(messages) == (1 if masked else 0)
     torch.testing.assert_close(got, out[False] if masked else out[True], atol=1e-5 * scale, rtol=0)
+
+
+def test_chromas_pipeline_merges_with_its_mask_end_to_end(tmp_path):
+    # ChromaPipeline builds the float (1, text + N) mask itself and calls the transformer
+    # twice a step (prompt, negative prompt): every call merges, mask and all, with no
+    # warning; removal gives the unmerged images back bitwise
+    from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
+    from transformers import T5Config, T5EncoderModel
+
+    from tests.tiny_models import make_chroma
+    from tests.tiny_pipelines import merged_round_trip, tiny_clip_tokenizer, tiny_vae
+
+    torch.manual_seed(0)
+    t5 = T5EncoderModel(T5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)).eval()
+    pipe = ChromaPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_vae(),
+        text_encoder=t5,
+        tokenizer=tiny_clip_tokenizer(tmp_path / "tok"),
+        transformer=make_chroma(),
+    )
+    masks = []
+    handle = pipe.transformer.register_forward_pre_hook(
+        lambda m, a, kw: masks.append(kw["attention_mask"]), with_kwargs=True
+    )
+    kw = dict(height=32, width=48, num_inference_steps=2, max_sequence_length=16, output_type="np")
+
+    def generate():
+        return pipe("a red fox", negative_prompt="dim", generator=torch.Generator().manual_seed(0), **kw).images
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # 32x48 px -> 16x24 latents -> 8x12 tokens, half kept; two calls a step
+        merged_round_trip(
+            pipe, generate, [(1, 48)] * 4, blocks={"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}
+        )
+    handle.remove()
+    assert [str(w.message) for w in caught if "ToMA" in str(w.message)] == []
+    assert masks and all(m.shape == (1, 16 + 96) and not m[:, :16].all() for m in masks)  # padding hidden
