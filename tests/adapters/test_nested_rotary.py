@@ -1,11 +1,14 @@
 """Rotary tables that nest (JoyImage's ``((cos, sin), text)``): gathered to merged tokens
-tensor by tensor, as the same tensors are when passed flat, and put in the blocks' order at
-each block's call where the model makes them with no module (``FamilySpec.block_rope``)."""
+tensor by tensor, as the same tensors are when passed flat; and tables no module of the
+model makes (CogVideoX's, from its pipeline), put in the blocks' order at each block's call
+(``FamilySpec.block_rope``; JoyImage's: tests/adapters/test_joyimage.py)."""
 
 from __future__ import annotations
 
 import torch
 
+import toma
+from tests.tiny_models import cogvideox_inputs, make_cogvideox
 from toma.adapters.merging import MergedCall, _gather_rotary
 from toma.adapters.spec import Rotary
 from toma.adapters.state import PlanCache
@@ -73,3 +76,25 @@ def test_flat_tables_gather_as_before():
     for b, (c, t) in enumerate(samples):
         assert t is text
         assert torch.equal(c, torch.cat([cos[:EXTRA], cos[EXTRA:][call.plan.dest_tokens[b]]]))
+
+
+def test_cogvideox_unmerged_blocks_in_tile_order_keep_the_pipelines_positions(monkeypatch):
+    # CogVideoX-5B's tables come from the pipeline in raster order. Blocks 0 and 1 run
+    # unmerged on tokens in tile order, block 2 merged (as the default skips the first 5):
+    # each block must get the tables in tile order. Against raster order (the same plans),
+    # attention sums its keys in another order, a few float32 ulps per op, under 1e-5
+    # through this model; gathering them by raster index in the merged block only left the
+    # unmerged blocks ~5e-2 off
+    model, kw = make_cogvideox(layers=3), cogvideox_inputs(2, 1, 16, 16)
+    toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": (2,)})
+    real, used = PlanCache.tile_order_layout, []
+    monkeypatch.setattr(
+        PlanCache, "tile_order_layout", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1]
+    )
+    with torch.no_grad():
+        tiled = model(**kw).sample
+    assert used and all(layout is not None for layout in used)
+    monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)
+    with torch.no_grad():
+        raster = model(**kw).sample
+    torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)

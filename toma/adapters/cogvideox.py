@@ -3,7 +3,8 @@
 Each ``CogVideoXBlock`` merges the video stream of its attention (the text stream passes
 whole and stays first in the joint sequence). The 5B models take rotary tables from the
 pipeline, one ``(N, D)`` table for the batch in raster order (there is no rotary module to
-put them in tile order), gathered to the merged tokens' destinations by raster index; as
+put them in tile order): each block's are put in the blocks' order at its call
+(``block_rope``), merged or not, and gathered to the merged tokens' destinations; as
 the processor applies one table to the whole batch, samples with plans of their own
 (``share_batch_plan=False``) run one merged attention call each. The 2B model adds sin-cos
 positions at the patch embedding. ``merge_mlp`` merges the video part of the
@@ -20,8 +21,8 @@ import torch
 
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 
-# one (N, D) table for the whole batch, in raster order
-_ROTARY = Rotary("image_rotary_emb", None, shared=True, raster=True)
+# one (N, D) table for the whole batch, in the blocks' order (block_rope)
+_ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
 
 def _key_rows(log_mass: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
@@ -71,6 +72,8 @@ SPEC = FamilySpec(
     grid=_grid,
     enter=("block", ""),
     leave="norm_final",
+    # the blocks take the pipeline's tables as image_rotary_emb=, or 4th positionally under checkpointing
+    block_rope=("image_rotary_emb", 3, 0),
     default_blocks=skip_first(5),
     video=True,
     reference=(30, 45),  # 480x720
