@@ -13,8 +13,10 @@ wrapper resolves the backend (the processor's, or diffusers' active one) and run
 * None: no exact form (SageAttention quantizes K per block to int8, where the bias channel
   would set the scale; XLA's takes no scale). The call runs without the bias, said once.
 
-Any other mask goes to diffusers untouched, so the wrapper changes nothing outside merged
-calls. The CPU rules are measured (``benchmarks/proportional_cost.py``, BENCHMARKS.md); the
+A form that fails at run time (flex has no backward on CPU) falls back to the float mask
+in torch's SDPA, said once. Under ``proportional_attention=None`` the bias runs in the
+forms of :data:`AUTO_FORMS` only. Any other mask goes to diffusers untouched, so the
+wrapper changes nothing outside merged calls. The CPU rules are measured (``benchmarks/proportional_cost.py``, BENCHMARKS.md); the
 CUDA ones are assumptions until a GPU measures them: with a float mask torch's SDPA leaves
 its flash kernel for the memory-efficient one, and the key channel's head dim 136 runs
 flash's 160 kernel (about +25%), which is taken to cost less.
