@@ -16,10 +16,11 @@ wrapper resolves the backend (the processor's, or diffusers' active one) and run
 A form that fails at run time (flex has no backward on CPU) falls back to the float mask
 in torch's SDPA, said once. Under ``proportional_attention=None`` the bias runs in the
 forms of :data:`AUTO_FORMS` only. Any other mask goes to diffusers untouched, so the
-wrapper changes nothing outside merged calls. The CPU rules are measured (``benchmarks/proportional_cost.py``, BENCHMARKS.md); the
-CUDA ones are assumptions until a GPU measures them: with a float mask torch's SDPA leaves
-its flash kernel for the memory-efficient one, and the key channel's head dim 136 runs
-flash's 160 kernel (about +25%), which is taken to cost less.
+wrapper changes nothing outside merged calls. The CPU rules are measured
+(``benchmarks/proportional_cost.py``, BENCHMARKS.md); the CUDA ones are assumptions until
+a GPU measures them: with a float mask torch's SDPA leaves its flash kernel for the
+memory-efficient one, and the key channel's head dim 136 runs flash's 160 kernel (about
++25%), which is taken to cost less.
 """
 
 from __future__ import annotations
