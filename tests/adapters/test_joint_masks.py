@@ -366,3 +366,38 @@ def test_chromas_pipeline_merges_with_its_mask_end_to_end(tmp_path):
     handle.remove()
     assert [str(w.message) for w in caught if "ToMA" in str(w.message)] == []
     assert masks and all(m.shape == (1, 16 + 96) and not m[:, :16].all() for m in masks)  # padding hidden
+
+
+def test_chromas_masked_blocks_compile_without_graph_breaks():
+    # the mask's slice, on both axes in the spanning single-stream site, and the per-query
+    # key bias beside it, trace as the conformance suite's unmasked blocks do (its
+    # test_merged_blocks_compile_without_graph_breaks; the grid reader's one check of the
+    # mask, like its read of the ids, is in the step hook, outside the merge path)
+    from tests.adapters.test_conformance import first_blocks
+
+    fam = FAMILIES["chroma"]
+    model, kw = fam.make(), fam.inputs(1)
+    text, tokens = kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
+    kw["attention_mask"] = chroma_pipeline_mask(1, text, tokens)
+    kw["attention_mask"][0, text - 1] = 0
+    patch = toma.apply_toma(model, ratio=0.5, **fam.every_part())
+    calls, handles = {}, []
+    for owner in first_blocks(patch):
+        block = model.get_submodule(owner)
+        record = lambda mod, a, k, owner=owner: calls.setdefault(owner, (a, k))  # noqa: E731
+        handles.append(block.register_forward_pre_hook(record, with_kwargs=True))
+    fam.output(model, kw)
+    for handle in handles:
+        handle.remove()
+    assert len(calls) == 2
+    breaks = {}
+    for owner, (args, kwargs) in calls.items():
+        assert kwargs["attention_mask"] is not None
+        patch.cache.forward.plans.clear()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            explained = torch._dynamo.explain(model.get_submodule(owner))(*args, **kwargs)
+        breaks[owner] = [r.reason.splitlines()[0] for r in explained.break_reasons]
+        assert patch.cache.forward.plans  # the traced call merged
+    torch._dynamo.reset()
+    assert breaks == {owner: [] for owner in calls}
