@@ -30,7 +30,7 @@ class ToMAConfig:
             ``"auto"`` (the default) scales the tile to the grid: 4x4, or 2x2 where a frame
             has under half the tokens of its family's reference frame (Flux at 1024px, Wan
             at 480p, ...), so that small grids hold about as many tiles as the reference
-            does (the evidence: BENCHMARKS.md, "Defaults that follow the grid"). UNets and
+            does (the evidence: benchmarks/builtin.md, "Defaults that follow the grid"). UNets and
             families without a reference keep 4x4.
         selection: ``"facility"`` (ToMA's submodular greedy), ``"random"`` or ``"grid"``.
         temperature: softmax temperature of the token-to-destination assignment on cosine
