@@ -1,4 +1,4 @@
-"""The defaults on the two trained built-ins compute what BENCHMARKS.md measured for them:
+"""The defaults on the two trained built-ins compute what benchmarks/builtin.md measured for them:
 on their small grids ``tile_size="auto"`` is 2x2 and ``proportional_attention=None`` is
 on (on CPU), so the figures of 2x2 tiles with the bias are the defaults' figures."""
 
