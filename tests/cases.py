@@ -254,3 +254,33 @@ def force(monkeypatch, form: str) -> None:
 
     monkeypatch.setitem(A.RULES, "native", {"*": (form, "forced by the test")})
     monkeypatch.setattr(A, "_compiled_flex", flex_attention)  # the same maths, no 20 s compile
+
+
+def sdpa_keys(monkeypatch) -> list[int]:
+    """The key count of every attention call from here on (diffusers' native backend)."""
+    real, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording(query, key, value, *args, **kwargs):
+        seen.append(key.shape[-2])
+        return real(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return seen
+
+
+def tiled_and_raster(model, kw: dict, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The patched model's output with tokens in tile order between merges (checked), and
+    with them kept in raster order."""
+    from toma.adapters.state import PlanCache
+
+    real, used = PlanCache.tile_order_layout, []
+    monkeypatch.setattr(
+        PlanCache, "tile_order_layout", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1]
+    )
+    with torch.no_grad():
+        tiled = model(**kw).sample
+    assert used and all(layout is not None for layout in used)
+    monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)
+    with torch.no_grad():
+        raster = model(**kw).sample
+    return tiled, raster

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import toma
+from tests.cases import sdpa_keys
 from tests.tiny_models import FAMILIES
 from toma.adapters.base import Hook, register_innermost, remove_hook
 from toma.adapters.merging import plan_group
@@ -467,18 +468,6 @@ def without_last_text(kw: dict, count: int) -> dict:
     """The call without its last ``count`` text tokens (and their ids)."""
     ids = kw["txt_ids"]
     return {**kw, "encoder_hidden_states": kw["encoder_hidden_states"][:, :-count], "txt_ids": ids[..., :-count, :]}
-
-
-def sdpa_keys(monkeypatch) -> list[int]:
-    """The key count of every attention call from here on (diffusers' native backend)."""
-    real, seen = torch.nn.functional.scaled_dot_product_attention, []
-
-    def recording(query, key, value, *args, **kwargs):
-        seen.append(key.shape[-2])
-        return real(query, key, value, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
-    return seen
 
 
 def joint_masks_merge(fam, model, kw, monkeypatch) -> None:

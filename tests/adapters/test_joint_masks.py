@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import toma
+from tests.cases import sdpa_keys
 from tests.tiny_models import FAMILIES, chroma_pipeline_mask
 from toma.adapters import attention as A
 from toma.core import masks as M
@@ -183,18 +184,6 @@ def test_a_per_query_mask_on_a_bias_per_key_runs_without_the_bias_and_says_so(mo
 
 # ------------------------------------------------------------------ tiny Flux.1 and FLUX.2
 PADDED = 2  # the last two text tokens are padding
-
-
-def sdpa_keys(monkeypatch) -> list[int]:
-    """The key count of every attention call from here on (diffusers' native backend)."""
-    real, seen = torch.nn.functional.scaled_dot_product_attention, []
-
-    def recording(query, key, value, *args, **kwargs):
-        seen.append(key.shape[-2])
-        return real(query, key, value, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
-    return seen
 
 
 def joint(fam, kw: dict, mask: torch.Tensor) -> dict:

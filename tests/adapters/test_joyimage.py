@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import toma
+from tests.cases import tiled_and_raster
 from tests.tiny_models import joyimage_inputs, make_joyimage
-from toma.adapters.state import PlanCache
 
 
 @pytest.mark.parametrize("rope_type", ["rope", "mrope"])  # mrope: a text table too, which passes whole
@@ -25,16 +25,7 @@ def test_unmerged_blocks_in_tile_order_keep_their_positions(refs, rope_type, mon
     model.rope_type = rope_type
     kw = joyimage_inputs(2, 16, 16, refs=refs)
     toma.apply_toma(model, ratio=0.5, blocks={"double_blocks": (2,)})
-    real, used = PlanCache.tile_order_layout, []
-    monkeypatch.setattr(
-        PlanCache, "tile_order_layout", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1]
-    )
-    with torch.no_grad():
-        tiled = model(**kw).sample
-    assert used and all(layout is not None for layout in used)
-    monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)
-    with torch.no_grad():
-        raster = model(**kw).sample
+    tiled, raster = tiled_and_raster(model, kw, monkeypatch)
     torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)
 
 

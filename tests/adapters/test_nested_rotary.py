@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 import toma
+from tests.cases import tiled_and_raster
 from tests.tiny_models import cogvideox_inputs, make_cogvideox
 from toma.adapters.merging import MergedCall, _gather_rotary
 from toma.adapters.spec import Rotary
@@ -87,14 +88,5 @@ def test_cogvideox_unmerged_blocks_in_tile_order_keep_the_pipelines_positions(mo
     # unmerged blocks ~5e-2 off
     model, kw = make_cogvideox(layers=3), cogvideox_inputs(2, 1, 16, 16)
     toma.apply_toma(model, ratio=0.5, blocks={"transformer_blocks": (2,)})
-    real, used = PlanCache.tile_order_layout, []
-    monkeypatch.setattr(
-        PlanCache, "tile_order_layout", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1]
-    )
-    with torch.no_grad():
-        tiled = model(**kw).sample
-    assert used and all(layout is not None for layout in used)
-    monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)
-    with torch.no_grad():
-        raster = model(**kw).sample
+    tiled, raster = tiled_and_raster(model, kw, monkeypatch)
     torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)

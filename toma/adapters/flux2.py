@@ -34,31 +34,14 @@ _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 _MASK = ("attention_mask", None)
 
 
+# what both streams' attention takes: one rotary table, the key bias, the sliced model mask
+_ATTENTION = {"rotary": _ROTARY, "mask": _MASK, "mask_layout": key_bias, "joint_mask": slice_joint_mask}
+
+
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     if stack == "single_transformer_blocks":
-        return [
-            Site(
-                "attn",
-                "attn",
-                rotary=_ROTARY,
-                mask=_MASK,
-                mask_layout=key_bias,
-                joint_mask=slice_joint_mask,
-                text_first=True,
-            )
-        ]
-    return [
-        Site(
-            "attn",
-            "attn",
-            rotary=_ROTARY,
-            mask=_MASK,
-            mask_layout=key_bias,
-            joint_mask=slice_joint_mask,
-            text_keys="encoder_hidden_states",
-        ),
-        Site("ff", "mlp"),
-    ]
+        return [Site("attn", "attn", text_first=True, **_ATTENTION)]
+    return [Site("attn", "attn", text_keys="encoder_hidden_states", **_ATTENTION), Site("ff", "mlp")]
 
 
 SPEC = FamilySpec(
