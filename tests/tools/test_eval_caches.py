@@ -155,3 +155,20 @@ def test_method_names_with_caches():
 def test_eval_refuses_caches_that_cannot_run(tmp_path, capsys, argv, message):
     assert main(["eval", *argv, "--num-images", "1", "--steps", "1", "--out-dir", str(tmp_path / "ev")]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cache_dit_enables_quietly(capfd):
+    # cache-dit logs each enable at INFO on its CACHE_DIT logger, once per batch and
+    # variant of an eval; the eval keeps it to warnings (the logger was misnamed before)
+    pytest.importorskip("cache_dit")
+    torch = pytest.importorskip("torch")
+    from tests.tiny_models import flux_inputs, make_flux
+
+    model = make_flux()
+    capfd.readouterr()
+    remove = enable(model, "cachedit", 0.1, 2)
+    with torch.no_grad():
+        model(**flux_inputs(1, 4, 4))
+    remove()
+    captured = capfd.readouterr()
+    assert "Cache-DiT" not in captured.out + captured.err

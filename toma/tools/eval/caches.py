@@ -88,6 +88,7 @@ def enable(denoiser: Any, cache: str, threshold: float | None, steps: int | None
         import cache_dit
     except ImportError as err:
         raise ImportError(f"--methods +{cache} needs cache-dit (pip install --no-deps cache-dit)") from err
+    quiet_cache_dit()
     kind = cache_dit.DBCacheConfig if cache == "cachedit" else cache_dit.DBPruneConfig
     settings: dict[str, Any] = {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "num_inference_steps": steps}
     if threshold is not None:
@@ -215,7 +216,8 @@ def skip_stats(skipped: list[list[int]], calls: list[int], alone: list[list[int]
 
 
 def quiet_cache_dit() -> None:
-    """cache-dit logs every enable at INFO; an eval enables it once per batch."""
+    """cache-dit logs every enable at INFO (its logger is ``CACHE_DIT``); an eval enables it
+    once per batch and variant."""
     import logging
 
-    logging.getLogger("cache_dit").setLevel(logging.WARNING)
+    logging.getLogger("CACHE_DIT").setLevel(logging.WARNING)
