@@ -23,7 +23,6 @@ FB=${FB:-"0.05 0.1"}            # FirstBlockCache thresholds (diffusers' default
 DB=${DB:-"0.08 0.16"}           # DBCache residual_diff_threshold (cache-dit's default 0.08)
 TOMA_FLAGS=${TOMA_FLAGS:-}
 MODELS=${MODELS:-"builtin-dit builtin-video"}
-export CACHE_DIT_LOG_LEVEL=${CACHE_DIT_LOG_LEVEL:-warning}  # it logs every enable, once per batch and variant
 python3 -c "import cache_dit" || { echo "cache_stack.sh needs cache-dit: pip install --no-deps cache-dit==1.5.3" >&2; exit 2; }
 methods=toma
 for t in $FB; do methods+=",none+fbcache:$t,toma+fbcache:$t"; done

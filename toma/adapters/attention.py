@@ -273,8 +273,7 @@ def attend(
     log_mass = bias.over(key.shape[1])  # a mismatch is toma's bug: raised, not fallen back from
     try:
         if form == MASK:
-            mask = bias.mask(query.dtype, key.shape[1]) if bias.per_query else P.additive_mask(log_mass, query.dtype)
-            return real(query, key, value, attn_mask=mask, scale=scale, **kwargs)
+            return real(query, key, value, attn_mask=bias.mask(query.dtype, key.shape[1]), scale=scale, **kwargs)
         if form == KEY_CHANNEL:
             q, k, v, wide_scale = P.key_channel(query, key, value, log_mass, scale, layout="bshd")
             return P.drop_key_channel(real(q, k, v, scale=wide_scale, **kwargs), value.shape[-1])
@@ -292,7 +291,8 @@ def attend(
                 f"({type(err).__name__}: {detail}); those calls take the bias as a float mask "
                 "in torch's SDPA",
             )
-            return _sdpa_with_mask(query, key, value, log_mass, scale, kwargs.get("dropout_p", 0.0))
+            mask = bias.mask(query.dtype, key.shape[1])
+            return _sdpa_with_mask(query, key, value, mask, scale, kwargs.get("dropout_p", 0.0))
         _warn_once(
             f"{name}:{form}",
             f"ToMA: proportional attention's {form} failed on the {name!r} backend "
@@ -303,11 +303,10 @@ def attend(
 
 
 def _sdpa_with_mask(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, log_mass: torch.Tensor, scale: Any, dropout: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: Any, dropout: float
 ) -> torch.Tensor:
-    """Attention over ``(B, S, H, D)`` tensors with the bias as a float mask, in torch's SDPA."""
+    """Attention over ``(B, S, H, D)`` tensors with a float mask (:meth:`KeyBias.mask`), in torch's SDPA."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    mask = P.additive_mask(log_mass, query.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
     return out.transpose(1, 2)
 
