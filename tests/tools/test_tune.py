@@ -64,6 +64,8 @@ def faster_with_mlp(options, compiled):
     return 1.0 - 0.4 * options["ratio"] - (0.2 if options["merge_mlp"] else 0.0)
 
 
+# the tiny UNet's attention at ratio 0.5, at the resolution the tune tests time
+TINY_UNET = ["tune", "--arch", "tiny-unet", "--resolution", "64", "--ratios", "0.5", "--parts", "attn"]
 BUILTIN = ["tune", "--check-images", "2", "--check-steps", "2", "--repeats", "2", "--warmup", "0", "--no-progress"]
 
 
@@ -123,17 +125,9 @@ def test_nothing_faster_says_so_and_apply_toma_then_warns(tmp_path, monkeypatch,
     out.write_text("kept")
     rc = main(
         [
-            "tune",
-            "--arch",
-            "tiny-unet",
-            "--resolution",
-            "64",
-            "--ratios",
-            "0.5",
+            *TINY_UNET,
             "--levels",
             "1",
-            "--parts",
-            "attn",
             "--min-psnr",
             "0",
             "--repeats",
@@ -196,17 +190,9 @@ def test_ctrl_c_in_the_quality_check_writes_nothing(tmp_path, monkeypatch, capsy
     out = tmp_path / "tuned.json"
     rc = main(
         [
-            "tune",
-            "--arch",
-            "tiny-unet",
-            "--resolution",
-            "64",
-            "--ratios",
-            "0.5",
+            *TINY_UNET,
             "--levels",
             "1",
-            "--parts",
-            "attn",
             "--no-progress",
             "--out",
             str(out),
@@ -276,17 +262,9 @@ def test_duplicates_are_dropped_and_flux_tries_default_and_all_blocks(tmp_path, 
     assert (
         main(
             [
-                "tune",
-                "--arch",
-                "tiny-unet",
-                "--resolution",
-                "64",
-                "--ratios",
-                "0.5",
+                *TINY_UNET,
                 "--levels",
                 "2,3",
-                "--parts",
-                "attn",
                 "--min-psnr",
                 "0",
                 "--repeats",
