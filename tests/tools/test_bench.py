@@ -110,24 +110,30 @@ def test_bench_cli_tiny_unet_writes_json_and_png(tmp_path, capsys):
         assert "load average" in out
 
 
+# the fields of a toma bench report that the --from-json tests leave as they are
+REPORT = {
+    "arch": "x",
+    "description": "d",
+    "parameters": 1,
+    "resolution": 64,
+    "dtype": "float32",
+    "device": "cpu",
+    "device_name": "cpu",
+    "threads": 2,
+    "steps_per_sample": 1,
+    "repeats": 3,
+    "warmup": 1,
+    "placement": {},
+    "notes": [],
+    "skipped": {},
+    "interrupted": False,
+    "batches": [1],
+}
+
+
 def spread_report(none, toma, ideal):
     return {
-        "arch": "x",
-        "description": "d",
-        "parameters": 1,
-        "resolution": 64,
-        "dtype": "float32",
-        "device": "cpu",
-        "device_name": "cpu",
-        "threads": 2,
-        "steps_per_sample": 1,
-        "repeats": 3,
-        "warmup": 1,
-        "placement": {},
-        "notes": [],
-        "skipped": {},
-        "interrupted": False,
-        "batches": [1],
+        **REPORT,
         "results": [
             {"method": "none", "ratio": None, "batch": 1, "compiled": False, "times_s": none, "overhead": None},
             {"method": "toma", "ratio": 0.5, "batch": 1, "compiled": False, "times_s": toma, "overhead": None},
@@ -181,22 +187,7 @@ def test_bench_plot_uses_bars_for_one_ratio(monkeypatch, tmp_path):
 
 def test_from_json_rederives_statistics_and_replots(tmp_path, capsys):
     report = {
-        "arch": "x",
-        "description": "d",
-        "parameters": 1,
-        "resolution": 64,
-        "dtype": "float32",
-        "device": "cpu",
-        "device_name": "cpu",
-        "threads": 2,
-        "steps_per_sample": 1,
-        "repeats": 3,
-        "warmup": 1,
-        "placement": {},
-        "notes": [],
-        "skipped": {},
-        "interrupted": False,
-        "batches": [1],
+        **REPORT,
         "results": [
             {
                 "method": "none",
