@@ -9,6 +9,7 @@ import torch
 
 import toma
 from tests.cases import duplicated_video
+from tests.tiny_models import FAMILIES as TINY
 from tests.tiny_models import (
     ltx_inputs,
     make_ltx,
@@ -113,7 +114,7 @@ def test_unknown_stack_and_index_are_clear_errors():
     with pytest.raises(ValueError, match=r"blocks\['blocks'\] must hold indices in \[0, 2\]"):
         toma.apply_toma(model, blocks={"blocks": [3]})
     with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
-        toma.apply_toma(make_sd3(), proportional_attention=True)
+        toma.apply_toma(TINY["hunyuanvideo15"].make(), proportional_attention=True)
     # options of other kinds of model would do nothing here: refused, not ignored
     with pytest.raises(ValueError, match="mlp_levels applies to UNets only"):
         toma.apply_toma(model, merge_mlp=True, levels=2, mlp_levels=(2,))

@@ -347,9 +347,6 @@ def test_default_blocks_skip_the_first_and_flux_options_are_refused(family):
     toma.remove_toma(model)
     with pytest.raises(ValueError, match="flux_double_blocks applies to Flux.1 only; .* places merging with blocks="):
         toma.apply_toma(model, flux_double_blocks=(1,))
-    if family == "qwenimage":  # FLUX.2 takes it (tests/adapters/test_proportional_families.py)
-        with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
-            toma.apply_toma(model, proportional_attention=True)
     assert toma.get_toma(model) is None and not hasattr(model, "_diffusers_hook")
 
 

@@ -47,7 +47,9 @@ FAMILIES = {
     ),
 }
 # the families built on Wan's spec, whose processors live in modules of their own
-for _name in ("wan-vace", "skyreels-v2", "wan-animate"):
+# and those whose processors cannot carry the bias in their mask argument: SD3 (toma's own
+# joint attention), LTX and Qwen-Image (the bias waits for the processor's dispatch)
+for _name in ("wan-vace", "skyreels-v2", "wan-animate", "sd3", "ltx", "qwenimage"):
     _f = TINY[_name]
     FAMILIES[_name] = (_f.make, lambda _f=_f: _f.inputs(2), _f.options)
 
@@ -79,6 +81,37 @@ def test_each_form_equals_the_mask_in_a_family(name, monkeypatch):
     for form in (A.KEY_CHANNEL, A.FLEX):
         torch.testing.assert_close(out[form], out["mask"], atol=1e-5 * scale, rtol=0, msg=form)
     assert (out["plain"] - out["mask"]).abs().max() > 1e-3 * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["flux", "wan", "sd3", "qwenimage"])
+def test_each_form_equals_the_mask_in_half_precision(name, dtype, monkeypatch):
+    # one family per way the bias travels: Flux and Wan in the processor's mask, SD3 through
+    # toma's joint attention, Qwen-Image past its processor to the dispatch. In half precision
+    # every layer rounds its output to the dtype, so two forms that agree to rounding in each
+    # attention (tests/core/test_proportional_paths.py) reach outputs about an ulp of their
+    # range apart: measured at most 1.6 units of roundoff (u: 2^-11 fp16, 2^-8 bf16) of the
+    # range in these rows. The bound is 3u (bf16) or 4u (fp16). 4x4 tiles at ratio 0.75 give
+    # destinations of unequal masses, so the bias itself moves the outputs by more than 4.3u
+    # in bf16 and 33u in fp16: a form that dropped it would fail
+    make, inputs, options = FAMILIES[name]
+    model = make().to(dtype)
+    kw = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs().items()}
+    out = {}
+    for form in (A.MASK, A.KEY_CHANNEL, A.FLEX):
+        with monkeypatch.context() as m:
+            force(m, form)
+            toma.apply_toma(model, ratio=0.75, tile_size=4, proportional_attention=True, **options)
+            out[form] = run(model, **kw).float()
+            toma.remove_toma(model)
+    toma.apply_toma(model, ratio=0.75, tile_size=4, proportional_attention=False, **options)
+    plain = run(model, **kw).float()
+    toma.remove_toma(model)
+    u = torch.finfo(dtype).eps / 2
+    bound = (4 if dtype == torch.float16 else 3) * u * float(out[A.MASK].abs().max())
+    for form in (A.KEY_CHANNEL, A.FLEX):
+        assert (out[form] - out[A.MASK]).abs().max() <= bound, form
+    assert (plain - out[A.MASK]).abs().max() > bound
 
 
 def identity_rotary(module: torch.nn.Module) -> None:
@@ -269,3 +302,54 @@ def test_lora_gradients_through_each_form_equal_the_masks(form, monkeypatch):
     for name in mask:
         torch.testing.assert_close(other[name], mask[name], rtol=0, atol=1e-5 * scale, msg=name)
     assert max((plain[n] - mask[n]).abs().max().item() for n in mask) > 1e-3 * scale  # the bias reaches the LoRA
+
+
+def _sd3_duplicates():
+    # positions are a learned table added at the patch embedding: zero it, and let the patch
+    # projection emit the duplicated tokens on a 4x8 grid
+    from tests.tiny_models import make_sd3, sd3_inputs
+
+    model = make_sd3()
+    model.pos_embed.pos_embed.zero_()
+    tokens = clustered_tokens(2, channels=model.inner_dim).reshape(1, 4, 8, -1).permute(0, 3, 1, 2)
+    model.pos_embed.proj.register_forward_hook(lambda m, args, out: tokens.clone())
+    return model, sd3_inputs(1, 8, 16), {"blocks": {"transformer_blocks": range(4)}}
+
+
+def _ltx_duplicates():
+    from tests.tiny_models import ltx_inputs, make_ltx
+
+    model = make_ltx()
+    identity_rotary(model.rope)
+    kw = ltx_inputs(1, 1, 4, 8)
+    kw["hidden_states"] = clustered_tokens(2, channels=8)
+    return model, kw, {"blocks": {"transformer_blocks": range(3)}}
+
+
+def _qwen_duplicates():
+    from tests.tiny_models import make_qwen, qwen_inputs
+
+    model = make_qwen()
+    # complex tables: 1 + 0j rotates nothing
+    model.pos_embed.register_forward_hook(lambda m, args, out: tuple(torch.ones_like(t) for t in out))
+    kw = qwen_inputs(1, 4, 8)
+    kw["hidden_states"] = clustered_tokens(2)
+    return model, kw, {"blocks": {"transformer_blocks": range(3)}}
+
+
+@pytest.mark.parametrize("form", A.FORMS)
+@pytest.mark.parametrize("build", [_sd3_duplicates, _ltx_duplicates, _qwen_duplicates], ids=["sd3", "ltx", "qwenimage"])
+def test_bias_outside_the_mask_argument_is_exact_on_duplicate_tokens(build, form, monkeypatch):
+    # as the Flux test above: two 4x4 tiles of one token 9 times and 7 others, so that the
+    # merged attention with the log(mass) bias computes the unmerged one, on the paths
+    # where the bias does not ride in the processor's mask argument
+    force(monkeypatch, form)
+    model, kw, options = build()
+    ref = run(model, **kw)
+    toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=True, **options)
+    exact = run(model, **kw)
+    toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=False, **options)
+    plain = run(model, **kw)
+    toma.remove_toma(model)
+    torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
+    assert (plain - ref).abs().max() > 1e-3

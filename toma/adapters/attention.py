@@ -223,15 +223,54 @@ _NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale
 _MASK_SLOT = _NAMES.index("attn_mask")
 
 
+# the keyword in which a merged call carries its key bias to a site's ``bias_call``
+BIAS_KWARG = "_toma_key_bias"
+# the key bias of the merged call under way whose processor passes no mask of toma's to
+# dispatch (:func:`through_dispatch`); innermost last
+_pending: list[KeyBias] = []
+
+
+def through_dispatch(forward: Callable, hook: Any, *args: Any, **kwargs: Any) -> Any:
+    """A site's ``bias_call`` for processors that call diffusers' dispatch but cannot carry
+    a :class:`KeyBias` in their mask argument (LTX reshapes its mask per head, Qwen-Image
+    builds its own): the bias waits here for the call's one dispatch, which
+    :func:`biased_dispatch` applies it to, with the processor's own mask folded in."""
+    bias = kwargs.pop(BIAS_KWARG, None)
+    if bias is None:
+        return forward(*args, **kwargs)
+    _pending.append(bias)
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        _pending.pop()
+
+
+def dispatch_ok(module: torch.nn.Module) -> str | None:
+    """A ``mask_ok`` for :func:`through_dispatch` sites: why the module's current processor
+    would not apply a pending bias (its module's dispatch is not toma's wrapper: a processor
+    set after ``apply_toma``), or None."""
+    processor = getattr(module, "processor", None)
+    home = sys.modules.get(type(processor).__module__)
+    current = getattr(home, "dispatch_attention_fn", None)
+    if getattr(current, "_toma_real", None) is None:
+        return f"its processor {type(processor).__name__} does not call the dispatch toma wrapped at apply_toma"
+    return None
+
+
 def biased_dispatch(real: Callable) -> Callable:
-    """``real`` (diffusers' ``dispatch_attention_fn``), applying a :class:`KeyBias` mask by
-    the backend's rule and passing every other call through."""
+    """``real`` (diffusers' ``dispatch_attention_fn``), applying a :class:`KeyBias` mask (or
+    the pending one of :func:`through_dispatch`) by the backend's rule and passing every
+    other call through."""
 
     @functools.wraps(real)
     def dispatch(*args: Any, **kwargs: Any) -> torch.Tensor:
         bias = args[_MASK_SLOT] if len(args) > _MASK_SLOT else kwargs.get("attn_mask")
         if not isinstance(bias, KeyBias):
-            return real(*args, **kwargs)
+            if not _pending:
+                return real(*args, **kwargs)
+            own, bias = bias, _pending[-1]
+            if own is not None:  # the processor's own mask over the same keys
+                bias = bias.with_model_mask(own)
         kwargs = {**dict(zip(_NAMES, args)), **kwargs}  # by name, so that the mask and scale can be replaced
         query, key, value = kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value")
         del kwargs["attn_mask"]
@@ -358,7 +397,7 @@ def dispatch_modules(targets: list) -> dict[str, list[torch.nn.Module]]:
     found: dict[str, list[torch.nn.Module]] = {}
     for target in targets:
         site = target.site
-        if site is None or site.mask_layout not in _DISPATCHED:
+        if site is None or (site.mask_layout not in _DISPATCHED and site.bias_call is not through_dispatch):
             continue
         module = target.module.get_submodule(site.call) if site.until is not None else target.module
         processor = getattr(module, "processor", None)

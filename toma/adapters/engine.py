@@ -154,7 +154,7 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
                 continue
             sites = [s for s in sites_of[(stack, i)] if wanted[s.part]]
             if config.proportional_attention:
-                lacking = [s.path for s in sites if s.part == "attn" and s.mask is None]
+                lacking = [s.path for s in sites if s.part == "attn" and not s.takes_bias]
                 if lacking:
                     raise ValueError(
                         f"proportional_attention=True needs an attention mask, which {spec.name}'s "
@@ -239,6 +239,8 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
             chunkers.append(block)
         if site.rotary is not None and site.rotary.shared:
             calls.append(PerSample(site.rotary))
+        if bias and site.bias_call is not None:  # innermost: after PerSample has sliced the bias
+            calls.append(site.bias_call)
         hooks.append((target.module, MergeHook(cache, 1, order, site, bias=bias, calls=tuple(calls))))
     blocks = [".".join(target.name.split(".")[:2]) for target in targets]  # "stack.index"
     return (

@@ -5,8 +5,9 @@ Tokens arrive flattened, one per latent pixel; the grid comes from the call's
 rotary tables (one per sample, over the full width) are gathered to the merged tokens'
 destinations; ``merge_crossattn`` merges the queries of the cross-attention to text
 (its text mask still applies), ``merge_mlp`` the MLP. Tiles span ``tile_frames`` latent
-frames (1 by default). Calls with a timestep per token (conditioning frames) modulate
-tokens in raster order, so they merge in raster order.
+frames (1 by default). Proportional attention reaches the self-attention's dispatch
+through :func:`~toma.adapters.attention.through_dispatch`. Calls with a timestep per token
+(conditioning frames) modulate tokens in raster order, so they merge in raster order.
 """
 
 from __future__ import annotations
@@ -15,12 +16,21 @@ import math
 
 import torch
 
+from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return [
-        Site("attn1", "attn", rotary=Rotary("image_rotary_emb", None, gather_rows)),
+        Site(
+            "attn1",
+            "attn",
+            rotary=Rotary("image_rotary_emb", None, gather_rows),
+            # its processor reshapes a mask per head, which a key bias does not survive
+            mask_layout=key_bias,
+            bias_call=through_dispatch,
+            mask_ok=dispatch_ok,
+        ),
         Site("attn2", "cross"),
         Site("ff", "mlp"),
     ]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from toma.adapters.attention import KeyBias
+from toma.adapters.attention import BIAS_KWARG, KeyBias
 from toma.adapters.base import Hook
 from toma.adapters.spec import Rotary, Site
 from toma.core.plan import Plan
@@ -101,7 +101,7 @@ def bias_setting(config: Any, site: Site) -> bool | str:
         return False
     if setting is True:
         return True
-    return AUTO if site.mask is not None else False
+    return AUTO if site.takes_bias else False
 
 
 class MergeHook(Hook):
@@ -150,6 +150,7 @@ class MergeHook(Hook):
             self.new_forward = self._call_through
         self.merged: MergedCall | None = None  # this call's, from pre_forward to post_forward
         self.samples: list | None = None  # per-sample rotary tables of the coming call, if split
+        self.module: torch.nn.Module | None = None  # the module, while its call runs through ``calls``
         self._warned = False
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -210,7 +211,10 @@ class MergeHook(Hook):
             own = self._own_mask(args, kwargs)  # the model's, fitted to the merged keys above
             if own is not None and hasattr(mask, "with_model_mask"):  # a KeyBias takes it in
                 mask = mask.with_model_mask(own)
-            args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
+            if site.mask is None:  # the site's bias_call takes it from here to the attention
+                kwargs = {**kwargs, BIAS_KWARG: mask}
+            else:
+                args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
         return args, kwargs
 
     def _biased(self, module: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -228,7 +232,11 @@ class MergeHook(Hook):
         forward = self.fn_ref.original_forward
         for strategy in reversed(self.calls):
             forward = functools.partial(strategy, forward, self)
-        return forward(*args, **kwargs)
+        self.module = module  # for strategies that call the module's attention themselves (SD3's)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.module = None
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:

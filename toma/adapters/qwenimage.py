@@ -5,8 +5,9 @@ and so does its mask (``encoder_hidden_states_mask``), since the processor build
 part of the joint mask from the merged tokens. The processor applies one complex table to
 the whole batch (``freqs.unsqueeze(1)``), so merged attention runs once per sample when the
 samples have plans of their own (``Rotary(shared=True)``). ``merge_mlp`` merges the image
-MLP. With several images per sample (editing), the images after the first condition it:
-their tokens pass whole, like text.
+MLP. Proportional attention reaches the joint attention's dispatch through
+:func:`~toma.adapters.attention.through_dispatch`. With several images per sample
+(editing), the images after the first condition it: their tokens pass whole, like text.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 
 import torch
 
+from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 
 # image_rotary_emb is (image table (N, D/2), text table (T, D/2)), complex
@@ -22,7 +24,18 @@ _ROTARY = Rotary("image_rotary_emb", None, shared=True, items=(0,))
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
-    return [Site("attn", "attn", rotary=_ROTARY), Site("img_mlp", "mlp")]
+    # the processor builds its own joint mask and refuses one from outside: the key bias
+    # reaches its dispatch directly, with that mask folded in
+    attn = Site(
+        "attn",
+        "attn",
+        rotary=_ROTARY,
+        mask_layout=key_bias,
+        text_keys="encoder_hidden_states",
+        bias_call=through_dispatch,
+        mask_ok=dispatch_ok,
+    )
+    return [attn, Site("img_mlp", "mlp")]
 
 
 def _grid(model: torch.nn.Module, call: dict) -> Grid | str | None:

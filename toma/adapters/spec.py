@@ -100,6 +100,12 @@ class Site:
             for every site of the family without one).
         mask_ok: ``mask_ok(module)``: why the module's current processor cannot take the
             mask (a string), or None where it can; not given: it always can.
+        bias_call: for processors whose mask argument cannot carry the key bias (they ignore
+            it, rebuild it, or reshape it; SD3, LTX, Qwen-Image): a call strategy
+            ``bias_call(forward, hook, *args, **kwargs)`` that takes the bias out of the
+            call's keyword :data:`toma.adapters.attention.BIAS_KWARG` and brings it to the
+            attention itself (:func:`toma.adapters.attention.through_dispatch`). With it,
+            ``mask`` is None and ``mask_layout`` still shapes the bias.
     """
 
     path: str
@@ -114,6 +120,12 @@ class Site:
     call: str | None = None
     group: str | None = None
     mask_ok: Callable[[torch.nn.Module], str | None] | None = None
+    bias_call: Callable[..., Any] | None = None
+
+    @property
+    def takes_bias(self) -> bool:
+        """Whether the site's processor can take the key bias (proportional attention)."""
+        return self.mask is not None or self.bias_call is not None
 
     def __post_init__(self) -> None:
         if (self.until is None) != (self.call is None):
