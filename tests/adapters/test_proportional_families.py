@@ -353,3 +353,48 @@ def test_bias_outside_the_mask_argument_is_exact_on_duplicate_tokens(build, form
     toma.remove_toma(model)
     torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
     assert (plain - ref).abs().max() > 1e-3
+
+
+def test_a_processor_toma_cannot_reach_turns_the_bias_off_with_a_warning():
+    # SD3's bias runs in place of JointAttnProcessor2_0 only, and Qwen-Image's reaches the
+    # dispatch of the module toma wrapped at apply: a processor whose call is defined
+    # elsewhere (here in this module) may look up another dispatch, which would drop it
+    # silently. A subclass that inherits diffusers' call keeps the bias
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    class Joint(JointAttnProcessor2_0):
+        pass
+
+    class Qwen(QwenDoubleStreamAttnProcessor2_0):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    class Inherits(QwenDoubleStreamAttnProcessor2_0):
+        pass
+
+    make, inputs, options = FAMILIES["qwenimage"]
+    model = make()
+    toma.apply_toma(model, ratio=0.5, proportional_attention=True, **options)
+    biased = run(model, **inputs())
+    model.set_attn_processor(Inherits())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(run(model, **inputs()), biased)
+    toma.remove_toma(model)
+    for name, processor, why in (
+        ("sd3", Joint(), "in place of JointAttnProcessor2_0 only"),
+        ("qwenimage", Qwen(), "whose dispatch toma did not wrap"),
+    ):
+        make, inputs, options = FAMILIES[name]
+        model = make()
+        toma.apply_toma(model, ratio=0.5, proportional_attention=True, **options)
+        biased = run(model, **inputs())
+        model.set_attn_processor(processor)
+        with pytest.warns(UserWarning, match=f"proportional attention is off in .*{why}"):
+            plain = run(model, **inputs())
+        toma.remove_toma(model)
+        toma.apply_toma(model, ratio=0.5, proportional_attention=False, **options)
+        torch.testing.assert_close(plain, run(model, **inputs()), rtol=0, atol=0)
+        assert (plain - biased).abs().max() > 1e-3
+        toma.remove_toma(model)

@@ -250,11 +250,20 @@ def dispatch_ok(module: torch.nn.Module) -> str | None:
     would not apply a pending bias (its module's dispatch is not toma's wrapper: a processor
     set after ``apply_toma``), or None."""
     processor = getattr(module, "processor", None)
-    home = sys.modules.get(type(processor).__module__)
-    current = getattr(home, "dispatch_attention_fn", None)
+    current = getattr(sys.modules.get(_home(processor)), "dispatch_attention_fn", None)
     if getattr(current, "_toma_real", None) is None:
-        return f"its processor {type(processor).__name__} does not call the dispatch toma wrapped at apply_toma"
+        return (
+            f"its processor {type(processor).__name__} is called from a module whose dispatch toma did not "
+            "wrap at apply_toma"
+        )
     return None
+
+
+def _home(processor: Any) -> str:
+    """The module whose ``dispatch_attention_fn`` the processor's call looks up: where its
+    class's ``__call__`` is defined (a subclass may inherit diffusers')."""
+    call = getattr(type(processor), "__call__", None)
+    return getattr(call, "__module__", None) or type(processor).__module__
 
 
 def biased_dispatch(real: Callable) -> Callable:
@@ -402,5 +411,5 @@ def dispatch_modules(targets: list) -> dict[str, list[torch.nn.Module]]:
         module = target.module.get_submodule(site.call) if site.until is not None else target.module
         processor = getattr(module, "processor", None)
         if processor is not None:
-            found.setdefault(type(processor).__module__, []).append(module)
+            found.setdefault(_home(processor), []).append(module)
     return found
