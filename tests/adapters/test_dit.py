@@ -9,7 +9,6 @@ import torch
 
 import toma
 from tests.cases import duplicated_video
-from tests.tiny_models import FAMILIES as TINY
 from tests.tiny_models import (
     ltx_inputs,
     make_ltx,
@@ -107,14 +106,28 @@ def test_wan_proportional_attention_is_exact_on_duplicate_tokens():
     assert (plain - ref).abs().max() > 1e-3  # without the bias the 5-fold token is under-weighted
 
 
+def test_proportional_attention_is_refused_where_a_site_cannot_take_the_bias(monkeypatch):
+    # every family's attention takes the bias today; a spec whose site declares neither a
+    # mask nor a bias_call is refused under True, with the module named, and runs without
+    # the bias under None
+    import dataclasses
+
+    from toma.adapters import sd3
+    from toma.adapters.spec import Site
+
+    spec = dataclasses.replace(sd3.SPEC, sites=lambda stack, block: [Site("attn", "attn")])
+    monkeypatch.setattr(sd3.ADAPTER, "spec", spec)
+    with pytest.raises(ValueError, match=r"needs an attention mask, which sd3.s transformer_blocks.3.attn cannot"):
+        toma.apply_toma(make_sd3(layers=6), proportional_attention=True)
+    toma.apply_toma(make_sd3(layers=6), proportional_attention=None)
+
+
 def test_unknown_stack_and_index_are_clear_errors():
     model = make_wan()
     with pytest.raises(ValueError, match="does not have; its block stacks are \\['blocks'\\]"):
         toma.apply_toma(model, blocks={"transformer_blocks": [0]})
     with pytest.raises(ValueError, match=r"blocks\['blocks'\] must hold indices in \[0, 2\]"):
         toma.apply_toma(model, blocks={"blocks": [3]})
-    with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
-        toma.apply_toma(TINY["hunyuanvideo15"].make(), proportional_attention=True)
     # options of other kinds of model would do nothing here: refused, not ignored
     with pytest.raises(ValueError, match="mlp_levels applies to UNets only"):
         toma.apply_toma(model, merge_mlp=True, levels=2, mlp_levels=(2,))

@@ -40,7 +40,26 @@ def test_default_blocks_and_tiles_at_the_pipelines_resolution():
     assert patch.cache.tile_for((1, 64, 64))[1:] == (4, 4)
 
 
-def test_proportional_attention_is_refused_with_the_reason():
-    # the processor hands dispatch attn_mask=None, so no key bias can reach attention
-    with pytest.raises(ValueError, match="proportional_attention=True needs an attention mask"):
-        toma.apply_toma(make_joyimage(), ratio=0.5, proportional_attention=True)
+def test_proportional_attention_reaches_the_dispatch_the_processor_gives_no_mask():
+    # the processor hands dispatch attn_mask=None: the key bias goes past it, and its
+    # float-mask form matches the key channel's (tests/adapters/test_proportional_families.py
+    # runs every form); without it the outputs differ by the bias's effect
+    from tests.cases import force
+    from toma.adapters import attention as A
+
+    model, kw = make_joyimage(), joyimage_inputs(1, 8, 8, refs=1)
+    outs = []
+    for proportional in (True, False):
+        toma.apply_toma(model, ratio=0.5, proportional_attention=proportional)
+        with torch.no_grad():
+            outs.append(model(**kw, return_dict=False)[0])
+        toma.remove_toma(model)
+    with pytest.MonkeyPatch.context() as m:
+        force(m, A.KEY_CHANNEL)
+        toma.apply_toma(model, ratio=0.5, proportional_attention=True)
+        with torch.no_grad():
+            channel = model(**kw, return_dict=False)[0]
+        toma.remove_toma(model)
+    scale = float(outs[0].abs().max())
+    torch.testing.assert_close(channel, outs[0], rtol=0, atol=1e-5 * scale)
+    assert (outs[0] - outs[1]).abs().max() > 1e-3 * scale

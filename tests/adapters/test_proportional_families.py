@@ -49,7 +49,7 @@ FAMILIES = {
 # the families built on Wan's spec, whose processors live in modules of their own
 # and those whose processors cannot carry the bias in their mask argument: SD3 (toma's own
 # joint attention), LTX and Qwen-Image (the bias waits for the processor's dispatch)
-for _name in ("wan-vace", "skyreels-v2", "wan-animate", "sd3", "ltx", "qwenimage"):
+for _name in ("wan-vace", "skyreels-v2", "wan-animate", "sd3", "ltx", "qwenimage", "cosmos", "joyimage"):
     _f = TINY[_name]
     FAMILIES[_name] = (_f.make, lambda _f=_f: _f.inputs(2), _f.options)
 
@@ -398,3 +398,24 @@ def test_a_processor_toma_cannot_reach_turns_the_bias_off_with_a_warning():
         torch.testing.assert_close(plain, run(model, **inputs()), rtol=0, atol=0)
         assert (plain - biased).abs().max() > 1e-3
         toma.remove_toma(model)
+
+
+def test_hunyuanvideo15_takes_the_bias_in_the_mask_form_only(monkeypatch):
+    # its processor builds a (B, 1, S, S) boolean mask, a row per query, which only the
+    # float-mask form can carry beside the bias: the CPU's rule (the mask) applies it; the
+    # key channel runs without it, said once
+    f = TINY["hunyuanvideo15"]
+    model, kw = f.make(), f.inputs(2)
+    out = {}
+    for proportional in (False, True):
+        toma.apply_toma(model, ratio=0.5, proportional_attention=proportional, **f.options)
+        out[proportional] = run(model, **kw)
+        toma.remove_toma(model)
+    force(monkeypatch, A.KEY_CHANNEL)
+    monkeypatch.setattr(A, "_warned", set())  # said once per process: not by an earlier test
+    toma.apply_toma(model, ratio=0.5, proportional_attention=True, **f.options)
+    with pytest.warns(UserWarning, match="a row per query"):
+        channel = run(model, **kw)
+    toma.remove_toma(model)
+    assert torch.equal(channel, out[False])
+    assert (out[True] - out[False]).abs().max() > 1e-3 * float(out[True].abs().max())

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.attention import key_bias
 from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
 
 _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
-    return [Site("attn1", "attn", rotary=_ROTARY), Site("attn2", "cross"), Site("ff", "mlp")]
+    # the processor hands its mask (None from the block) to diffusers' dispatch as is
+    attn1 = Site("attn1", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=key_bias)
+    return [attn1, Site("attn2", "cross"), Site("ff", "mlp")]
 
 
 def _tile_order_ok(model: torch.nn.Module, call: dict) -> bool:

@@ -1,4 +1,5 @@
-"""JoyAI-Image-Edit (``JoyImageEditTransformer3DModel``): dual-stream blocks over [image; text].
+"""JoyAI-Image-Edit (``JoyImageEditTransformer3DModel``): dual-stream blocks over [image;
+text].
 
 Each of the ``double_blocks`` runs one joint attention whose processor concatenates the
 image stream before the text; its image stream merges (and, with ``merge_mlp``, its image
@@ -8,10 +9,11 @@ and lays the ``n`` items out as frames of one grid, so the reference images' tok
 the generated image's and pass whole, as conditioning tokens. Its rotary tables come from
 a method (``get_rotary_pos_embed``), not a module, as ``((cos, sin), text table or None)``
 over every item's tokens in raster order: each block's are put in the blocks' order at its
-call (``block_rope``). The processor applies one table to the whole batch
-(``view(1, S, 1, D)``), so merged attention runs once per sample when the samples have
-plans of their own. It hands diffusers' dispatch no mask (``attn_mask=None`` is written
-into the processor), so proportional attention is not available.
+call (``block_rope``). The processor applies one table to the whole batch (``view(1, S, 1,
+D)``), so merged attention runs once per sample when the samples have plans of their own.
+It hands diffusers' dispatch no mask (``attn_mask=None`` is written into the processor),
+so proportional attention's key bias goes past it to the dispatch
+(:func:`~toma.adapters.attention.through_dispatch`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 
 import torch
 
+from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 
 # image_rotary_emb is ((cos, sin), text table or None); cos and sin are (N + extra, D)
@@ -27,7 +30,17 @@ _ROTARY = Rotary("image_rotary_emb", 2, shared=True, items=(0,))
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
-    return [Site("attn", "attn", rotary=_ROTARY), Site("img_mlp", "mlp")]
+    # the processor hands dispatch no mask at all: the key bias goes past it, over
+    # [image; references; text], the keys after the merged image at log mass 0
+    attn = Site(
+        "attn",
+        "attn",
+        rotary=_ROTARY,
+        mask_layout=key_bias_text_after,
+        bias_call=through_dispatch,
+        mask_ok=dispatch_ok,
+    )
+    return [attn, Site("img_mlp", "mlp")]
 
 
 def _grid(model: torch.nn.Module, call: dict) -> Grid | None:

@@ -208,12 +208,14 @@ class MergeHook(Hook):
             )
             if self.bias == AUTO and isinstance(mask, KeyBias):
                 mask = mask.automatic()
-            own = self._own_mask(args, kwargs)  # the model's, fitted to the merged keys above
-            if own is not None and hasattr(mask, "with_model_mask"):  # a KeyBias takes it in
-                mask = mask.with_model_mask(own)
-            if site.mask is None:  # the site's bias_call takes it from here to the attention
+            if site.mask is None:
+                # the site's bias_call takes it to the attention, where the processor's own
+                # mask (built from what the module got, over other keys) is folded in
                 kwargs = {**kwargs, BIAS_KWARG: mask}
             else:
+                own = self._own_mask(args, kwargs)  # the model's, fitted to the merged keys above
+                if own is not None and hasattr(mask, "with_model_mask"):  # a KeyBias takes it in
+                    mask = mask.with_model_mask(own)
                 args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
         return args, kwargs
 
