@@ -780,6 +780,54 @@ def chroma_joint_mask(kw: dict, keep: torch.Tensor) -> dict:
     return {**kw, "attention_mask": keep}
 
 
+def make_krea2(seed: int = 0, layers: int = 2):
+    """Krea 2: text fusion, then single-stream blocks on [text; image] with grouped-query attention."""
+    from diffusers import Krea2Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = Krea2Transformer2DModel(
+        in_channels=16,
+        num_layers=layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        timestep_embed_dim=16,
+        text_hidden_dim=TEXT_DIM,
+        num_text_layers=2,
+        text_num_attention_heads=2,
+        text_num_key_value_heads=2,
+        text_intermediate_size=32,
+        num_layerwise_text_blocks=1,
+        num_refiner_text_blocks=1,
+        axes_dims_rope=(4, 6, 6),
+    )
+    with torch.no_grad():  # its norms and modulation tables start at 0 (identity); make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name or "scale_shift_table" in name:
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def krea2_inputs(batch: int, h: int, w: int, text: int = 5, padded: int = 0) -> dict:
+    """An ``h x w`` image's tokens, two tapped text layers per token, ``position_ids`` as the
+    pipeline's (text rows 0, image rows ``(0, row, column)``) and its bool text mask (the last
+    sample's last ``padded`` tokens hidden)."""
+    g = torch.Generator().manual_seed(1)
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    image_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    mask = torch.ones(batch, text, dtype=torch.bool)
+    if padded:
+        mask[-1, -padded:] = False
+    return {
+        "hidden_states": torch.randn(batch, h * w, 16, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, 2, TEXT_DIM, generator=g),
+        "timestep": torch.full((batch,), 0.7),
+        "position_ids": torch.cat([torch.zeros(text, 3), image_ids]),
+        "encoder_attention_mask": mask,
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -1111,6 +1159,18 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=35,
             divided=lambda b: joyimage_inputs(b, 16, 16, refs=1),
             grid=(1, 8, 10),
+        ),
+        Family(
+            "krea2",
+            "krea2",
+            make_krea2,
+            lambda b: krea2_inputs(b, 8, 10, padded=2),
+            {"blocks": {"transformer_blocks": range(2)}},
+            odd=lambda b: krea2_inputs(b, 5, 7, padded=2),
+            odd_tokens=35,
+            divided=lambda b: krea2_inputs(b, 8, 8, padded=2),
+            grid=(1, 8, 10),
+            text_mask="encoder_attention_mask",
         ),
     )
 }

@@ -438,8 +438,10 @@ def test_text_masks(name, monkeypatch):
         joint_masks_merge(fam, model, kw, monkeypatch)
         return
     key, text = fam.text_mask, kw["encoder_hidden_states"].shape[1]
-    ones = {**kw, key: torch.ones(2, text)}
-    padded = {**kw, key: torch.ones(2, text)}
+    # in the dtype of the row's own mask: Krea 2 reads a float mask as an additive bias
+    dtype = kw[key].dtype if isinstance(kw.get(key), torch.Tensor) else torch.float32
+    ones = {**kw, key: torch.ones(2, text, dtype=dtype)}
+    padded = {**kw, key: torch.ones(2, text, dtype=dtype)}
     padded[key][1, -2:] = 0  # the second sample's last two text tokens are padding
     reference = fam.output(model, ones)
     toma.apply_toma(model, ratio=0.5, **fam.every_part())

@@ -32,6 +32,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "hunyuanimage": ("toma.adapters.hunyuanimage", ("HunyuanImageTransformer2DModel",)),
     "chroma": ("toma.adapters.chroma", ("ChromaTransformer2DModel",)),
     "joyimage": ("toma.adapters.joyimage", ("JoyImageEditTransformer3DModel",)),
+    "krea2": ("toma.adapters.krea2", ("Krea2Transformer2DModel",)),
 }
 
 

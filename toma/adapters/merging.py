@@ -201,7 +201,8 @@ class MergeHook(Hook):
         if self._biased(module, x):
             named = kwargs.get(site.text_keys) if site.text_keys else None
             lead = merged.text + (named.shape[1] if isinstance(named, torch.Tensor) else 0)
-            batch, heads = x.shape[0], module.heads
+            # diffusers' Attention names its query heads heads; some families' own modules, num_heads (Krea 2)
+            batch, heads = x.shape[0], getattr(module, "heads", None) or module.num_heads
             mask = plan.memo(
                 f"mask_{site.path}_{lead}_{batch}_{heads}",
                 lambda: site.mask_layout(_lead_zeros(plan.log_mass, lead), batch, heads),
