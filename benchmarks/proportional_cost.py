@@ -15,7 +15,7 @@ rounds after a warm-up), wall and CPU time, batch 1:
    the bias. The mask's end-to-end forward is timed too, as a check of that sum.
 
     python benchmarks/proportional_cost.py [--repeats 5] [--dtypes float32,bfloat16]
-        [--forward flux,wan] [--threads N] [--json benchmarks/results/cpu/proportional_cost.json]
+        [--forward flux,wan,sd35,qwenimage,ltx] [--threads N] [--json benchmarks/results/cpu/proportional_cost.json]
 """
 
 from __future__ import annotations
@@ -108,7 +108,16 @@ def print_shape(result: dict) -> None:
         )
 
 
-FORWARDS = {"flux": ("flux", 10, 1024, None), "wan": ("wan", 30, 480, 25)}
+# name: (arch, depth divisor, resolution, frames); the last three are the families whose
+# bias rides outside their processor's mask argument (SD3's own joint attention, LTX's and
+# Qwen-Image's through_dispatch)
+FORWARDS = {
+    "flux": ("flux", 10, 1024, None),
+    "wan": ("wan", 30, 480, 25),
+    "sd35": ("sd35", 8, 1024, None),
+    "qwenimage": ("qwenimage", 10, 1024, None),
+    "ltx": ("ltx", 28, 512, 25),
+}
 
 
 def forward_share(name: str, forms: dict[str, Method], repeats: int) -> dict:
@@ -196,8 +205,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--shape", default="1,24,4096,4096,128", help="B,H,Sq,Sk,D of the attention")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--forward", default="flux,wan", help="comma-separated of flux, wan, or none")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="of the attention shape's timing; none skips it")
+    parser.add_argument("--forward", default="flux,wan", help=f"comma-separated of {', '.join(FORWARDS)}, or none")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if args.threads:
@@ -228,7 +237,7 @@ def main() -> None:
         "attention": [],
         "forwards": {},
     }
-    for name in args.dtypes.split(","):
+    for name in [] if args.dtypes == "none" else args.dtypes.split(","):
         result = time_shape(forms, shape, getattr(torch, name.strip()), args.repeats)
         print_shape(result)
         out["attention"].append(result)

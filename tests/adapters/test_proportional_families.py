@@ -383,7 +383,7 @@ def test_a_processor_toma_cannot_reach_turns_the_bias_off_with_a_warning():
         assert torch.equal(run(model, **inputs()), biased)
     toma.remove_toma(model)
     for name, processor, why in (
-        ("sd3", Joint(), "in place of JointAttnProcessor2_0 only"),
+        ("sd3", Joint(), "in place of JointAttnProcessor2_0 and FusedJointAttnProcessor2_0 only"),
         ("qwenimage", Qwen(), "whose dispatch toma did not wrap"),
     ):
         make, inputs, options = FAMILIES[name]

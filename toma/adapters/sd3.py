@@ -15,14 +15,25 @@ import torch
 from toma.adapters.attention import BIAS_KWARG, attend, key_bias, key_bias_text_after
 from toma.adapters.engine import EngineAdapter, FamilySpec, Site, image_grid, skip_first
 
-_STOCK = "JointAttnProcessor2_0"
+_STOCK, _FUSED = "JointAttnProcessor2_0", "FusedJointAttnProcessor2_0"
 
 
 def _mask_ok(attn: torch.nn.Module) -> str | None:
     name = type(attn.processor).__name__
-    if name != _STOCK:
-        return f"toma applies the key bias in place of {_STOCK} only; this module's processor is {name}"
+    if name not in (_STOCK, _FUSED):
+        return f"toma applies the key bias in place of {_STOCK} and {_FUSED} only; this module's processor is {name}"
     return None
+
+
+def _projections(attn: torch.nn.Module, x: torch.Tensor, context: bool) -> tuple[torch.Tensor, ...]:
+    """q, k, v of the image (or, with ``context``, the text) stream, and whether the
+    processor normalizes them: diffusers' fused processor (``fuse_qkv_projections``) does not."""
+    if type(attn.processor).__name__ == _FUSED:
+        qkv = (attn.to_added_qkv if context else attn.to_qkv)(x)
+        return (*qkv.chunk(3, dim=-1), False)
+    if context:
+        return attn.add_q_proj(x), attn.add_k_proj(x), attn.add_v_proj(x), True
+    return attn.to_q(x), attn.to_k(x), attn.to_v(x), True
 
 
 def _heads(attn: torch.nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -30,24 +41,25 @@ def _heads(attn: torch.nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tenso
 
 
 def _joint_attention(attn: torch.nn.Module, bias: object, hidden_states: torch.Tensor, context: torch.Tensor | None):
-    """What SD3's ``JointAttnProcessor2_0`` computes, with ``bias`` on the keys of its joint
+    """What SD3's ``JointAttnProcessor2_0`` (or its fused variant) computes, with ``bias`` on the keys of its joint
     ``[image; text]`` attention (by the native backend's rule): that processor calls torch's
     SDPA without a mask."""
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
-    key = attn.to_k(hidden_states)
-    head_dim = key.shape[-1] // attn.heads
-    q, k, v = (_heads(attn, t, head_dim) for t in (attn.to_q(hidden_states), key, attn.to_v(hidden_states)))
-    if attn.norm_q is not None:
+    *qkv, norms = _projections(attn, hidden_states, False)
+    head_dim = qkv[1].shape[-1] // attn.heads
+    q, k, v = (_heads(attn, t, head_dim) for t in qkv)
+    if norms and attn.norm_q is not None:
         q = attn.norm_q(q)
-    if attn.norm_k is not None:
+    if norms and attn.norm_k is not None:
         k = attn.norm_k(k)
     image = hidden_states.shape[1]
     if context is not None:
-        cq, ck, cv = (_heads(attn, p(context), head_dim) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
-        if attn.norm_added_q is not None:
+        *qkv, norms = _projections(attn, context, True)
+        cq, ck, cv = (_heads(attn, t, head_dim) for t in qkv)
+        if norms and attn.norm_added_q is not None:
             cq = attn.norm_added_q(cq)
-        if attn.norm_added_k is not None:
+        if norms and attn.norm_added_k is not None:
             ck = attn.norm_added_k(ck)
         q, k, v = torch.cat([q, cq], dim=1), torch.cat([k, ck], dim=1), torch.cat([v, cv], dim=1)
     # torch's SDPA, as that processor's, whatever backend is set: it follows none
