@@ -13,6 +13,11 @@ wrapper resolves the backend (the processor's, or diffusers' active one) and run
 * None: no exact form (SageAttention quantizes K per block to int8, where the bias channel
   would set the scale; XLA's takes no scale). The call runs without the bias, said once.
 
+Processors that dispatch but cannot carry a :class:`KeyBias` in their mask argument (LTX
+reshapes it, Qwen-Image builds its own, JoyAI-Image-Edit passes None) get it past them:
+:func:`through_dispatch` holds it for the call's one dispatch, which folds the processor's
+own mask in.
+
 A form that fails at run time (flex has no backward on CPU) falls back to the float mask
 in torch's SDPA, said once. Under ``proportional_attention=None`` the bias runs in the
 forms of :data:`AUTO_FORMS` only. Any other mask goes to diffusers untouched, so the
