@@ -828,6 +828,38 @@ def krea2_inputs(batch: int, h: int, w: int, text: int = 5, padded: int = 0) -> 
     }
 
 
+def make_bria_fibo(seed: int = 0, double: int = 2, single: int = 2):
+    """Bria FIBO: Flux.1's blocks, half the text's channels replaced per block from a text-encoder layer."""
+    from diffusers import BriaFiboTransformer2DModel
+
+    torch.manual_seed(seed)
+    return BriaFiboTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=double,
+        num_single_layers=single,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=CROSS_DIM,
+        axes_dims_rope=(4, 6, 6),
+        text_encoder_dim=16,
+    ).eval()
+
+
+def bria_fibo_inputs(batch: int, h: int, w: int, text: int = 5, blocks: int = 4, padded: int = 0) -> dict:
+    """Flux.1's call without pooled projections, with one text-encoder layer per block and,
+    with ``padded``, the pipeline's bool key mask hiding the last sample's last text tokens."""
+    kw = flux_inputs(batch, h, w, text)
+    del kw["pooled_projections"]
+    g = torch.Generator().manual_seed(5)
+    kw["text_encoder_layers"] = [torch.randn(batch, text, 16, generator=g) for _ in range(blocks)]
+    if padded:
+        keep = torch.ones(batch, text + h * w, dtype=torch.bool)
+        keep[-1, text - padded : text] = False
+        kw = flux_joint_mask(kw, keep)
+    return kw
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -1171,6 +1203,17 @@ FAMILIES: dict[str, Family] = {
             divided=lambda b: krea2_inputs(b, 8, 8, padded=2),
             grid=(1, 8, 10),
             text_mask="encoder_attention_mask",
+        ),
+        Family(
+            "bria-fibo",
+            "bria-fibo",
+            make_bria_fibo,
+            lambda b: bria_fibo_inputs(b, 8, 8, padded=2),
+            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+            odd=lambda b: bria_fibo_inputs(b, 5, 7, padded=2),
+            odd_tokens=35,
+            grid=(1, 8, 8),
+            joint_mask=flux_joint_mask,
         ),
     )
 }

@@ -34,6 +34,8 @@ def batch_slice(kw: dict, b: int, batch: int) -> dict:
     for k, v in kw.items():
         if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch:
             v = v[b : b + 1]
+        elif isinstance(v, list) and v and all(isinstance(t, torch.Tensor) and t.shape[0] == batch for t in v):
+            v = [t[b : b + 1] for t in v]  # a tensor per block (Bria FIBO's text-encoder layers)
         elif isinstance(v, list) and len(v) == batch:
             v = v[b : b + 1]
         elif isinstance(v, dict):
@@ -467,9 +469,17 @@ def test_text_masks(name, monkeypatch):
 
 
 def without_last_text(kw: dict, count: int) -> dict:
-    """The call without its last ``count`` text tokens (and their ids)."""
-    ids = kw["txt_ids"]
-    return {**kw, "encoder_hidden_states": kw["encoder_hidden_states"][:, :-count], "txt_ids": ids[..., :-count, :]}
+    """The call without its last ``count`` text tokens (and their ids, and their rows of
+    per-block text such as Bria FIBO's text-encoder layers)."""
+    ids, cut = kw["txt_ids"], {}
+    if "text_encoder_layers" in kw:
+        cut["text_encoder_layers"] = [t[:, :-count] for t in kw["text_encoder_layers"]]
+    return {
+        **kw,
+        **cut,
+        "encoder_hidden_states": kw["encoder_hidden_states"][:, :-count],
+        "txt_ids": ids[..., :-count, :],
+    }
 
 
 def joint_masks_merge(fam, model, kw, monkeypatch) -> None:
@@ -477,7 +487,8 @@ def joint_masks_merge(fam, model, kw, monkeypatch) -> None:
     # over the image: every merged call takes its slice over the merged tokens, as if the
     # padded text were not there. One that differs over the image keys (a structured mask)
     # has no merged form: those calls run unmerged, bitwise, with one warning
-    kw = {k: v for k, v in kw.items() if k != "attention_mask"}  # Chroma's pipeline mask: replaced here
+    # the row's own mask (Chroma's attention_mask, Bria FIBO's in joint_attention_kwargs): replaced here
+    kw = {k: v for k, v in kw.items() if k not in ("attention_mask", "joint_attention_kwargs")}
     text, tokens = kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
     keep = torch.ones(2, text + tokens, dtype=torch.bool)
     keep[:, text - 2 : text] = False

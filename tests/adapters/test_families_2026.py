@@ -252,7 +252,7 @@ def test_cosmos_raster_ordered_inputs_merge_in_raster_order(case):
 
 # ------------------------------------------------------------------ proportional attention
 @pytest.mark.parametrize(
-    "name", ["longcat-image", "hunyuanimage", "krea2"]
+    "name", ["longcat-image", "hunyuanimage", "krea2", "bria-fibo"]
 )  # the Wan clones are rows of tests/adapters/test_proportional_families.py
 def test_proportional_attention_reaches_the_new_families_processors(name, monkeypatch):
     # the key bias reaches the family's own processor and diffusers' dispatch: every form

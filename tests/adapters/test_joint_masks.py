@@ -2,7 +2,7 @@
 
 The helper (toma.core.masks) against a brute-force reference over every layout diffusers'
 dispatch takes; the key bias of proportional attention with each fitted layout; and tiny
-Flux.1 and FLUX.2 models, where a text padding mask now merges and a structured one runs
+Flux.1, FLUX.2 and Bria FIBO models, where a text padding mask now merges and a structured one runs
 unmerged. The conformance suite's text-mask test runs the same on every family that takes
 such a mask (Chroma included).
 """
@@ -186,6 +186,11 @@ def test_a_per_query_mask_on_a_bias_per_key_runs_without_the_bias_and_says_so(mo
 PADDED = 2  # the last two text tokens are padding
 
 
+def bare_inputs(fam) -> dict:
+    """The row's call without a mask of its own (Bria FIBO's row carries the pipeline's)."""
+    return {k: v for k, v in fam.inputs(B).items() if k != "joint_attention_kwargs"}
+
+
 def joint(fam, kw: dict, mask: torch.Tensor) -> dict:
     return {**kw, "joint_attention_kwargs": {"attention_mask": mask}}
 
@@ -202,10 +207,10 @@ def padding_mask(layout: str, text: int, keys: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("proportional", [None, False])
 @pytest.mark.parametrize("layout", ["bool (B, 1, 1, S)", "additive (B, S)", "bool (B, 1, S, S)"])
-@pytest.mark.parametrize("name", ["flux", "flux2"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "bria-fibo"])
 def test_a_text_padding_mask_merges_as_if_the_padding_were_not_there(name, layout, proportional, monkeypatch):
     fam = FAMILIES[name]
-    model, kw = fam.make(), fam.inputs(B)
+    model, kw = fam.make(), bare_inputs(fam)
     text, tokens = kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
     mask = padding_mask(layout, text, text + tokens)
     patch = toma.apply_toma(model, ratio=0.5, proportional_attention=proportional, **fam.every_part())
@@ -221,18 +226,20 @@ def test_a_text_padding_mask_merges_as_if_the_padding_were_not_there(name, layou
         "encoder_hidden_states": kw["encoder_hidden_states"][:, :-PADDED],
         "txt_ids": kw["txt_ids"][..., :-PADDED, :],
     }
+    if "text_encoder_layers" in kw:  # Bria FIBO's per-block text
+        cut["text_encoder_layers"] = [t[:, :-PADDED] for t in kw["text_encoder_layers"]]
     # hidden keys add exp(-inf) = 0 to each softmax; the sums still run over two more keys
     # in the masked kernel, so they differ by float32 ulps (measured under 5e-7)
     torch.testing.assert_close(masked, fam.output(model, cut), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["flux", "flux2"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "bria-fibo"])
 def test_a_mask_of_ones_merges_as_no_mask(name):
     # under proportional attention (on by default on CPU) a key mask of ones folds into the
     # bias as torch.where(True, log_mass, -inf): the same float mask as without one, so the
     # same kernel on the same numbers, bitwise
     fam = FAMILIES[name]
-    model, kw = fam.make(), fam.inputs(B)
+    model, kw = fam.make(), bare_inputs(fam)
     keys = kw["encoder_hidden_states"].shape[1] + kw["hidden_states"].shape[1]
     toma.apply_toma(model, ratio=0.5, **fam.every_part())
     unmasked = fam.output(model, kw)
@@ -241,10 +248,10 @@ def test_a_mask_of_ones_merges_as_no_mask(name):
 
 
 @pytest.mark.parametrize("structure", ["causal rows", "one image key hidden"])
-@pytest.mark.parametrize("name", ["flux", "flux2"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "bria-fibo"])
 def test_a_structured_mask_runs_unmerged_bitwise_with_one_warning(name, structure):
     fam = FAMILIES[name]
-    model, kw = fam.make(), fam.inputs(B)
+    model, kw = fam.make(), bare_inputs(fam)
     text, tokens = kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
     keys = text + tokens
     if structure == "causal rows":

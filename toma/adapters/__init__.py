@@ -33,6 +33,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "chroma": ("toma.adapters.chroma", ("ChromaTransformer2DModel",)),
     "joyimage": ("toma.adapters.joyimage", ("JoyImageEditTransformer3DModel",)),
     "krea2": ("toma.adapters.krea2", ("Krea2Transformer2DModel",)),
+    "bria-fibo": ("toma.adapters.bria_fibo", ("BriaFiboTransformer2DModel",)),
 }
 
 
