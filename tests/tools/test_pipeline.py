@@ -440,3 +440,106 @@ def test_generate_runs_a_wan_vace_pipeline(ratio, tmp_path, one_thread, monkeypa
         assert torch.equal(merged, baseline)
     else:
         assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
+
+
+def tiny_hunyuan15_folder(tmp_path):
+    """A tiny HunyuanVideo 1.5 pipeline saved to a folder: a Qwen2.5-VL text model and a ByT5
+    encoder from config, the byte-level Qwen2 tokenizer, ByT5's (it needs no files), a 4-channel
+    VAE (8x space, 4x time) and a transformer taking latents, condition latents and mask (9)."""
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
+    from tests.tiny_models import TEXT_DIM
+
+    tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    text = Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_DIM,
+        intermediate_size=32,
+        num_hidden_layers=3,  # the pipeline reads the third hidden state from the end
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+        max_position_embeddings=2048,  # the pipeline pads the templated prompt to 1108 tokens
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    HunyuanVideo15Pipeline(
+        text_encoder=Qwen2_5_VLTextModel(text),
+        tokenizer=tokenizer,
+        transformer=HunyuanVideo15Transformer3DModel(
+            in_channels=2 * 4 + 1,
+            out_channels=4,
+            num_attention_heads=2,
+            attention_head_dim=8,
+            num_layers=2,
+            num_refiner_layers=1,
+            patch_size=2,
+            patch_size_t=1,
+            text_embed_dim=TEXT_DIM,
+            text_embed_2_dim=16,
+            image_embed_dim=16,
+            rope_axes_dim=(2, 2, 4),
+        ),
+        vae=AutoencoderKLHunyuanVideo15(
+            latent_channels=4,
+            block_out_channels=(8, 8, 8, 8),
+            layers_per_block=1,
+            spatial_compression_ratio=8,
+            temporal_compression_ratio=4,
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        text_encoder_2=T5EncoderModel(T5Config(vocab_size=384, d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2)),
+        tokenizer_2=ByT5Tokenizer(),
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    ).save_pretrained(tmp_path / "hv15")
+    return tmp_path / "hv15"
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+def test_generate_runs_a_hunyuanvideo15_pipeline(ratio, tmp_path, one_thread, monkeypatch):
+    # toma generate on HunyuanVideo15Pipeline: its merged block sees the token count the
+    # ratio implies, and ratio 0 gives the unmerged clip bitwise
+    from PIL import Image
+
+    import toma.tools.generate as generate
+    from toma.tools.cli import main
+
+    folder = tiny_hunyuan15_folder(tmp_path)
+    seen: list[int] = []
+    clips = []
+    load = generate.load_pipeline
+    save_video = generate.save_video
+
+    def load_and_watch(*args):
+        pipe = load(*args)
+        # the default merges the last block; its attention projects the video tokens in to_q
+        pipe.transformer.transformer_blocks[-1].attn.to_q.register_forward_hook(
+            lambda m, a, o: seen.append(a[0].shape[1])
+        )
+        return pipe
+
+    def save_and_keep(args, baseline, merged, *rest, **kw):
+        clips.extend([baseline, merged])
+        return save_video(args, baseline, merged, *rest, **kw)
+
+    monkeypatch.setattr(generate, "load_pipeline", load_and_watch)
+    monkeypatch.setattr(generate, "save_video", save_and_keep)
+    gif = tmp_path / "clip.gif"
+    args = ["--model", str(folder), "--height", "64", "--width", "48", "--frames", "5", "--steps", "2"]
+    assert main(["generate", *args, "--ratio", str(ratio), "--threads", "1", "--compare", "--out", str(gif)]) == 0
+    with Image.open(gif) as im:
+        assert im.n_frames == 5 and im.width > 2 * 48  # both clips side by side in every frame
+    baseline, merged = clips
+    assert baseline.shape == merged.shape == (1, 5, 3, 64, 48)
+    # 5 frames x 64x48 px -> 2 x 8x6 latent -> 24 tokens (2 x 4x3); the guider runs the
+    # conditional and unconditional passes apart: a 1-step warm-up and 2 steps, unmerged then with ToMA
+    kept = 24 - int(24 * ratio)
+    assert seen == [24] * 6 + [kept] * 6
+    if ratio == 0:
+        assert torch.equal(merged, baseline)
+    else:
+        assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
