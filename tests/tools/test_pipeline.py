@@ -543,3 +543,64 @@ def test_generate_runs_a_hunyuanvideo15_pipeline(ratio, tmp_path, one_thread, mo
         assert torch.equal(merged, baseline)
     else:
         assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
+
+
+def test_generate_passes_a_control_video_to_wan_vace(tmp_path, one_thread, monkeypatch, capsys):
+    # --video reaches WanVACEPipeline as its control video: the unmerged clip differs from the
+    # one the pipeline's zero video gives, and the control blocks still merge to half
+    from diffusers.pipelines.wan import pipeline_wan_vace
+    from PIL import Image
+
+    import toma.tools.generate as generate
+    from toma.tools.cli import main
+
+    if not hasattr(pipeline_wan_vace, "ftfy"):  # see test_generate_runs_a_wan_vace_pipeline
+        monkeypatch.setattr(pipeline_wan_vace, "ftfy", SimpleNamespace(fix_text=str), raising=False)
+    folder = tiny_wan_vace_folder(tmp_path)
+    rng = np.random.default_rng(0)
+    frames = [Image.fromarray(rng.integers(0, 256, (64, 48, 3), dtype=np.uint8)) for _ in range(5)]
+    control = tmp_path / "control.gif"
+    frames[0].save(control, save_all=True, append_images=frames[1:])
+    seen: list[int] = []
+    clips = []
+    load = generate.load_pipeline
+    save_video = generate.save_video
+
+    def load_and_watch(*args):
+        pipe = load(*args)
+        pipe.transformer.vace_blocks[-1].attn1.to_q.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[1]))
+        return pipe
+
+    def save_and_keep(args, baseline, merged, *rest, **kw):
+        clips.append(baseline)
+        return save_video(args, baseline, merged, *rest, **kw)
+
+    monkeypatch.setattr(generate, "load_pipeline", load_and_watch)
+    monkeypatch.setattr(generate, "save_video", save_and_keep)
+    common = ["generate", "--model", str(folder), "--height", "64", "--width", "48", "--steps", "2", "--threads", "1"]
+    # --frames defaults to the control video's 5
+    assert main([*common, "--video", str(control), "--out", str(tmp_path / "a.gif")]) == 0
+    assert seen == [24] * 6 + [12] * 6
+    assert main([*common, "--frames", "5", "--out", str(tmp_path / "b.gif")]) == 0
+    with_video, without = clips
+    assert with_video.shape == without.shape == (1, 5, 3, 64, 48) and not torch.equal(with_video, without)
+    capsys.readouterr()
+    assert main([*common, "--video", str(control), "--frames", "3", "--out", str(tmp_path / "c.gif")]) == 2
+    assert "--frames must match --video's 5 frames; got 3" in capsys.readouterr().err
+    (tmp_path / "bad.gif").write_text("not a gif")
+    assert main([*common, "--video", str(tmp_path / "bad.gif"), "--out", str(tmp_path / "d.gif")]) == 2
+    assert "--video must be a readable animated GIF" in capsys.readouterr().err
+
+
+def test_video_is_refused_where_the_pipeline_takes_none(tmp_path, capsys):
+    from PIL import Image
+
+    from toma.tools.cli import main
+
+    folder = tiny_wan_folder(tmp_path)
+    gif = tmp_path / "v.gif"
+    Image.new("RGB", (32, 32)).save(gif)
+    assert main(["generate", "--model", str(folder), "--video", str(gif), "--out", str(tmp_path / "x.gif")]) == 2
+    assert "--video applies to pipelines whose call takes a video; WanPipeline takes none" in capsys.readouterr().err
+    assert main(["generate", "--video", str(gif), "--out", str(tmp_path / "y.png")]) == 2
+    assert "--video applies to --model pipelines" in capsys.readouterr().err

@@ -64,6 +64,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--height", type=int, default=None, help="pipelines: image height")
     p.add_argument("--width", type=int, default=None, help="pipelines: image width")
     add_frames_option(p)
+    p.add_argument(
+        "--video",
+        type=Path,
+        default=None,
+        help="pipelines whose call takes a `video` (Wan VACE: the control video): an animated GIF passed "
+        "as that video, one clip of its frames (--frames defaults to its frame count)",
+    )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument(
         "--dtype",
@@ -236,6 +243,28 @@ def save_video(
     print(f"wrote {args.out}")
 
 
+def read_video(pipe: Any, path: Path | None, frames: int | None) -> list | None:
+    """The frames of ``--video`` (RGB PIL images) for a pipeline whose call takes ``video``;
+    ``None`` without ``--video``. Raises ``ValueError`` naming ``--video`` when the pipeline
+    takes no video, the file is no readable GIF, or ``--frames`` asks for another length."""
+    import inspect
+
+    from PIL import Image, ImageSequence, UnidentifiedImageError
+
+    if path is None:
+        return None
+    if "video" not in inspect.signature(pipe.__call__).parameters:
+        raise ValueError(f"--video applies to pipelines whose call takes a video; {type(pipe).__name__} takes none")
+    try:
+        with Image.open(path) as im:
+            clip = [frame.convert("RGB") for frame in ImageSequence.Iterator(im)]
+    except (OSError, UnidentifiedImageError) as err:
+        raise ValueError(f"--video must be a readable animated GIF; {path}: {err}") from None
+    if frames is not None and frames != len(clip):
+        raise ValueError(f"--frames must match --video's {len(clip)} frames; got {frames}")
+    return clip
+
+
 def run_pipeline(args: argparse.Namespace) -> int:
     """Generate one image from a diffusers pipeline, unmerged and with ToMA."""
     from toma import apply_toma, remove_toma
@@ -243,6 +272,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     pipe = load_pipeline(args.model, device, dtype)
     check_frames(pipe, args.frames)
+    args.video_frames = read_video(pipe, args.video, args.frames)
+    if args.video_frames is not None:
+        args.frames = len(args.video_frames)
     steps = args.steps or 30
 
     def generate(label: str) -> torch.Tensor:
@@ -286,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1; got {args.steps}")
         validate_toma_options(args, [args.ratio])
+        if args.builtin is not None and args.video is not None:
+            raise ValueError("--video applies to --model pipelines whose call takes a video, not the built-in models")
         if args.builtin is not None:
             check_blocks(args.builtin, args.blocks)
         check_output(args.out, "--out", folder=False, suffixes=IMAGE_SUFFIXES)  # before generating

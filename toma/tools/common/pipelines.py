@@ -87,6 +87,8 @@ def pipeline_call(
     kwargs: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt"}
     if getattr(args, "frames", None) is not None:
         kwargs["num_frames"] = args.frames
+    if getattr(args, "video_frames", None) is not None:
+        kwargs["video"] = args.video_frames  # toma generate --video (the same clip for every prompt)
     if args.guidance_scale is not None:
         kwargs["guidance_scale"] = args.guidance_scale
     if args.height is not None:
