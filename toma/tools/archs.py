@@ -310,6 +310,39 @@ TINY_FLUX2: dict[str, Any] = {
     "axes_dims_rope": (4, 4, 4, 4),
 }
 
+# Krea 2 (Raw / Turbo): diffusers' class defaults, which are the released 12.9B model's
+# (12.82B parameters built)
+KREA2: dict[str, Any] = {
+    "in_channels": 64,
+    "num_layers": 28,
+    "attention_head_dim": 128,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 12,
+    "intermediate_size": 16384,
+    "text_hidden_dim": 2560,
+    "num_text_layers": 12,
+    "text_num_attention_heads": 20,
+    "text_num_key_value_heads": 20,
+    "text_intermediate_size": 6912,
+    "axes_dims_rope": (32, 48, 48),
+    "rope_theta": 1000.0,
+}
+
+# Bria FIBO: 8 double-stream and 38 single-stream blocks at Flux's width (8.29B parameters
+# built; diffusers' docs give 8B, its class defaults of 19 double blocks 12.1B), text from
+# two SmolLM3-3B layers (2 x 2048) and one more per block
+BRIA_FIBO: dict[str, Any] = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 8,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "axes_dims_rope": (16, 56, 56),
+    "text_encoder_dim": 2048,
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -321,6 +354,8 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "ltx": ("num_layers",),
     "hunyuanvideo": ("num_layers", "num_single_layers"),
     "cogvideox": ("num_layers",),
+    "krea2": ("num_layers",),
+    "bria-fibo": ("num_layers", "num_single_layers"),
 }
 
 
@@ -492,6 +527,12 @@ ARCHS: dict[str, Arch] = {
         "tiny-qwenimage", "qwenimage", TINY_QWEN_IMAGE, 64, 8, 32, 0, 8, "tiny Qwen-Image-like transformer (tests)"
     ),
     "tiny-flux2": Arch("tiny-flux2", "flux2", TINY_FLUX2, 64, 8, 32, 0, 8, "tiny FLUX.2-like transformer (tests)"),
+    # Krea 2's pipeline pads the prompt to 512 tokens (and masks the padding); each token
+    # carries 12 tapped text-encoder layers of 2560
+    "krea2": Arch("krea2", "krea2", KREA2, 1024, 512, 2560, 0, 8, "Krea 2 transformer (12.9B)"),
+    # FIBO's prompt is a structured JSON caption of up to 1000+ words, as long as it is:
+    # 1024 tokens stands for one
+    "bria-fibo": Arch("bria-fibo", "bria-fibo", BRIA_FIBO, 1024, 1024, 4096, 0, 16, "Bria FIBO transformer", patch=1),
 }
 
 
@@ -683,6 +724,34 @@ def make_inputs(
             "image_rotary_emb": cogvideox_rotary(arch.config, count, lh, lw, device, dtype),
             "return_dict": False,
         }
+    if arch.family == "krea2":  # packed 2x2 latent patches, text rows of position_ids first
+        th, tw = lh // 2, lw // 2
+        rows, cols = torch.meshgrid(torch.arange(th), torch.arange(tw), indexing="ij")
+        image_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
+        layers = arch.config["num_text_layers"]
+        return {
+            "hidden_states": rand(batch, th * tw, channels),
+            "encoder_hidden_states": rand(batch, arch.text_tokens, layers, arch.text_dim),
+            "timestep": timestep / 1000,
+            "position_ids": torch.cat([torch.zeros(arch.text_tokens, 3), image_ids]).float().to(device),
+            "encoder_attention_mask": torch.ones(batch, arch.text_tokens, dtype=torch.bool, device=device),
+            "return_dict": False,
+        }
+    if arch.family == "bria-fibo":  # FIBO's 16x VAE latents, one token per latent pixel
+        rows, cols = torch.meshgrid(torch.arange(lh), torch.arange(lw), indexing="ij")
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
+        blocks = arch.config["num_layers"] + arch.config["num_single_layers"]
+        width = arch.config["text_encoder_dim"]
+        return {
+            "hidden_states": rand(batch, lh * lw, channels),
+            "encoder_hidden_states": text,
+            # one text-encoder layer per block of the full model (call_denoiser passes the built model's)
+            "text_encoder_layers": [rand(batch, arch.text_tokens, width) for _ in range(blocks)],
+            "timestep": timestep,
+            "img_ids": img_ids.float().to(device),
+            "txt_ids": torch.zeros(arch.text_tokens, 3, device=device),
+            "return_dict": False,
+        }
     # Flux, Flux.2 and Qwen-Image pack 2x2 latent patches into one token
     th, tw = lh // 2, lw // 2
     if arch.family == "qwenimage":  # no text mask: the pipeline drops an all-ones mask
@@ -769,7 +838,7 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
     frac = 1.0 - step / max(steps, 1)
     t = inputs["timestep"]
     # the flow-matching transformers take the timestep in [0, 1]
-    value = max(frac, 1e-3) if arch.family in ("flux", "flux2", "qwenimage") else 999.0 * frac
+    value = max(frac, 1e-3) if arch.family in ("flux", "flux2", "qwenimage", "krea2") else 999.0 * frac
     return {**inputs, "timestep": torch.full_like(t, value)}
 
 
@@ -812,4 +881,6 @@ def call_denoiser(arch: Arch, model: torch.nn.Module, inputs: dict[str, Any]) ->
     if arch.family == "unet":
         rest = {k: v for k, v in inputs.items() if k not in ("sample", "timestep")}
         return model(inputs["sample"], inputs["timestep"], return_dict=False, **rest)
+    if arch.family == "bria-fibo":  # one text-encoder layer per block the model has (at --depth, fewer)
+        inputs = {**inputs, "text_encoder_layers": inputs["text_encoder_layers"][: len(model.caption_projection)]}
     return model(**inputs)
