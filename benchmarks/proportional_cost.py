@@ -15,7 +15,8 @@ rounds after a warm-up), wall and CPU time, batch 1:
    the bias. The mask's end-to-end forward is timed too, as a check of that sum.
 
     python benchmarks/proportional_cost.py [--repeats 5] [--dtypes float32,bfloat16]
-        [--forward flux,wan,sd35,qwenimage,ltx] [--threads N] [--json benchmarks/results/cpu/proportional_cost.json]
+        [--forward flux,wan,sd35,qwenimage,ltx] [--forward-rounds R]
+        [--threads N] [--json benchmarks/results/cpu/proportional_cost.json]
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ FORWARDS = {
 }
 
 
-def forward_share(name: str, forms: dict[str, Method], repeats: int) -> dict:
+def forward_share(name: str, forms: dict[str, Method], repeats: int, rounds: int | None = None) -> dict:
     """Each method's extra time in the biased attention calls of one merged forward, as a
     share of that forward without the bias (see the module docstring)."""
     import toma
@@ -138,7 +139,9 @@ def forward_share(name: str, forms: dict[str, Method], repeats: int) -> dict:
     def recording(*args, **kw):
         q, k = (args[i] if len(args) > i else kw[name] for i, name in enumerate(("query", "key")))
         mask = args[3] if len(args) > 3 else kw.get("attn_mask")
-        if mask is not None and mask.dtype != torch.bool:
+        # toma's bias is on self- and joint attention only: a float mask on a cross-attention
+        # (LTX's text mask) is the model's own
+        if mask is not None and mask.dtype != torch.bool and q.shape[2] == k.shape[2]:
             shapes.append((q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3]))
         return real(*args, **kw)
 
@@ -162,7 +165,7 @@ def forward_share(name: str, forms: dict[str, Method], repeats: int) -> dict:
         return run
 
     with torch.inference_mode():
-        forwards = interleaved({"toma": forward(False), "toma + mask": forward(True)}, max(2, repeats // 2))
+        forwards = interleaved({"toma": forward(False), "toma + mask": forward(True)}, rounds or max(2, repeats // 2))
     per_shape = {}
     for shape in sorted(set(shapes)):
         per_shape[shape] = time_shape(forms, shape, torch.float32, repeats)
@@ -207,6 +210,9 @@ def main() -> None:
     parser.add_argument("--shape", default="1,24,4096,4096,128", help="B,H,Sq,Sk,D of the attention")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="of the attention shape's timing; none skips it")
     parser.add_argument("--forward", default="flux,wan", help=f"comma-separated of {', '.join(FORWARDS)}, or none")
+    parser.add_argument(
+        "--forward-rounds", type=int, default=None, help="interleaved rounds of the end-to-end forwards (repeats / 2)"
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if args.threads:
@@ -242,7 +248,7 @@ def main() -> None:
         print_shape(result)
         out["attention"].append(result)
     for name in wanted:
-        out["forwards"][name] = forward_share(name, forms, args.repeats)
+        out["forwards"][name] = forward_share(name, forms, args.repeats, args.forward_rounds)
     out["load_after"] = os.getloadavg()
     print(f"load after: {' '.join(f'{x:.1f}' for x in out['load_after'])}")
     if args.json:
