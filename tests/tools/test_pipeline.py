@@ -390,38 +390,27 @@ def tiny_wan_vace_folder(tmp_path):
     return tmp_path / "vace"
 
 
-@pytest.mark.parametrize("ratio", [0.5, 0.0])
-def test_generate_runs_a_wan_vace_pipeline(ratio, tmp_path, one_thread, monkeypatch):
-    # toma generate on WanVACEPipeline: both the main and the control blocks see the merged
-    # token count, and ratio 0 gives the unmerged clip bitwise
+def generate_compare_clip(monkeypatch, tmp_path, folder, ratio, watch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``toma generate --compare`` on the tiny video pipeline in ``folder`` at 64x48 px, 5
+    frames, 2 steps: the unmerged and the merged clip, ``(1, 5, 3, 64, 48)`` each, after
+    ``watch(pipe)`` has hooked the loaded pipeline."""
     from PIL import Image
 
     import toma.tools.generate as generate
     from toma.tools.cli import main
 
-    from diffusers.pipelines.wan import pipeline_wan_vace
-
-    if not hasattr(pipeline_wan_vace, "ftfy"):
-        # diffusers 0.42's VACE prompt cleaning calls ftfy unguarded (WanPipeline checks it is
-        # installed); the prompt here is plain ASCII, which ftfy leaves as it is
-        monkeypatch.setattr(pipeline_wan_vace, "ftfy", SimpleNamespace(fix_text=str), raising=False)
-    folder = tiny_wan_vace_folder(tmp_path)
-    seen: dict[str, list[int]] = {"blocks": [], "vace_blocks": []}
     clips = []
-    load = generate.load_pipeline
+    load, save_video = generate.load_pipeline, generate.save_video
 
     def load_and_watch(*args):
         pipe = load(*args)
-        for stack in seen:
-            attn = getattr(pipe.transformer, stack)[-1].attn1  # the default merges the last blocks
-            attn.to_q.register_forward_hook(lambda m, a, o, stack=stack: seen[stack].append(a[0].shape[1]))
+        watch(pipe)
         return pipe
 
     def save_and_keep(args, baseline, merged, *rest, **kw):
         clips.extend([baseline, merged])
         return save_video(args, baseline, merged, *rest, **kw)
 
-    save_video = generate.save_video
     monkeypatch.setattr(generate, "load_pipeline", load_and_watch)
     monkeypatch.setattr(generate, "save_video", save_and_keep)
     gif = tmp_path / "clip.gif"
@@ -431,6 +420,27 @@ def test_generate_runs_a_wan_vace_pipeline(ratio, tmp_path, one_thread, monkeypa
         assert im.n_frames == 5 and im.width > 2 * 48  # both clips side by side in every frame
     baseline, merged = clips
     assert baseline.shape == merged.shape == (1, 5, 3, 64, 48)
+    return baseline, merged
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+def test_generate_runs_a_wan_vace_pipeline(ratio, tmp_path, one_thread, monkeypatch):
+    # toma generate on WanVACEPipeline: both the main and the control blocks see the merged
+    # token count, and ratio 0 gives the unmerged clip bitwise
+    from diffusers.pipelines.wan import pipeline_wan_vace
+
+    if not hasattr(pipeline_wan_vace, "ftfy"):
+        # diffusers 0.42's VACE prompt cleaning calls ftfy unguarded (WanPipeline checks it is
+        # installed); the prompt here is plain ASCII, which ftfy leaves as it is
+        monkeypatch.setattr(pipeline_wan_vace, "ftfy", SimpleNamespace(fix_text=str), raising=False)
+    seen: dict[str, list[int]] = {"blocks": [], "vace_blocks": []}
+
+    def watch(pipe):
+        for stack in seen:
+            attn = getattr(pipe.transformer, stack)[-1].attn1  # the default merges the last blocks
+            attn.to_q.register_forward_hook(lambda m, a, o, stack=stack: seen[stack].append(a[0].shape[1]))
+
+    baseline, merged = generate_compare_clip(monkeypatch, tmp_path, tiny_wan_vace_folder(tmp_path), ratio, watch)
     # 5 frames x 64x48 px -> 2 x 8x6 latent -> 24 tokens (2 x 4x3); the conditional and
     # unconditional passes run apart: a 1-step warm-up and 2 steps, unmerged then with ToMA
     kept = 24 - int(24 * ratio)
@@ -503,38 +513,15 @@ def tiny_hunyuan15_folder(tmp_path):
 def test_generate_runs_a_hunyuanvideo15_pipeline(ratio, tmp_path, one_thread, monkeypatch):
     # toma generate on HunyuanVideo15Pipeline: its merged block sees the token count the
     # ratio implies, and ratio 0 gives the unmerged clip bitwise
-    from PIL import Image
-
-    import toma.tools.generate as generate
-    from toma.tools.cli import main
-
-    folder = tiny_hunyuan15_folder(tmp_path)
     seen: list[int] = []
-    clips = []
-    load = generate.load_pipeline
-    save_video = generate.save_video
 
-    def load_and_watch(*args):
-        pipe = load(*args)
+    def watch(pipe):
         # the default merges the last block; its attention projects the video tokens in to_q
         pipe.transformer.transformer_blocks[-1].attn.to_q.register_forward_hook(
             lambda m, a, o: seen.append(a[0].shape[1])
         )
-        return pipe
 
-    def save_and_keep(args, baseline, merged, *rest, **kw):
-        clips.extend([baseline, merged])
-        return save_video(args, baseline, merged, *rest, **kw)
-
-    monkeypatch.setattr(generate, "load_pipeline", load_and_watch)
-    monkeypatch.setattr(generate, "save_video", save_and_keep)
-    gif = tmp_path / "clip.gif"
-    args = ["--model", str(folder), "--height", "64", "--width", "48", "--frames", "5", "--steps", "2"]
-    assert main(["generate", *args, "--ratio", str(ratio), "--threads", "1", "--compare", "--out", str(gif)]) == 0
-    with Image.open(gif) as im:
-        assert im.n_frames == 5 and im.width > 2 * 48  # both clips side by side in every frame
-    baseline, merged = clips
-    assert baseline.shape == merged.shape == (1, 5, 3, 64, 48)
+    baseline, merged = generate_compare_clip(monkeypatch, tmp_path, tiny_hunyuan15_folder(tmp_path), ratio, watch)
     # 5 frames x 64x48 px -> 2 x 8x6 latent -> 24 tokens (2 x 4x3); the guider runs the
     # conditional and unconditional passes apart: a 1-step warm-up and 2 steps, unmerged then with ToMA
     kept = 24 - int(24 * ratio)
