@@ -328,7 +328,7 @@ class StepHook(Hook):
             self._warn_once(grid)
             grid = None
         self.cache.begin_forward(
-            grid if grid is not None else (0, 0, 0), step_timestep(self.cache, named.get("timestep"))
+            grid if grid is not None else (0, 0, 0), step_timestep(self.cache, self._timestep(named))
         )
         self.cache.forward.shard = shard
         raster = grid is None or any(named.get(k) is not None for k in self.spec.raster_kwargs)
@@ -350,6 +350,12 @@ class StepHook(Hook):
             for name in self.spec.position_inputs:
                 args, kwargs = _positions_to_block_order(module, name, named.get(name), order, args, kwargs)
         return args, kwargs
+
+    def _timestep(self, named: dict) -> Any:
+        """The call's denoising timestep, falling over a run (see ``FamilySpec.timestep``); read
+        only where the cache needs it (:func:`~toma.adapters.base.step_timestep`)."""
+        reader = self.spec.timestep
+        return named.get("timestep") if reader is None else reader(named)
 
     def _conditioning(self, module: torch.nn.Module, named: dict, x: torch.Tensor, grid: Grid) -> int:
         """How many conditioning tokens follow the image's on ``grid`` in the call."""

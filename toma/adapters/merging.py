@@ -46,19 +46,24 @@ if TYPE_CHECKING:  # the UNet adapter's; families on the engine do not import it
 class MergedCall:
     """What one call merged, from its merge to its unmerge: the plan, whether the image
     tokens were in tile order (the token order's layout when the call began), the text
-    tokens leading them, and the image tokens before merging."""
+    tokens beside the image tokens (before them, or after them when ``first``), and the
+    image tokens before merging."""
 
-    __slots__ = ("plan", "tiled", "text", "tokens")
+    __slots__ = ("plan", "tiled", "text", "tokens", "first")
 
-    def __init__(self, plan: Plan, tiled: bool, text: int, tokens: int) -> None:
+    def __init__(self, plan: Plan, tiled: bool, text: int, tokens: int, first: bool = False) -> None:
         self.plan = plan
         self.tiled = tiled
         self.text = text
         self.tokens = tokens
+        self.first = first
 
     def merge(self, x: torch.Tensor) -> torch.Tensor:
-        """``[text; image]`` tokens ``(B, text + N, C)`` with the image part merged: ``(B, text + K, C)``."""
-        text = self.text
+        """``[text; image]`` tokens ``(B, text + N, C)`` with the image part merged: ``(B, text + K, C)``
+        (``[image; text]`` when ``first``)."""
+        text, tokens = self.text, self.tokens
+        if self.first:
+            return torch.cat([self.plan.merge(x[:, :tokens], self.tiled), x[:, tokens:]], dim=1)
         merged = self.plan.merge(x[:, text:] if text else x, self.tiled)
         return torch.cat([x[:, :text], merged], dim=1) if text else merged
 
@@ -68,6 +73,9 @@ class MergedCall:
         text = self.text
         if not text:
             return self.plan.unmerge(y, self.tiled, residual=residual)
+        if self.first:
+            kept = y.shape[1] - text
+            return torch.cat([self.plan.unmerge(y[:, :kept], self.tiled), y[:, kept:]], dim=1)
         return torch.cat([y[:, :text], self.plan.unmerge(y[:, text:], self.tiled)], dim=1)
 
 
@@ -78,6 +86,13 @@ def open_call(
     where nothing merges (see :meth:`PlanCache.get`). Text, and conditioning tokens, lead
     the image tokens and pass whole."""
     tokens = math.prod(grid)
+    if site.image_first:  # [image; text]: the first N tokens merge, the suffix passes
+        text = x.shape[1] - tokens
+        if text < 0:
+            return None
+        tiled = order.layout is not None
+        plan = cache.get(x[:, :tokens], grid, group=plan_group(site, grid), tiled=tiled, ratio=ratio)
+        return None if plan is None else MergedCall(plan, tiled, text, tokens, first=True)
     text = x.shape[1] - tokens if site.text_first or order.extra else 0
     if text < 0:
         return None
@@ -427,6 +442,8 @@ def _gather_rotary(rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict
             return type(table)(rows(t, b, dest) for t in table)
         if table is None:
             return None
+        if merged.first:  # per-batch (Bt, N + text, ...) tables, the image's rows first
+            return _image_first_rows(rotary, table, dest, tokens)
         return _sample_rows(table, dest[b], tokens) if rotary.shared else rotary.gather(table, dest)
 
     def pick(b: int | None, dest: torch.Tensor) -> Any:
@@ -443,6 +460,17 @@ def _gather_rotary(rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict
     gathered = plan.memo(f"rotary_{rotary.name}_{tiled}", make)
     args, kwargs = replace_arg(args, kwargs, rotary.name, rotary.index, gathered[0])
     return args, kwargs, (gathered if len(gathered) > 1 else None)
+
+
+def _image_first_rows(rotary: Rotary, table: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A per-batch ``(Bt, N + text, ...)`` table whose first ``N`` rows are the image's: the
+    rows of the destinations ``dest`` ``(Bp, K)`` gathered by the site's ``gather``, then the
+    text rows, whole (broadcast to the gathered batch)."""
+    image = rotary.gather(table[:, :tokens], dest)
+    text = table[:, tokens:]
+    if text.shape[0] != image.shape[0]:
+        text = text.expand(image.shape[0], *text.shape[1:])
+    return torch.cat([image, text], dim=1)
 
 
 def _sample_rows(table: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -86,6 +86,12 @@ class Site:
         text_first: the call's hidden states are ``[text; image]`` (a single-stream block):
             the last ``N`` tokens merge, the text before them passes whole, and so does the
             text part of the output.
+        image_first: the call's hidden states are ``[image; text]`` (Z-Image's unified
+            sequence): the first ``N`` tokens merge, the text after them passes whole, and
+            so does the text part of the output. Its rotary tables are per-batch
+            ``(B, N + text, ...)`` with the image's rows first: ``rotary.gather`` gets their
+            first ``N`` rows and the text rows follow whole. Not with ``text_first``, a key
+            bias (``mask``, ``bias_call``), ``until`` or a ``shared`` table.
         text_keys: keyword of the call's text tokens when its processor puts them before the
             image tokens in one joint attention (Flux): under proportional attention their
             keys get a log mass of 0, before the merged image keys'.
@@ -115,6 +121,7 @@ class Site:
     mask_layout: Callable[[torch.Tensor, int, int], Any] | None = None
     joint_mask: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None
     text_first: bool = False
+    image_first: bool = False
     text_keys: str | None = None
     until: str | None = None
     call: str | None = None
@@ -130,6 +137,12 @@ class Site:
     def __post_init__(self) -> None:
         if (self.until is None) != (self.call is None):
             raise ValueError("Site: give until and call together (a spanning merge), or neither")
+        if self.image_first:
+            shared = self.rotary is not None and self.rotary.shared
+            if self.text_first or self.takes_bias or self.until is not None or shared:
+                raise ValueError(
+                    "Site: image_first takes none of text_first, mask, bias_call, until or a shared Rotary"
+                )
 
 
 @dataclass(frozen=True)
@@ -175,6 +188,10 @@ class FamilySpec:
             image tokens it merges. True counts them from ``hidden_states`` ``(B, S, C)``;
             a function ``(model, call) -> int`` counts them from the call's named arguments
             where ``hidden_states`` are latents (JoyImage's reference frames).
+        timestep: reads the call's denoising timestep from its named arguments, as a value
+            that falls over a run (step windows and plans kept across steps count steps by
+            it); None: the ``timestep`` argument. Z-Image's ``t`` rises (``1 - sigma``): its
+            reader negates it.
         default_blocks: the block indices merged by default in each stack, given the
             stack name and its length.
         video: whether tiles span frames by default (``tile_frames``).
@@ -197,6 +214,7 @@ class FamilySpec:
     raster_kwargs: tuple[str, ...] = ()
     tile_order_ok: Callable[[torch.nn.Module, dict], bool] | None = None
     conditioning_tokens: bool | Callable[[torch.nn.Module, dict], int] = False
+    timestep: Callable[[dict], Any] | None = None
     default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
     video: bool = False
     reference: tuple[int, int] | None = None

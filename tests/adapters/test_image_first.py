@@ -1,0 +1,81 @@
+"""Image-first sites (``Site.image_first``, Z-Image's ``[image; caption]``): the first N
+tokens of a call merge and the suffix passes whole, and per-batch rotary tables whose first
+N rows are the image's get the rows of the destinations, then the suffix's rows whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toma.adapters.merging import _gather_rotary, open_call
+from toma.adapters.spec import Rotary, Site, gather_rows
+from toma.adapters.state import PlanCache, TileState
+from toma.config import ToMAConfig
+
+GRID = (1, 4, 4)
+N, TEXT, C = 16, 5, 8
+SITE = Site("attention", "attn", rotary=Rotary("freqs_cis", None, gather=gather_rows), image_first=True)
+
+
+def opened(x: torch.Tensor):
+    """The merge of an image-first call on ``x`` at ratio 0.5, each sample with its own plan."""
+    cache = PlanCache(ToMAConfig(ratio=0.5, tile_size=2))
+    cache.begin_forward(GRID, 0.5)
+    merged = open_call(cache, TileState(cache), SITE, x, GRID, 0.5)
+    assert merged is not None and merged.first and merged.text == TEXT
+    assert not torch.equal(merged.plan.dest_tokens[0], merged.plan.dest_tokens[1])
+    return merged
+
+
+def sequence() -> torch.Tensor:
+    return torch.randn(2, N + TEXT, C, generator=torch.Generator().manual_seed(0))
+
+
+def test_the_first_tokens_merge_and_the_suffix_passes_whole():
+    x = sequence()
+    merged = opened(x)
+    plan = merged.plan
+    m = merged.merge(x)
+    k = plan.num_merged
+    assert m.shape == (2, k + TEXT, C) and k < N
+    assert torch.equal(m[:, :k], plan.merge(x[:, :N], False))  # the plan saw the image tokens only
+    assert torch.equal(m[:, k:], x[:, N:])  # the caption, bitwise, after them
+    y = m * 2
+    out = merged.unmerge(y)
+    assert out.shape == x.shape
+    assert torch.equal(out[:, :N], plan.unmerge(y[:, :k], False)) and torch.equal(out[:, N:], y[:, k:])
+
+
+def test_a_call_shorter_than_the_grid_does_not_merge():
+    cache = PlanCache(ToMAConfig(ratio=0.5, tile_size=2))
+    cache.begin_forward(GRID, 0.5)
+    assert open_call(cache, TileState(cache), SITE, torch.randn(2, N - 1, C), GRID, 0.5) is None
+
+
+@pytest.mark.parametrize("table_batch", [1, 2])
+def test_rotary_rows_are_the_destinations_then_the_suffix(table_batch):
+    merged = opened(sequence())
+    g = torch.Generator().manual_seed(1)
+    table = torch.polar(torch.ones(table_batch, N + TEXT, 3), torch.randn(table_batch, N + TEXT, 3, generator=g))
+    _, kwargs, samples = _gather_rotary(SITE.rotary, merged, ("x",), {"freqs_cis": table})
+    assert samples is None  # a per-batch table: one call for the batch
+    got = kwargs["freqs_cis"]
+    dest = merged.plan.dest_tokens
+    assert got.shape == (2, dest.shape[1] + TEXT, 3)
+    for b in range(2):  # brute force, row by row
+        rows = table[0 if table_batch == 1 else b]
+        assert torch.equal(got[b], torch.stack([rows[int(i)] for i in dest[b]] + list(rows[N:])))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"text_first": True},
+        {"mask": ("attention_mask", None)},
+        {"rotary": Rotary("freqs_cis", None, shared=True)},
+        {"until": "proj_out", "call": "attn"},
+    ],
+)
+def test_image_first_refuses_what_it_cannot_lay_out(options):
+    with pytest.raises(ValueError, match="image_first"):
+        Site("attention", "attn", image_first=True, **options)
