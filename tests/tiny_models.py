@@ -828,6 +828,40 @@ def krea2_inputs(batch: int, h: int, w: int, text: int = 5, padded: int = 0) -> 
     }
 
 
+def make_zimage(seed: int = 0, layers: int = 2):
+    """Z-Image: one noise- and one context-refiner block, then main layers on [image; caption]."""
+    from diffusers import ZImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = ZImageTransformer2DModel(
+        dim=32,
+        n_layers=layers,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=TEXT_DIM,
+        axes_dims=[4, 6, 6],
+        axes_lens=[256, 32, 32],  # caption positions first: room for captions padded to 64
+    )
+    with torch.no_grad():  # its norms start at 1 and its pad tokens at 0; make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name or "pad_token" in name:
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def zimage_inputs(batch: int, h: int, w: int, text: int = 5, longer: int = 0) -> dict:
+    """Lists of ``(16, 1, h, w)`` latents (2x2 patches) and ``(text, C)`` caption features,
+    the last sample's caption ``longer`` tokens longer."""
+    g = torch.Generator().manual_seed(1)
+    caps = [torch.randn(text + (longer if i == batch - 1 else 0), TEXT_DIM, generator=g) for i in range(batch)]
+    return {
+        "x": [torch.randn(16, 1, h, w, generator=g) for _ in range(batch)],
+        "t": torch.full((batch,), 0.7),
+        "cap_feats": caps,
+    }
+
+
 def make_bria_fibo(seed: int = 0, double: int = 2, single: int = 2):
     """Bria FIBO: Flux.1's blocks, half the text's channels replaced per block from a text-encoder layer."""
     from diffusers import BriaFiboTransformer2DModel
@@ -894,6 +928,10 @@ class Family:
     # whether its forwards may run in tile order; False where every call adds raster-ordered
     # residuals between blocks (Wan VACE's control hints)
     tile_order: bool = True
+    # the forward keyword of the denoising timestep, and whether it rises over a run
+    # (Z-Image's t, 1 - sigma) rather than falls
+    timestep: str = "timestep"
+    rising_timestep: bool = False
     # whether diffusers' gradient-checkpointed forward runs at all (HunyuanImage's fails, unpatched too)
     checkpointing: bool = True
 
@@ -908,7 +946,12 @@ class Family:
     def output(self, model: torch.nn.Module, kw: dict) -> torch.Tensor:
         """The denoiser's prediction for ``kw``, without gradients."""
         with torch.no_grad():
-            return model(**kw).sample
+            return self.sample(model, kw)
+
+    def sample(self, model: torch.nn.Module, kw: dict) -> torch.Tensor:
+        """The denoiser's prediction for ``kw`` as one batch tensor."""
+        out = model(**kw).sample
+        return torch.stack(out) if isinstance(out, list) else out  # Z-Image: one tensor per sample
 
 
 FLUX_ALL = {"flux_double_blocks": (0, 1), "flux_single_blocks": (0, 1)}
@@ -1203,6 +1246,20 @@ FAMILIES: dict[str, Family] = {
             divided=lambda b: krea2_inputs(b, 8, 8, padded=2),
             grid=(1, 8, 10),
             text_mask="encoder_attention_mask",
+        ),
+        Family(
+            "zimage",
+            "zimage",
+            make_zimage,
+            lambda b: zimage_inputs(b, 16, 16),
+            {"blocks": {"layers": range(2)}},
+            proportional=False,
+            odd=lambda b: zimage_inputs(b, 6, 64),  # 3x32 tokens (a multiple of 32): 2 or 4 rows a tile pad
+            odd_tokens=96,
+            grid=(1, 8, 8),
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/zimage.py)
+            timestep="t",
+            rising_timestep=True,
         ),
         Family(
             "bria-fibo",

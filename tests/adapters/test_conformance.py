@@ -81,8 +81,10 @@ def test_odd_and_non_square_grids_and_frame_counts_merge(name):
 def test_a_step_window_runs_the_other_steps_bitwise_unmerged(name):
     fam = FAMILIES[name]
     model, kw = fam.make(), fam.inputs(2)
-    t = kw["timestep"]
-    calls = [{**kw, "timestep": t * f} for f in (1.0, 1.0, 0.8, 0.8, 0.6)]  # two calls a step, as with CFG
+    t = kw[fam.timestep]
+    # two calls a step, as with CFG; the timestep falls (Z-Image's t, 1 - sigma, rises)
+    steps = [1 - (1 - t) * f if fam.rising_timestep else t * f for f in (1.0, 1.0, 0.8, 0.8, 0.6)]
+    calls = [{**kw, fam.timestep: step} for step in steps]
     base = [fam.output(model, c) for c in calls]
     toma.apply_toma(model, ratio=0.5, **fam.options)
     merged = [fam.output(model, c) for c in calls]
@@ -157,7 +159,7 @@ def test_a_deepcopy_merges_with_its_own_weights(name):
 
 def loss_and_grads(fam, model, kw, between: dict | None = None) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    loss = model(**kw).sample.square().mean()
+    loss = fam.sample(model, kw).square().mean()
     if between is not None:
         fam.output(model, between)  # another call before the backward, as a distillation loop's
     loss.backward()
@@ -292,6 +294,9 @@ def test_attention_sees_the_token_counts_the_ratio_implies(name, tile):
 
 def with_other_image(kw: dict) -> dict:
     """The call with other image latents (and reference images'), the same text."""
+    if isinstance(kw.get("x"), list):  # Z-Image: a list of per-sample latents
+        g = torch.Generator().manual_seed(11)
+        return {**kw, "x": [torch.randn(t.shape, generator=g) for t in kw["x"]]}
     key = "sample" if "sample" in kw else "hidden_states"
     return {**kw, key: torch.randn(kw[key].shape, generator=torch.Generator().manual_seed(11))}
 
@@ -385,9 +390,13 @@ def test_rotary_rows_are_the_destinations(name, layout):
     grid = patch.cache.base_grid
     assert patch.cache.layout(*grid).padded == (layout == "padded")
     n = math.prod(grid)
-    tokens = kw["hidden_states"]
-    extra = tokens.shape[1] - n if tokens.ndim == 3 else 0  # conditioning tokens after the image's
-    if tokens.ndim == 6:  # (B, items, C, T, H, W): JoyImage's reference items, after the generated one
+    tokens = kw.get("hidden_states")
+    extra = (
+        tokens.shape[1] - n if tokens is not None and tokens.ndim == 3 else 0
+    )  # conditioning tokens after the image's
+    if (
+        tokens is not None and tokens.ndim == 6
+    ):  # (B, items, C, T, H, W): JoyImage's reference items, after the generated one
         extra = (tokens.shape[1] - 1) * n
     for target, site in sites.items():
         rotary = site.rotary
@@ -410,6 +419,8 @@ def test_rotary_rows_are_the_destinations(name, layout):
                     assert f is None and g is None
                 elif i not in wanted:
                     assert torch.equal(g, f)  # e.g. Qwen-Image's text table
+                elif site.image_first:  # (B, N + T, ...) -> (B, K + T, ...): the image's rows first
+                    assert torch.equal(g[b], torch.cat([f[b, :n][dest[b]], f[b, n:]])), (target, i)
                 elif rotary.shared:  # (lead + N + extra, ...) -> (lead + extra + K, ...)
                     lead = f.shape[0] - n - extra
                     image = f[lead : lead + n]

@@ -34,6 +34,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "joyimage": ("toma.adapters.joyimage", ("JoyImageEditTransformer3DModel",)),
     "krea2": ("toma.adapters.krea2", ("Krea2Transformer2DModel",)),
     "bria-fibo": ("toma.adapters.bria_fibo", ("BriaFiboTransformer2DModel",)),
+    "zimage": ("toma.adapters.zimage", ("ZImageTransformer2DModel",)),
 }
 
 
