@@ -629,3 +629,26 @@ def test_every_arch_builds_its_spec_class_with_the_stacks_its_depth_keys_count()
         if arch.family in STACKS:
             counts = [len(getattr(model, stack)) for stack in STACKS[arch.family]]
             assert counts == [arch.config[key] for key in DEPTH_KEYS[arch.family]], arch.name
+
+
+def test_zimage_arch_calls_merge_and_step_its_rising_t():
+    # the published config, narrowed so it builds in a second: make_inputs' list inputs run
+    # the model, the default placement merges its main layers, and set_timestep makes its
+    # t (1 - sigma) rise over the run, as the pipeline's does
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement, set_timestep
+
+    arch = ARCHS["zimage"]
+    narrow = {"dim": 64, "n_heads": 2, "n_kv_heads": 2, "axes_dims": [8, 12, 12], "cap_feat_dim": 32}
+    tiny = dataclasses.replace(arch, config={**arch.config, **narrow}, text_dim=32, text_tokens=64)
+    model = build_model(tiny, depth=10)
+    kw = make_inputs(tiny, 256, batch=2)
+    ts = [float(set_timestep(tiny, kw, step, 4)["t"][0]) for step in range(4)]
+    assert ts == sorted(ts) and ts[0] == 0.0
+    patch = toma.apply_toma(model, ratio=0.5, **default_placement(tiny, model))
+    with torch.no_grad():
+        out = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))[0]
+    assert len(out) == 2 and out[0].shape == (16, 1, 32, 32)
+    assert patch.cache._plans  # the 32x32 tokens (a multiple of 32) merged

@@ -343,6 +343,26 @@ BRIA_FIBO: dict[str, Any] = {
     "text_encoder_dim": 2048,
 }
 
+# Z-Image-Turbo: the published transformer/config.json (Tongyi-MAI/Z-Image-Turbo); 6B.
+# The 2 noise- and 2 context-refiner blocks are not divided by --depth (never merged)
+ZIMAGE: dict[str, Any] = {
+    "all_patch_size": (2,),
+    "all_f_patch_size": (1,),
+    "in_channels": 16,
+    "dim": 3840,
+    "n_layers": 30,
+    "n_refiner_layers": 2,
+    "n_heads": 30,
+    "n_kv_heads": 30,
+    "norm_eps": 1e-05,
+    "qk_norm": True,
+    "cap_feat_dim": 2560,
+    "rope_theta": 256.0,
+    "t_scale": 1000.0,
+    "axes_dims": [32, 48, 48],
+    "axes_lens": [1536, 512, 512],
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -356,6 +376,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "cogvideox": ("num_layers",),
     "krea2": ("num_layers",),
     "bria-fibo": ("num_layers", "num_single_layers"),
+    "zimage": ("n_layers",),
 }
 
 
@@ -533,6 +554,8 @@ ARCHS: dict[str, Arch] = {
     # FIBO's prompt is a structured JSON caption of up to 1000+ words, as long as it is:
     # 1024 tokens stands for one
     "bria-fibo": Arch("bria-fibo", "bria-fibo", BRIA_FIBO, 1024, 1024, 4096, 0, 16, "Bria FIBO transformer", patch=1),
+    # the pipeline passes each prompt's own tokens (up to 512), padded to a multiple of 32: 512 stands for one
+    "zimage": Arch("zimage", "zimage", ZIMAGE, 1024, 512, 2560, 0, 8, "Z-Image-Turbo transformer (6B)"),
 }
 
 
@@ -737,6 +760,13 @@ def make_inputs(
             "encoder_attention_mask": torch.ones(batch, arch.text_tokens, dtype=torch.bool, device=device),
             "return_dict": False,
         }
+    if arch.family == "zimage":  # lists of per-sample (C, 1, H/8, W/8) latents and captions; t = 1 - sigma
+        return {
+            "x": [rand(channels, 1, lh, lw) for _ in range(batch)],
+            "t": torch.zeros(batch, device=device, dtype=dtype),
+            "cap_feats": [rand(arch.text_tokens, arch.text_dim) for _ in range(batch)],
+            "return_dict": False,
+        }
     if arch.family == "bria-fibo":  # FIBO's 16x VAE latents, one token per latent pixel
         rows, cols = torch.meshgrid(torch.arange(lh), torch.arange(lw), indexing="ij")
         img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
@@ -836,6 +866,8 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
     import torch
 
     frac = 1.0 - step / max(steps, 1)
+    if arch.family == "zimage":  # t = 1 - sigma: rises over a run
+        return {**inputs, "t": torch.full_like(inputs["t"], 1.0 - frac)}
     t = inputs["timestep"]
     # the flow-matching transformers take the timestep in [0, 1]
     value = max(frac, 1e-3) if arch.family in ("flux", "flux2", "qwenimage", "krea2") else 999.0 * frac
