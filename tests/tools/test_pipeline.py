@@ -591,3 +591,19 @@ def test_video_is_refused_where_the_pipeline_takes_none(tmp_path, capsys):
     assert "--video applies to pipelines whose call takes a video; WanPipeline takes none" in capsys.readouterr().err
     assert main(["generate", "--video", str(gif), "--out", str(tmp_path / "y.png")]) == 2
     assert "--video applies to --model pipelines" in capsys.readouterr().err
+
+
+def test_a_vace_pipeline_without_ftfy_is_a_clear_error(tmp_path, one_thread, monkeypatch, capsys):
+    # diffusers 0.42.1's WanVACEPipeline calls ftfy unguarded: without the package toma
+    # generate says what to install, instead of a NameError from the prompt cleaning
+    from diffusers.pipelines.wan import pipeline_wan_vace
+
+    from toma.tools.cli import main
+
+    monkeypatch.delattr(pipeline_wan_vace, "ftfy", raising=False)
+    folder = tiny_wan_vace_folder(tmp_path)
+    args = ["--model", str(folder), "--height", "64", "--width", "48", "--frames", "5", "--steps", "1"]
+    assert main(["generate", *args, "--threads", "1", "--out", str(tmp_path / "clip.gif")]) == 2
+    assert "WanVACEPipeline needs the ftfy package to clean its prompts, which is not installed: pip install ftfy" in (
+        capsys.readouterr().err
+    )

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class PipelineUnavailableError(RuntimeError):
-    """A ``--model`` pipeline cannot be loaded offline."""
+    """A ``--model`` pipeline cannot be loaded offline, or cannot run for lack of a package."""
 
 
 def dtype_kwargs(dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -99,7 +99,17 @@ def pipeline_call(
     images = []
     for prompt, seed in zip(prompts, seeds):
         gen = torch.Generator(gen_device).manual_seed(int(seed))
-        result = pipe(prompt=prompt, generator=gen, **kwargs)
+        try:
+            result = pipe(prompt=prompt, generator=gen, **kwargs)
+        except NameError as err:
+            # diffusers 0.42.1's WanVACEPipeline calls ftfy without checking it is installed
+            # (WanPipeline checks): a bare NameError deep in its prompt cleaning
+            if getattr(err, "name", None) != "ftfy":
+                raise
+            raise PipelineUnavailableError(
+                f"{type(pipe).__name__} needs the ftfy package to clean its prompts, which is not installed: "
+                "pip install ftfy"
+            ) from err
         out = result.frames if is_video_pipeline(pipe) else result.images
         images.append(torch.as_tensor(out).float().cpu())
     return torch.cat(images)
