@@ -161,7 +161,7 @@ class IdsGrid:
 
     def _uniform(self, mask: torch.Tensor, tokens: int) -> bool:
         """:func:`image_uniform`, remembered for the last two masks while they come back unchanged."""
-        version = _version(mask)
+        version = tensor_version(mask)
         for ref, known_version, known_tokens, uniform in self._masks:
             if ref() is mask and known_version == version and known_tokens == tokens:
                 return uniform
@@ -172,10 +172,10 @@ class IdsGrid:
     def _read(self, img_ids: torch.Tensor) -> tuple[int, int]:
         """The image grid of ``img_ids``, read once while the same ids come back unchanged."""
         known = self._known
-        if known is not None and known[0] is img_ids and known[1] == _version(img_ids):
+        if known is not None and known[0] is img_ids and known[1] == tensor_version(img_ids):
             return known[2]
         grid = image_grid(img_ids)
-        self._known = (img_ids, _version(img_ids), grid)
+        self._known = (img_ids, tensor_version(img_ids), grid)
         return grid
 
 
@@ -199,7 +199,7 @@ def whole_grid(img_ids: torch.Tensor, tokens: int) -> Grid | str:
     return (1, tokens // width, width)
 
 
-def _version(t: torch.Tensor) -> int:
+def tensor_version(t: torch.Tensor) -> int:
     """In-place modification count of ``t``; -1 for inference tensors, which keep none."""
     return -1 if t.is_inference() else t._version
 

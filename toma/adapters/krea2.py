@@ -24,7 +24,7 @@ import torch
 
 from toma.adapters.attention import key_bias
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
-from toma.adapters.flux import image_grid
+from toma.adapters.flux import image_grid, tensor_version
 from toma.core.masks import slice_joint_mask
 
 # image_rotary_emb is (cos, sin), each (text + N, D): text rows first
@@ -62,19 +62,14 @@ class PositionGrid:
         if ids.ndim != 2 or ids.shape[0] != lead + tokens or tokens == 0:
             return f"position_ids of shape {tuple(ids.shape)} are not the ({lead} + {tokens}, 3) rows of the call"
         known = self._known
-        if known is not None and known[0] is ids and known[1] == _changes(ids) and known[2] == lead:
+        if known is not None and known[0] is ids and known[1] == tensor_version(ids) and known[2] == lead:
             rows, cols = known[3]
         else:
             rows, cols = image_grid(ids[lead:])
-            self._known = (ids, _changes(ids), lead, (rows, cols))
+            self._known = (ids, tensor_version(ids), lead, (rows, cols))
         if rows * cols != tokens:
             return f"position_ids span a {rows}x{cols} grid but the call has {tokens} image tokens"
         return (1, rows, cols)
-
-
-def _changes(t: torch.Tensor) -> int:
-    """In-place modification count of ``t``; -1 for inference tensors, which keep none."""
-    return -1 if t.is_inference() else t._version
 
 
 SPEC = FamilySpec(

@@ -86,19 +86,14 @@ def open_call(
     where nothing merges (see :meth:`PlanCache.get`). Text, and conditioning tokens, lead
     the image tokens and pass whole."""
     tokens = math.prod(grid)
-    if site.image_first:  # [image; text]: the first N tokens merge, the suffix passes
-        text = x.shape[1] - tokens
-        if text < 0:
-            return None
-        tiled = order.layout is not None
-        plan = cache.get(x[:, :tokens], grid, group=plan_group(site, grid), tiled=tiled, ratio=ratio)
-        return None if plan is None else MergedCall(plan, tiled, text, tokens, first=True)
-    text = x.shape[1] - tokens if site.text_first or order.extra else 0
+    first = site.image_first  # [image; text]: the first N tokens merge, the suffix passes
+    text = x.shape[1] - tokens if first or site.text_first or order.extra else 0
     if text < 0:
         return None
+    image = x[:, :tokens] if first else x[:, text:] if text else x
     tiled = order.layout is not None
-    plan = cache.get(x[:, text:] if text else x, grid, group=plan_group(site, grid), tiled=tiled, ratio=ratio)
-    return None if plan is None else MergedCall(plan, tiled, text, tokens)
+    plan = cache.get(image, grid, group=plan_group(site, grid), tiled=tiled, ratio=ratio)
+    return None if plan is None else MergedCall(plan, tiled, text, tokens, first=first)
 
 
 # proportional_attention=None on a transformer: the bias runs only where its forms were
