@@ -378,13 +378,15 @@ def cogvideox_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, pat
     }
 
 
-def make_hunyuan15(seed: int = 0, layers: int = 2):
-    """HunyuanVideo 1.5-like: dual-stream blocks only, 2 heads of 8 channels, 3-D rotary over (2, 2, 4) channels."""
+def make_hunyuan15(seed: int = 0, layers: int = 2, in_channels: int = 4):
+    """HunyuanVideo 1.5-like: dual-stream blocks only, 2 heads of 8 channels, 3-D rotary over
+    (2, 2, 4) channels, 4 latent channels out (``in_channels``: its pipeline's 9 also take the
+    condition latents and mask)."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     torch.manual_seed(seed)
     return HunyuanVideo15Transformer3DModel(
-        in_channels=4,
+        in_channels=in_channels,
         out_channels=4,
         num_attention_heads=2,
         attention_head_dim=8,
@@ -414,8 +416,15 @@ def hunyuan15_inputs(batch: int, frames: int, h: int, w: int, text: int = 6, see
     }
 
 
-def make_wan_vace(seed: int = 0, layers: int = 3, vace_layers: tuple[int, ...] = (0, 2)):
-    """Wan VACE-like: 3 Wan blocks, control blocks whose hints join blocks 0 and 2."""
+def make_wan_vace(
+    seed: int = 0,
+    layers: int = 3,
+    vace_layers: tuple[int, ...] = (0, 2),
+    channels: int = 4,
+    vace_in_channels: int = 6,
+):
+    """Wan VACE-like: 3 Wan blocks, control blocks whose hints join blocks 0 and 2; latents of
+    ``channels`` and a control input of ``vace_in_channels``."""
     from diffusers import WanVACETransformer3DModel
 
     torch.manual_seed(seed)
@@ -423,15 +432,15 @@ def make_wan_vace(seed: int = 0, layers: int = 3, vace_layers: tuple[int, ...] =
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=8,
-        in_channels=4,
-        out_channels=4,
+        in_channels=channels,
+        out_channels=channels,
         text_dim=CROSS_DIM,
         freq_dim=16,
         ffn_dim=32,
         num_layers=layers,
         rope_max_seq_len=32,
         vace_layers=list(vace_layers),
-        vace_in_channels=6,
+        vace_in_channels=vace_in_channels,
     ).eval()
 
 

@@ -357,10 +357,10 @@ def test_flux_kontext_pipeline_merges_the_image_and_keeps_the_reference_whole(tm
 def tiny_wan_vace_folder(tmp_path):
     """A tiny Wan VACE pipeline saved to a folder: Wan's tiny parts, a VACE transformer whose
     control input is what the pipeline prepares (16 + 16 control latents, 8 x 8 mask channels)."""
-    from diffusers import AutoencoderKLWan, WanVACEPipeline, WanVACETransformer3DModel
+    from diffusers import AutoencoderKLWan, WanVACEPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from tests.tiny_models import CROSS_DIM
+    from tests.tiny_models import make_wan_vace
 
     torch.manual_seed(0)
     WanVACEPipeline(
@@ -368,20 +368,7 @@ def tiny_wan_vace_folder(tmp_path):
         text_encoder=UMT5EncoderModel(
             UMT5Config(vocab_size=60, d_model=32, d_ff=32, d_kv=8, num_layers=1, num_heads=2)
         ),
-        transformer=WanVACETransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=8,
-            in_channels=16,
-            out_channels=16,
-            text_dim=CROSS_DIM,
-            freq_dim=16,
-            ffn_dim=32,
-            num_layers=3,
-            rope_max_seq_len=32,
-            vace_layers=[0, 2],
-            vace_in_channels=16 * 2 + 8 * 8,
-        ),
+        transformer=make_wan_vace(channels=16, vace_in_channels=16 * 2 + 8 * 8),
         vae=AutoencoderKLWan(
             base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
         ),
@@ -456,12 +443,12 @@ def tiny_hunyuan15_folder(tmp_path):
     """A tiny HunyuanVideo 1.5 pipeline saved to a folder: a Qwen2.5-VL text model and a ByT5
     encoder from config, the byte-level Qwen2 tokenizer, ByT5's (it needs no files), a 4-channel
     VAE (8x space, 4x time) and a transformer taking latents, condition latents and mask (9)."""
-    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
-    from tests.tiny_models import TEXT_DIM
+    from tests.tiny_models import TEXT_DIM, make_hunyuan15
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
@@ -480,20 +467,7 @@ def tiny_hunyuan15_folder(tmp_path):
     HunyuanVideo15Pipeline(
         text_encoder=Qwen2_5_VLTextModel(text),
         tokenizer=tokenizer,
-        transformer=HunyuanVideo15Transformer3DModel(
-            in_channels=2 * 4 + 1,
-            out_channels=4,
-            num_attention_heads=2,
-            attention_head_dim=8,
-            num_layers=2,
-            num_refiner_layers=1,
-            patch_size=2,
-            patch_size_t=1,
-            text_embed_dim=TEXT_DIM,
-            text_embed_2_dim=16,
-            image_embed_dim=16,
-            rope_axes_dim=(2, 2, 4),
-        ),
+        transformer=make_hunyuan15(in_channels=2 * 4 + 1),
         vae=AutoencoderKLHunyuanVideo15(
             latent_channels=4,
             block_out_channels=(8, 8, 8, 8),
