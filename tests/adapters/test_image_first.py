@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from toma.adapters.engine import RotaryToTileOrder, rotary_rows
 from toma.adapters.merging import _gather_rotary, open_call
 from toma.adapters.spec import Rotary, Site, gather_rows
 from toma.adapters.state import PlanCache, TileState
 from toma.config import ToMAConfig
+from toma.core.tiling import tile_order
 
 GRID = (1, 4, 4)
 N, TEXT, C = 16, 5, 8
@@ -79,3 +81,38 @@ def test_rotary_rows_are_the_destinations_then_the_suffix(table_batch):
 def test_image_first_refuses_what_it_cannot_lay_out(options):
     with pytest.raises(ValueError, match="image_first"):
         Site("attention", "attn", image_first=True, **options)
+
+
+def tiles():
+    """The 2x2 tile layout of ``GRID``."""
+    cache = PlanCache(ToMAConfig(ratio=0.5, tile_size=2))
+    cache.begin_forward(GRID, 0.5)
+    return cache.layout(*GRID)
+
+
+@pytest.mark.parametrize("runs", [1, 2])
+def test_image_first_tables_put_their_image_rows_in_tile_order(runs):
+    # a rope module's (N + text, ...) table (HiDream's): its first runs * N rows go to tile
+    # order, run by run, and the text rows after them keep their places
+    layout = tiles()
+    text = 3
+    rows = rotary_rows(layout, text, torch.device("cpu"), runs, image_first=True)
+    ids = torch.arange(N)[None, :, None]
+    tiled = tile_order(ids, layout).flatten()
+    expected = [int(i) + r * N for r in range(runs) for i in tiled] + list(range(runs * N, runs * N + text))
+    assert rows.tolist() == expected
+    assert sorted(expected[:N]) == list(range(N)) and expected[:N] != list(range(N))  # a real reordering
+
+
+def test_a_rope_module_with_one_table_gets_its_image_rows_reordered():
+    # the hook on a rope module that returns one tensor, not a tuple (HiDream's pe_embedder):
+    # the tensor comes back reordered, still a tensor
+    cache = PlanCache(ToMAConfig(ratio=0.5, tile_size=2))
+    cache.begin_forward(GRID, 0.5)
+    order = TileState(cache)
+    order.layout = cache.layout(*GRID)
+    table = torch.randn(2, N + TEXT, 1, 3)
+    hook = RotaryToTileOrder(order, 1, image_first=True)
+    out = hook.post_forward(torch.nn.Identity(), table)
+    rows = rotary_rows(order.layout, TEXT, torch.device("cpu"), image_first=True)
+    assert isinstance(out, torch.Tensor) and torch.equal(out, table[:, rows])

@@ -191,7 +191,8 @@ def order_hooks(
         (model.get_submodule(spec.leave), Reorder(order, enter=False, on_output=False)),
     ]
     if spec.rope is not None:
-        hooks.append((model.get_submodule(spec.rope[0]), RotaryToTileOrder(order, spec.rope[1], spec.rope_items)))
+        rotary = RotaryToTileOrder(order, spec.rope[1], spec.rope_items, image_first=spec.rope_image_first)
+        hooks.append((model.get_submodule(spec.rope[0]), rotary))
     return order, hooks
 
 
@@ -449,12 +450,16 @@ class Reorder(Hook):
 
 class RotaryToTileOrder(Hook):
     """On the rotary module: the image rows of its tables to the blocks' order (tile order;
-    text rows lead, then any conditioning tokens' rows)."""
+    text rows lead, then any conditioning tokens' rows; or, with ``image_first``, the image's
+    rows lead and the text's follow)."""
 
-    def __init__(self, order: TileState, seq_dim: int, items: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self, order: TileState, seq_dim: int, items: tuple[int, ...] | None = None, image_first: bool = False
+    ) -> None:
         self.order = order
         self.seq_dim = seq_dim
         self.items = items  # the items of the output tuple with image rows (None: all)
+        self.image_first = image_first
         self._rows: dict[tuple, torch.Tensor] = {}  # (text rows, layout or index, device) -> row order
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
@@ -462,12 +467,14 @@ class RotaryToTileOrder(Hook):
         layout = order.layout
         if layout is None and not order.extra:
             return output
+        if isinstance(output, torch.Tensor):  # one table (HiDream's), not a tuple
+            return self.post_forward(module, (output,))[0]
         items = range(len(output)) if self.items is None else self.items
         table = output[items[0]]
         # diffusers splits the output of some rotary modules (Wan's, LTX's, Qwen-Image's)
         # after this hook: their tables then hold every shard's rows
         runs = order.shard.world if not order.extra and order.shard is not None and splits_output(module) else 1
-        rows = block_order_rows(order, table.shape[self.seq_dim], table.device, self._rows, runs)
+        rows = block_order_rows(order, table.shape[self.seq_dim], table.device, self._rows, runs, self.image_first)
         with profiled("toma::merge"):
             return tuple(t.index_select(self.seq_dim, rows) if i in items else t for i, t in enumerate(output))
 
@@ -553,11 +560,16 @@ def _tensors(tables: Any) -> list[torch.Tensor]:
     return []
 
 
-def block_order_rows(order: TileState, length: int, device: torch.device, known: dict, runs: int = 1) -> torch.Tensor:
+def block_order_rows(
+    order: TileState, length: int, device: torch.device, known: dict, runs: int = 1, image_first: bool = False
+) -> torch.Tensor:
     """Row order that takes a ``(text + N + extra, ...)`` rotary table in the model's order to
     the blocks' (text rows, then conditioning tokens', then the image's in tile order); with
-    ``runs`` > 1, a table of ``runs`` shards' image rows (see :func:`rotary_rows`). Built on
-    the device once per shape (kept in ``known``): no host-to-device copy per step."""
+    ``runs`` > 1, a table of ``runs`` shards' image rows (see :func:`rotary_rows`); with
+    ``image_first``, a ``(N + text, ...)`` table (no conditioning tokens). Built on the device
+    once per shape (kept in ``known``): no host-to-device copy per step."""
+    if order.extra and image_first:
+        raise ValueError("block_order_rows: image-first tables with conditioning tokens are not supported")
     if order.extra:  # the conditioning tokens' rows, then the image's, after the text's
         text = length - order.enter.numel()
         key = (text, order.enter, device)  # the step hook keeps one index per shape
@@ -569,17 +581,20 @@ def block_order_rows(order: TileState, length: int, device: torch.device, known:
         return rows
     layout = order.layout
     text = length - runs * layout.num_tokens
-    key = (text, layout, runs, device)
+    key = (text, layout, runs, device, image_first)
     rows = known.get(key)
     if rows is None:
-        rows = known[key] = rotary_rows(layout, text, device, runs)
+        rows = known[key] = rotary_rows(layout, text, device, runs, image_first)
     return rows
 
 
-def rotary_rows(layout: TileLayout, text: int, device: torch.device, runs: int = 1) -> torch.Tensor:
-    """Row order that puts the image rows of a ``(text + N, ...)`` table in tile order, text first;
-    with ``runs`` > 1, ``runs`` consecutive runs of ``N`` image rows (every context-parallel
-    shard's), each in its own tile order.
+def rotary_rows(
+    layout: TileLayout, text: int, device: torch.device, runs: int = 1, image_first: bool = False
+) -> torch.Tensor:
+    """Row order that puts the image rows of a ``(text + N, ...)`` table in tile order, text first
+    (with ``image_first``, of a ``(N + text, ...)`` table, text last); with ``runs`` > 1,
+    ``runs`` consecutive runs of ``N`` image rows (every context-parallel shard's), each in its
+    own tile order.
 
     Made as an ordinary tensor even under inference_mode: it is kept for later calls, which
     may train and save it for backward.
@@ -587,6 +602,8 @@ def rotary_rows(layout: TileLayout, text: int, device: torch.device, runs: int =
     with torch.inference_mode(False):
         image = tile_order(torch.arange(layout.num_tokens, device=device)[None, :, None], layout).flatten()
         image = torch.cat([image + r * layout.num_tokens for r in range(runs)])
+        if image_first:
+            return torch.cat([image, torch.arange(image.numel(), image.numel() + text, device=device)])
         return torch.cat([torch.arange(text, device=device), image + text])
 
 

@@ -167,6 +167,8 @@ class FamilySpec:
         rope: path of the module whose output tuple holds the rotary tables, and the
             sequence dimension of each table (their image rows are put in tile order), or
             None.
+        rope_image_first: the ``rope`` module's tables hold the image's rows first, then the
+            text's (HiDream), rather than the text's first.
         rope_items: which items of that tuple hold image rows (None: all of them); with
             ``block_rope``, of the blocks' table tuple (an item may nest tensors).
         block_rope: ``(keyword, position, sequence dimension)`` of the rotary tables every
@@ -208,6 +210,7 @@ class FamilySpec:
     enter: tuple[str, str]
     leave: str
     rope: tuple[str, int] | None = None
+    rope_image_first: bool = False
     rope_items: tuple[int, ...] | None = None
     block_rope: tuple[str, int | None, int] | None = None
     position_inputs: tuple[str, ...] = ()
@@ -255,12 +258,14 @@ def skip_first(count: int) -> Callable[[str, int], tuple[int, ...]]:
 
 
 def gather_rows(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """Rows ``dest`` ``(Bp, K)`` of a per-batch table ``(Bt, N, D)`` (``Bt`` 1 or B): ``(max(Bt, Bp), K, D)``."""
+    """Rows ``dest`` ``(Bp, K)`` of a per-batch table ``(Bt, N, ...)`` (``Bt`` 1 or B):
+    ``(max(Bt, Bp), K, ...)``."""
     if table.shape[0] == 1:
         return table[0][dest]
     if dest.shape[0] == 1:
         return table[:, dest[0]]
-    return table.gather(1, dest[..., None].expand(-1, -1, table.shape[-1]))
+    index = dest.view(*dest.shape, *(1,) * (table.ndim - 2)).expand(-1, -1, *table.shape[2:])
+    return table.gather(1, index)
 
 
 def head_mask(log_mass: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
