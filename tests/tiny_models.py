@@ -903,6 +903,42 @@ def bria_fibo_inputs(batch: int, h: int, w: int, text: int = 5, blocks: int = 4,
     return kw
 
 
+def make_hidream(seed: int = 0, double: int = 2, single: int = 2):
+    """HiDream-I1: double-stream then single-stream blocks on [image; text], 2-expert MoE MLPs."""
+    from diffusers import HiDreamImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    return HiDreamImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        num_layers=double,
+        num_single_layers=single,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        caption_channels=[24, 20],  # T5, Llama
+        text_emb_dim=12,
+        num_routed_experts=2,
+        num_activated_experts=1,
+        axes_dims_rope=(4, 6, 6),
+        max_resolution=(32, 32),
+        llama_layers=list(range(double + single)),
+    ).eval()
+
+
+def hidream_inputs(batch: int, h: int, w: int, text: int = 5, llama: int = 3, layers: int = 4) -> dict:
+    """Square ``(4, 2h, 2w)`` latents (2x2 patches), T5 features, ``layers`` Llama layers' features
+    (a list of ``(B, llama, C)``, which the forward indexes as it does the pipeline's stacked
+    ``(layers, B, llama, C)``, and which the tests can cut per sample)."""
+    g = torch.Generator().manual_seed(1)
+    return {
+        "hidden_states": torch.randn(batch, 4, 2 * h, 2 * w, generator=g),
+        "timesteps": torch.full((batch,), 700.0),
+        "encoder_hidden_states_t5": torch.randn(batch, text, 24, generator=g),
+        "encoder_hidden_states_llama3": [torch.randn(batch, llama, 20, generator=g) for _ in range(layers)],
+        "pooled_embeds": torch.randn(batch, 12, generator=g),
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -943,6 +979,9 @@ class Family:
     rising_timestep: bool = False
     # whether diffusers' gradient-checkpointed forward runs at all (HunyuanImage's fails, unpatched too)
     checkpointing: bool = True
+    # whether the model's own blocks break torch.compile graphs, unpatched (HiDream's
+    # mixture-of-experts MLP counts tokens per expert on the host)
+    own_breaks: bool = False
 
     def divided_inputs(self, batch: int) -> dict:
         """A call on a token grid the default tiles divide (see ``divided``)."""
@@ -1280,6 +1319,20 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=35,
             grid=(1, 8, 8),
             joint_mask=flux_joint_mask,
+        ),
+        Family(
+            "hidream",
+            "hidream",
+            make_hidream,
+            lambda b: hidream_inputs(b, 8, 8),
+            {"blocks": {"double_stream_blocks": range(2), "single_stream_blocks": range(2)}},
+            proportional=False,
+            odd=lambda b: hidream_inputs(b, 7, 7),  # square only: 7x7 tiles pad
+            odd_tokens=49,
+            divided=lambda b: hidream_inputs(b, 8, 8),
+            grid=(1, 8, 8),
+            timestep="timesteps",
+            own_breaks=True,
         ),
     )
 }

@@ -652,3 +652,29 @@ def test_zimage_arch_calls_merge_and_step_its_rising_t():
         out = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))[0]
     assert len(out) == 2 and out[0].shape == (16, 1, 32, 32)
     assert patch.cache._plans  # the 32x32 tokens (a multiple of 32) merged
+
+
+def test_hidream_arch_calls_merge_at_reduced_depth():
+    # the published config, narrowed: --depth cuts the Llama layers fed to the blocks with
+    # the blocks (a projection per block), make_inputs' call runs, the default placement
+    # merges, and set_timestep steps the call's `timesteps`
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement, reduced_config, set_timestep
+
+    arch = ARCHS["hidream"]
+    narrow = {"num_attention_heads": 2, "attention_head_dim": 32, "axes_dims_rope": (16, 8, 8)}
+    narrow |= {"caption_channels": [24, 20], "text_emb_dim": 12}
+    tiny = dataclasses.replace(arch, config={**arch.config, **narrow}, text_dim=24, pooled_dim=12, text_tokens=8)
+    config = reduced_config("hidream", tiny.config, 16)
+    assert (config["num_layers"], config["num_single_layers"], len(config["llama_layers"])) == (1, 2, 3)
+    model = build_model(tiny, depth=16)
+    kw = make_inputs(tiny, 256, batch=1)
+    ts = [float(set_timestep(tiny, kw, step, 4)["timesteps"][0]) for step in range(4)]
+    assert ts == sorted(ts, reverse=True)
+    patch = toma.apply_toma(model, ratio=0.5, **default_placement(tiny, model))
+    with torch.no_grad():
+        out = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))[0]
+    assert out.shape == (1, 16, 32, 32)
+    assert patch.cache._plans

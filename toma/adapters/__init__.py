@@ -35,6 +35,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "krea2": ("toma.adapters.krea2", ("Krea2Transformer2DModel",)),
     "bria-fibo": ("toma.adapters.bria_fibo", ("BriaFiboTransformer2DModel",)),
     "zimage": ("toma.adapters.zimage", ("ZImageTransformer2DModel",)),
+    "hidream": ("toma.adapters.hidream", ("HiDreamImageTransformer2DModel",)),
 }
 
 

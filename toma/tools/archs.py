@@ -363,6 +363,26 @@ ZIMAGE: dict[str, Any] = {
     "axes_lens": [1536, 512, 512],
 }
 
+# HiDream-I1-Full (17B): the class defaults, with the published config's 16-channel latents
+# (Flux's VAE) and text widths: T5-XXL and Llama-3.1-8B (4096 each; a Llama layer's hidden
+# states per block, its 32 layers, then the last one again) and pooled CLIP-L + CLIP-G (2048)
+HIDREAM: dict[str, Any] = {
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_layers": 16,
+    "num_single_layers": 32,
+    "attention_head_dim": 128,
+    "num_attention_heads": 20,
+    "caption_channels": [4096, 4096],
+    "text_emb_dim": 2048,
+    "num_routed_experts": 4,
+    "num_activated_experts": 2,
+    "axes_dims_rope": (64, 32, 32),
+    "max_resolution": (128, 128),
+    "llama_layers": list(range(32)) + [31] * 16,
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -377,6 +397,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "krea2": ("num_layers",),
     "bria-fibo": ("num_layers", "num_single_layers"),
     "zimage": ("n_layers",),
+    "hidream": ("num_layers", "num_single_layers"),
 }
 
 
@@ -556,6 +577,8 @@ ARCHS: dict[str, Arch] = {
     "bria-fibo": Arch("bria-fibo", "bria-fibo", BRIA_FIBO, 1024, 1024, 4096, 0, 16, "Bria FIBO transformer", patch=1),
     # the pipeline passes each prompt's own tokens (up to 512), padded to a multiple of 32: 512 stands for one
     "zimage": Arch("zimage", "zimage", ZIMAGE, 1024, 512, 2560, 0, 8, "Z-Image-Turbo transformer (6B)"),
+    # the pipeline's T5 and Llama prompts, 128 tokens each
+    "hidream": Arch("hidream", "hidream", HIDREAM, 1024, 128, 4096, 2048, 8, "HiDream-I1-Full transformer (17B)"),
 }
 
 
@@ -577,6 +600,8 @@ def reduced_config(family: str, config: dict[str, Any], depth: int) -> dict[str,
     if family not in DEPTH_KEYS:
         raise ValueError(f"depth applies to transformers ({', '.join(DEPTH_KEYS)}); got depth={depth} for a {family}")
     out = {**config, **{key: max(1, round(config[key] / depth)) for key in DEPTH_KEYS[family]}}
+    if family == "hidream":  # one Llama layer's features per block built
+        out["llama_layers"] = config["llama_layers"][: out["num_layers"] + out["num_single_layers"]]
     if config.get("dual_attention_layers"):
         dual = round(len(config["dual_attention_layers"]) / depth)
         out["dual_attention_layers"] = tuple(range(min(dual, out["num_layers"])))
@@ -767,6 +792,17 @@ def make_inputs(
             "cap_feats": [rand(arch.text_tokens, arch.text_dim) for _ in range(batch)],
             "return_dict": False,
         }
+    if arch.family == "hidream":  # latents (the model patchifies them); the Llama's hidden states, layer by layer
+        return {
+            "hidden_states": rand(batch, channels, lh, lw),
+            "timesteps": timestep,
+            "encoder_hidden_states_t5": text,
+            "encoder_hidden_states_llama3": rand(
+                max(arch.config["llama_layers"]) + 1, batch, arch.text_tokens, arch.config["caption_channels"][1]
+            ),
+            "pooled_embeds": rand(batch, arch.pooled_dim),
+            "return_dict": False,
+        }
     if arch.family == "bria-fibo":  # FIBO's 16x VAE latents, one token per latent pixel
         rows, cols = torch.meshgrid(torch.arange(lh), torch.arange(lw), indexing="ij")
         img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
@@ -868,6 +904,8 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
     frac = 1.0 - step / max(steps, 1)
     if arch.family == "zimage":  # t = 1 - sigma: rises over a run
         return {**inputs, "t": torch.full_like(inputs["t"], 1.0 - frac)}
+    if arch.family == "hidream":
+        return {**inputs, "timesteps": torch.full_like(inputs["timesteps"], 999.0 * frac)}
     t = inputs["timestep"]
     # the flow-matching transformers take the timestep in [0, 1]
     value = max(frac, 1e-3) if arch.family in ("flux", "flux2", "qwenimage", "krea2") else 999.0 * frac
