@@ -1327,8 +1327,8 @@ FAMILIES: dict[str, Family] = {
             lambda b: hidream_inputs(b, 8, 8),
             {"blocks": {"double_stream_blocks": range(2), "single_stream_blocks": range(2)}},
             proportional=False,
-            odd=lambda b: hidream_inputs(b, 7, 7),  # square only: 7x7 tiles pad
-            odd_tokens=49,
+            odd=lambda b: hidream_inputs(b, 5, 7),  # padded to max_resolution's 256 tokens, masked
+            odd_tokens=35,
             divided=lambda b: hidream_inputs(b, 8, 8),
             grid=(1, 8, 8),
             timestep="timesteps",

@@ -116,3 +116,16 @@ def test_a_rope_module_with_one_table_gets_its_image_rows_reordered():
     out = hook.post_forward(torch.nn.Identity(), table)
     rows = rotary_rows(order.layout, TEXT, torch.device("cpu"), image_first=True)
     assert isinstance(out, torch.Tensor) and torch.equal(out, table[:, rows])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # no joint_mask to fit it with
+        {"joint_mask": lambda mask, n, k: mask, "mask": ("attention_mask", None)},
+        {"joint_mask": lambda mask, n, k: mask, "until": "proj_out", "call": "attn"},
+    ],
+)
+def test_a_mask_of_the_models_own_elsewhere_needs_a_fit_and_no_bias(options):
+    with pytest.raises(ValueError, match="own_mask"):
+        Site("attention", "attn", own_mask=("hidden_states_masks", 1), **options)

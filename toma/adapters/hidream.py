@@ -13,10 +13,14 @@ The rotary tables come from ``pe_embedder`` over the image ids, then the text's:
 ``x_embedder`` to ``final_layer``, and the tables' image rows with them
 (``FamilySpec.rope_image_first``).
 
-Square latents only: the forward pads a non-square image to ``max_resolution``'s token
-count, with zeroed keys (``hidden_states_masks``) between the image and the text, where no
-plan places them. Such calls, and calls that bring patchified tokens with their own mask,
-run unmerged with one warning. The processor calls torch's SDPA with no mask, so
+The forward pads a non-square image's tokens to ``max_resolution``'s count, the pad tokens
+after the image, and zeroes their keys with ``hidden_states_masks`` (ones over the image,
+zeros over the padding, ones over the text). The pad tokens pass whole like the text, and
+each merged attention takes the mask's last positions, one per merged token
+(:func:`toma.core.masks.slice_image_first_mask`); such calls stay in raster order, as the
+tokens that enter the blocks are more than the grid's. Calls that bring patchified tokens
+with a mask of their own run unmerged, with one warning: the mask over the image is then
+not known to be uniform. The processor calls torch's SDPA with no attention mask, so
 proportional attention is not offered.
 """
 
@@ -26,6 +30,7 @@ import torch
 
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.spec import gather_rows
+from toma.core.masks import slice_image_first_mask
 
 # image_rotary_emb (B, N + text, 1, D/2, 2, 2): the image's rows first
 _ROTARY = Rotary("image_rotary_emb", None, gather=gather_rows)
@@ -33,28 +38,24 @@ _ROTARY = Rotary("image_rotary_emb", None, gather=gather_rows)
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     group = "double" if stack == "double_stream_blocks" else "single"
+    # a non-square image's key mask: ones over the image, zeros over the padding after it
+    mask = {"own_mask": ("hidden_states_masks", 1), "joint_mask": slice_image_first_mask}
     return [
-        Site("block.attn1", "attn", rotary=_ROTARY, image_first=True, group=group),
+        Site("block.attn1", "attn", rotary=_ROTARY, image_first=True, group=group, **mask),
         Site("block.ff_i", "mlp", image_first=True, group=group),
     ]
 
 
 def hidream_grid(model: torch.nn.Module, call: dict) -> Grid | str | None:
-    """The ``(1, h, w)`` token grid of square latents ``(B, C, H, W)``, or why the call
-    cannot merge (see the module docstring)."""
+    """The ``(1, h, w)`` token grid of latents ``(B, C, H, W)``, or why the call cannot merge
+    (see the module docstring)."""
     latents = call.get("hidden_states")
     if latents is None:
         return None
     if latents.ndim != 4 or call.get("hidden_states_masks") is not None:
         return "HiDream calls with patchified tokens and their own hidden_states_masks are not merged"
     p = model.config.patch_size
-    h, w = latents.shape[-2] // p, latents.shape[-1] // p
-    if latents.shape[-2] != latents.shape[-1]:
-        return (
-            f"HiDream pads a non-square {h}x{w}-token image to {model.max_seq} tokens with masked keys "
-            "between the image and the text, which no plan places"
-        )
-    return (1, h, w)
+    return (1, latents.shape[-2] // p, latents.shape[-1] // p)
 
 
 SPEC = FamilySpec(

@@ -193,8 +193,7 @@ class MergeHook(Hook):
                     "calls run unmerged"
                 )
                 return args, kwargs
-            name, index = site.mask or ("attention_mask", None)
-            args, kwargs = replace_arg(args, kwargs, name, index, own)
+            args, kwargs = replace_arg(args, kwargs, *self._own_place(), own)
         self.merged = merged
         args, kwargs = with_hidden_states(args, kwargs, merged.merge(x))
         return self._merged_call(module, merged, args, kwargs)
@@ -267,9 +266,13 @@ class MergeHook(Hook):
             "chunking off to merge it."
         )
 
+    def _own_place(self) -> tuple[str, int | None]:
+        """``(keyword, position)`` of the mask the model itself passes."""
+        return self.site.own_mask or self.site.mask or ("attention_mask", None)
+
     def _own_mask(self, args: tuple, kwargs: dict) -> Any:
         """The attention mask the model itself passes (over the raster sequence), if any."""
-        name, index = self.site.mask or ("attention_mask", None)
+        name, index = self._own_place()
         return args[index] if index is not None and len(args) > index else kwargs.get(name)
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:

@@ -83,6 +83,10 @@ class Site:
             mask that holds one value over the image, which the family's grid reader checks
             once per forward (Flux, FLUX.2, Chroma); a spanning site (``until``) must get only
             masks it can fit, as its merge happens before its call is seen.
+        own_mask: ``(keyword, position)`` of a mask of the model's own in the call, where it
+            is not the attention mask the key bias would go in (HiDream's ``hidden_states_masks``,
+            which zeroes padded keys): fitted by ``joint_mask`` as ``mask``'s is. None: the
+            model's mask is where ``mask`` says (by default, ``attention_mask``).
         text_first: the call's hidden states are ``[text; image]`` (a single-stream block):
             the last ``N`` tokens merge, the text before them passes whole, and so does the
             text part of the output.
@@ -120,6 +124,7 @@ class Site:
     mask: tuple[str, int | None] | None = None
     mask_layout: Callable[[torch.Tensor, int, int], Any] | None = None
     joint_mask: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None
+    own_mask: tuple[str, int | None] | None = None
     text_first: bool = False
     image_first: bool = False
     text_keys: str | None = None
@@ -137,6 +142,8 @@ class Site:
     def __post_init__(self) -> None:
         if (self.until is None) != (self.call is None):
             raise ValueError("Site: give until and call together (a spanning merge), or neither")
+        if self.own_mask is not None and (self.takes_bias or self.until is not None or self.joint_mask is None):
+            raise ValueError("Site: own_mask needs a joint_mask, and takes neither mask, bias_call nor until")
         if self.image_first:
             shared = self.rotary is not None and self.rotary.shared
             if self.text_first or self.takes_bias or self.until is not None or shared:

@@ -62,6 +62,20 @@ def slice_joint_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor
     return out
 
 
+def slice_image_first_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor:
+    """``mask`` over a sequence whose first ``tokens`` positions merged to ``kept`` (an
+    image-first one, ``[image; suffix]``): its last ``S - tokens + kept`` positions on the key
+    axis and, for one row per query, on the query axis (a view). Exact only where the mask
+    holds one value over the image per sample, which the family must guarantee."""
+    if not 0 <= kept <= tokens <= mask.shape[-1]:
+        raise ValueError(f"kept must be in [0, tokens] and tokens at most the mask's {mask.shape[-1]} keys")
+    start = tokens - kept
+    out = mask[..., start:]
+    if mask.ndim > 2 and mask.shape[-2] == mask.shape[-1] != 1:
+        out = out[..., start:, :]
+    return out
+
+
 def fit_joint_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor | None:
     """The model's ``mask`` over ``text + tokens`` positions fitted to ``kept`` merged image
     tokens, or None where it has no merged form (an unknown layout, or image positions that
