@@ -73,6 +73,7 @@ from toma.adapters.spec import (
     Rotary,
     Site,
     gather_rows,
+    gather_token_rows,
     head_mask,
     image_grid,
     video_grid,
@@ -97,6 +98,7 @@ __all__ = [
     "chosen_blocks",
     "find_targets",
     "gather_rows",
+    "gather_token_rows",
     "head_mask",
     "hidden_states_of",
     "image_grid",
@@ -190,9 +192,9 @@ def order_hooks(
         (entry, Reorder(order, enter=True, on_output=kind == "output")),
         (model.get_submodule(spec.leave), Reorder(order, enter=False, on_output=False)),
     ]
-    if spec.rope is not None:
-        rotary = RotaryToTileOrder(order, spec.rope[1], spec.rope_items, image_first=spec.rope_image_first)
-        hooks.append((model.get_submodule(spec.rope[0]), rotary))
+    for path, seq_dim in spec.rope_modules:
+        rotary = RotaryToTileOrder(order, seq_dim, spec.rope_items, image_first=spec.rope_image_first)
+        hooks.append((model.get_submodule(path), rotary))
     return order, hooks
 
 

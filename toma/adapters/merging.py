@@ -205,7 +205,7 @@ class MergeHook(Hook):
         under proportional attention, the plan's log masses as its mask."""
         site, plan = self.site, merged.plan
         if site.rotary is not None:
-            args, kwargs, self.samples = _gather_rotary(site.rotary, merged, args, kwargs)
+            args, kwargs, self.samples = _gather_rotary(site.rotary, merged, args, kwargs, site=site.path)
         x = hidden_states_of(args, kwargs)
         if self._biased(module, x):
             named = kwargs.get(site.text_keys) if site.text_keys else None
@@ -417,8 +417,11 @@ def _concat_batch(outputs: list) -> Any:
     return type(first)(None if parts[0] is None else torch.cat(parts) for parts in zip(*outputs))
 
 
-def _gather_rotary(rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict) -> tuple[tuple, dict, list | None]:
-    """The call with its rotary tables gathered to the tokens of ``merged``.
+def _gather_rotary(
+    rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict, site: str = ""
+) -> tuple[tuple, dict, list | None]:
+    """The call with its rotary tables gathered to the tokens of ``merged``, at the site whose
+    path is ``site``.
 
     The tables are one tensor or a tuple of items, of which ``rotary.items`` hold image
     rows; such an item is a tensor or a tuple nesting tensors (and None), each gathered.
@@ -454,8 +457,10 @@ def _gather_rotary(rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict
             return [pick(None, dest)]
         return [pick(b, dest) for b in range(dest.shape[0])]
 
-    # every block of a forward passes the same tables: gather once per plan
-    gathered = plan.memo(f"rotary_{rotary.name}_{tiled}", make)
+    # every block of a forward passes the same tables to a site: gather once per plan and
+    # site path, as two sites of a block may take other tables under one keyword (LTX-2's
+    # self-attention and audio-to-video attention, both query_rotary_emb)
+    gathered = plan.memo(f"rotary_{site}_{rotary.name}_{tiled}", make)
     args, kwargs = replace_arg(args, kwargs, rotary.name, rotary.index, gathered[0])
     return args, kwargs, (gathered if len(gathered) > 1 else None)
 

@@ -173,11 +173,16 @@ class FamilySpec:
             ``(B, N, C)`` tokens; they go back to raster order there.
         rope: path of the module whose output tuple holds the rotary tables, and the
             sequence dimension of each table (their image rows are put in tile order), or
-            None.
-        rope_image_first: the ``rope`` module's tables hold the image's rows first, then the
+            None. A family with several such modules over the image tokens (LTX-2's
+            self-attention tables and its audio-video cross-attention's) gives a tuple of
+            such pairs (see :attr:`rope_modules`). A negative dimension counts from the end,
+            for modules whose layout depends on the config (``(B, N, D)`` or ``(B, H, N, D)``:
+            -2 in both).
+        rope_image_first: the ``rope`` modules' tables hold the image's rows first, then the
             text's (HiDream), rather than the text's first.
-        rope_items: which items of that tuple hold image rows (None: all of them); with
-            ``block_rope``, of the blocks' table tuple (an item may nest tensors).
+        rope_items: which items of that tuple hold image rows (None: all of them; the same
+            for every module of ``rope``); with ``block_rope``, of the blocks' table tuple
+            (an item may nest tensors).
         block_rope: ``(keyword, position, sequence dimension)`` of the rotary tables every
             block of the stacks takes, for families whose forward makes them with no module
             (a method, JoyImage's): at each block's call their image rows are put in the
@@ -216,7 +221,7 @@ class FamilySpec:
     grid: GridReader
     enter: tuple[str, str]
     leave: str
-    rope: tuple[str, int] | None = None
+    rope: tuple[str, int] | tuple[tuple[str, int], ...] | None = None
     rope_image_first: bool = False
     rope_items: tuple[int, ...] | None = None
     block_rope: tuple[str, int | None, int] | None = None
@@ -228,6 +233,13 @@ class FamilySpec:
     default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
     video: bool = False
     reference: tuple[int, int] | None = None
+
+    @property
+    def rope_modules(self) -> tuple[tuple[str, int], ...]:
+        """``rope`` as pairs ``(path, sequence dimension)``, one per rotary module (none when None)."""
+        if self.rope is None:
+            return ()
+        return (self.rope,) if isinstance(self.rope[0], str) else tuple(self.rope)
 
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` is (a subclass of) one of this family's classes."""
@@ -273,6 +285,22 @@ def gather_rows(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
         return table[:, dest[0]]
     index = dest.view(*dest.shape, *(1,) * (table.ndim - 2)).expand(-1, -1, *table.shape[2:])
     return table.gather(1, index)
+
+
+def gather_token_rows(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """Rows ``dest`` ``(Bp, K)`` of a per-batch table whose tokens are its second-to-last
+    dimension: ``(Bt, N, D)`` as :func:`gather_rows`, or ``(Bt, H, N, D)`` (heads first,
+    LTX-2's "split" rotary layout) to ``(max(Bt, Bp), H, K, D)``."""
+    if table.ndim == 3:
+        return gather_rows(table, dest)
+    if table.ndim != 4:
+        raise ValueError(f"gather_token_rows takes a (B, N, D) or (B, H, N, D) table; got shape {tuple(table.shape)}")
+    if table.shape[0] == 1:
+        return table[0][:, dest].transpose(0, 1)  # (H, Bp, K, D) -> (Bp, H, K, D)
+    if dest.shape[0] == 1:
+        return table[:, :, dest[0]]
+    index = dest[:, None, :, None].expand(-1, table.shape[1], -1, table.shape[-1])
+    return table.gather(2, index)
 
 
 def head_mask(log_mass: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
