@@ -233,6 +233,58 @@ def ltx_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int
     }
 
 
+def make_ltx2(seed: int = 0, layers: int = 2, **config):
+    """LTX-2: a video stream (2 heads of 8) and an audio stream (2 heads of 4) in each block."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    return LTX2VideoTransformer3DModel(
+        **{
+            "in_channels": 8,
+            "out_channels": 8,
+            "num_attention_heads": 2,
+            "attention_head_dim": 8,
+            "cross_attention_dim": 16,
+            "audio_in_channels": 8,
+            "audio_out_channels": 8,
+            "audio_num_attention_heads": 2,
+            "audio_attention_head_dim": 4,
+            "audio_cross_attention_dim": 8,
+            "num_layers": layers,
+            "caption_channels": CROSS_DIM,
+            **config,
+        }
+    ).eval()
+
+
+def ltx2_inputs(
+    batch: int, frames: int, h: int, w: int, audio: int = 7, text: int = 5, seed: int = 1, coords: bool = False
+) -> dict:
+    """Flattened video latents of ``frames x h x w`` tokens and ``audio`` audio latents, each
+    stream with its prompt and text mask; with ``coords``, the pipelines' ``video_coords``."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, text)
+    mask[:, -1] = 0
+    kw = {
+        "hidden_states": torch.randn(batch, frames * h * w, 8, generator=g),
+        "audio_hidden_states": torch.randn(batch, audio, 8, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "audio_encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_attention_mask": mask,
+        "audio_encoder_attention_mask": mask.clone(),
+        "num_frames": frames,
+        "height": h,
+        "width": w,
+        "audio_num_frames": audio,
+    }
+    if coords:  # as LTX2Pipeline computes them (the rope's own, default scale factors)
+        from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoRotaryPosEmbed
+
+        kw["video_coords"] = LTX2AudioVideoRotaryPosEmbed(dim=16).prepare_video_coords(batch, frames, h, w, "cpu")
+    return kw
+
+
 def make_qwen(layers: int = 3):
     from diffusers import QwenImageTransformer2DModel
 
@@ -1102,6 +1154,20 @@ FAMILIES: dict[str, Family] = {
             odd=lambda b: ltx_inputs(b, 3, 5, 7),
             odd_tokens=3 * 35,
             divided=lambda b: ltx_inputs(b, 4, 8, 8),
+            grid=(4, 6, 8),
+            text_mask="encoder_attention_mask",
+        ),
+        Family(
+            "ltx2",
+            "ltx2",
+            make_ltx2,
+            lambda b: ltx2_inputs(b, 4, 6, 8),
+            {"blocks": {"transformer_blocks": range(2)}},
+            proportional=True,
+            cross=True,
+            odd=lambda b: ltx2_inputs(b, 3, 5, 7),
+            odd_tokens=3 * 35,
+            divided=lambda b: ltx2_inputs(b, 4, 8, 8),
             grid=(4, 6, 8),
             text_mask="encoder_attention_mask",
         ),

@@ -48,8 +48,8 @@ FAMILIES = {
 }
 # the families built on Wan's spec, whose processors live in modules of their own
 # and those whose processors cannot carry the bias in their mask argument: SD3 (toma's own
-# joint attention), LTX and Qwen-Image (the bias waits for the processor's dispatch)
-for _name in ("wan-vace", "skyreels-v2", "wan-animate", "sd3", "ltx", "qwenimage", "cosmos", "joyimage"):
+# joint attention), LTX, LTX-2 and Qwen-Image (the bias waits for the processor's dispatch)
+for _name in ("wan-vace", "skyreels-v2", "wan-animate", "sd3", "ltx", "ltx2", "qwenimage", "cosmos", "joyimage"):
     _f = TINY[_name]
     FAMILIES[_name] = (_f.make, lambda _f=_f: _f.inputs(2), _f.options)
 

@@ -18,6 +18,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "sd3": ("toma.adapters.sd3", ("SD3Transformer2DModel",)),
     "wan": ("toma.adapters.wan", ("WanTransformer3DModel",)),
     "ltx": ("toma.adapters.ltx", ("LTXVideoTransformer3DModel",)),
+    "ltx2": ("toma.adapters.ltx2", ("LTX2VideoTransformer3DModel",)),
     "pixart": ("toma.adapters.pixart", ("PixArtTransformer2DModel",)),
     "hunyuanvideo": ("toma.adapters.hunyuanvideo", ("HunyuanVideoTransformer3DModel",)),
     "cogvideox": ("toma.adapters.cogvideox", ("CogVideoXTransformer3DModel",)),
