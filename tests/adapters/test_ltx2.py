@@ -186,3 +186,37 @@ def test_inputs_laid_over_the_raster_sequence_keep_raster_order(keyword, monkeyp
         assert all("attention mask over its unmerged tokens" in m for m in messages)
     else:
         assert messages == []
+
+
+def test_the_ltx23_layout_merges_with_spatio_temporal_guidance(monkeypatch):
+    # LTX-2.3's config: gated attention, prompt modulation of the cross-attention, the
+    # perturbed processor (STG skips block 1's self-attention for the second sample), split
+    # rotary tables, prompts already at the streams' widths; the bias reaches the perturbed
+    # processor's dispatch too
+    config = {
+        "gated_attn": True,
+        "cross_attn_mod": True,
+        "audio_gated_attn": True,
+        "audio_cross_attn_mod": True,
+        "perturbed_attn": True,
+        "use_prompt_embeddings": False,
+        "rope_type": "split",
+    }
+    model, kw = make_ltx2(**config), ltx2_inputs(2, 4, 8, 8)
+    g = torch.Generator().manual_seed(3)
+    kw["encoder_hidden_states"] = torch.randn(2, 5, 16, generator=g)
+    kw["audio_encoder_hidden_states"] = torch.randn(2, 5, 8, generator=g)
+    kw.update(sigma=kw["timestep"] / 1000, use_cross_timestep=True, spatio_temporal_guidance_blocks=[1])
+    kw["perturbation_mask"] = torch.tensor([1.0, 0.0])
+    video, audio = outputs(model, kw)
+    toma.apply_toma(model, **{**OPTIONS, "ratio": 0.0})
+    assert all(torch.equal(a, b) for a, b in zip(outputs(model, kw), (video, audio)))
+    toma.apply_toma(model, **OPTIONS, proportional_attention=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no site runs unmerged, the bias is not dropped
+        tiled, raster = tiled_and_raster(model, kw, monkeypatch)
+    assert (tiled - video).abs().max() > 1e-3
+    torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)
+    monkeypatch.undo()
+    toma.remove_toma(model)
+    assert all(torch.equal(a, b) for a, b in zip(outputs(model, kw), (video, audio)))

@@ -29,8 +29,11 @@ condition and IC-LoRA pipelines) runs unmerged, with a warning once. Calls with 
 per token (image-to-video: the conditioning frame's tokens are clean), a
 ``video_self_attention_mask`` or ``video_keyframes_mask`` (both laid over the raster
 sequence) run in raster order; ``attn1`` under a self-attention mask of the model's own
-runs unmerged, as every site with such a mask does. Under context parallelism LTX-2 is
-refused (see :mod:`toma.adapters.parallel`).
+runs unmerged, as every site with such a mask does. LTX-2.3's options (gated attention,
+prompt modulation, the perturbed processor of spatio-temporal guidance) change nothing here.
+Under context parallelism LTX-2 is refused (see :mod:`toma.adapters.parallel`): diffusers
+0.42.1's own plan fails on it, unpatched, as it leaves ``cross_attn_rope``'s tables whole
+while it splits the video tokens.
 """
 
 from __future__ import annotations
