@@ -620,7 +620,7 @@ def test_every_arch_builds_its_spec_class_with_the_stacks_its_depth_keys_count()
     # stacks' blocks with DEPTH_KEYS in the same order: built at full size on the meta
     # device (no memory, no init cost), every stack holds what its key says
     from toma.adapters import FAMILIES, adapter_for
-    from toma.tools.archs import DEPTH_KEYS, STACKS
+    from toma.tools.archs import DEPTH_KEYS, STACKS, block_count
 
     assert list(STACKS) == list(DEPTH_KEYS) and set(DEPTH_KEYS) <= set(FAMILIES)
     for arch in ARCHS.values():
@@ -628,7 +628,7 @@ def test_every_arch_builds_its_spec_class_with_the_stacks_its_depth_keys_count()
         assert adapter_for(model)[0] == arch.family
         if arch.family in STACKS:
             counts = [len(getattr(model, stack)) for stack in STACKS[arch.family]]
-            assert counts == [arch.config[key] for key in DEPTH_KEYS[arch.family]], arch.name
+            assert counts == [block_count(arch.config, key) for key in DEPTH_KEYS[arch.family]], arch.name
 
 
 def test_zimage_arch_calls_merge_and_step_its_rising_t():
@@ -677,4 +677,58 @@ def test_hidream_arch_calls_merge_at_reduced_depth():
     with torch.no_grad():
         out = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))[0]
     assert out.shape == (1, 16, 32, 32)
+    assert patch.cache._plans
+
+
+NARROW = {  # the published configs narrowed to build in a second: (config, arch fields, depth, resolution, frames)
+    "chroma": (
+        {"num_attention_heads": 2, "attention_head_dim": 32, "axes_dims_rope": (8, 12, 12)}
+        | {"joint_attention_dim": 32, "approximator_hidden_dim": 32},
+        19,
+        256,
+        None,
+    ),
+    "wan-vace": (
+        {"num_attention_heads": 2, "attention_head_dim": 32, "ffn_dim": 64, "vace_in_channels": 8},
+        20,
+        128,
+        5,
+    ),
+    "hunyuanvideo15": (
+        {"num_attention_heads": 2, "attention_head_dim": 32, "rope_axes_dim": (8, 12, 12)}
+        | {"text_embed_2_dim": 16, "image_embed_dim": 16},
+        27,
+        256,
+        5,
+    ),
+    "cosmos": ({"num_attention_heads": 2, "attention_head_dim": 24, "adaln_lora_dim": 8}, 14, 256, None),
+}
+
+
+@pytest.mark.parametrize("name", NARROW)
+def test_2026_video_and_image_archs_call_and_merge_at_reduced_depth(name):
+    # make_inputs' call runs each published layout (control input, condition channels,
+    # one latent frame, Flux's ids without pooled projections) and the default placement,
+    # scaled to the blocks built, merges; Wan VACE keeps control blocks at their share
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement, set_timestep
+
+    config, depth, resolution, frames = NARROW[name]
+    arch = ARCHS[name]
+    text = {"chroma": "joint_attention_dim", "wan-vace": "text_dim"}.get(name, "text_embed_dim")
+    tiny = dataclasses.replace(arch, config={**arch.config, **config, text: 32}, text_dim=32, text_tokens=8)
+    model = build_model(tiny, depth=depth)
+    kw = make_inputs(tiny, resolution, batch=1, frames=frames)
+    placement = default_placement(tiny, model)
+    if name == "wan-vace":
+        assert len(model.vace_blocks) == 1 and placement["blocks"]["vace_blocks"] == (0,)
+    patch = toma.apply_toma(model, ratio=0.5, **placement)
+    with torch.no_grad():
+        out = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))[0]
+    if name == "chroma":  # packed tokens (B, N, C)
+        assert out.shape[-1] == arch.config["in_channels"]
+    else:  # latents (B, C, F, H, W)
+        assert out.shape[1] == arch.config["out_channels"]
     assert patch.cache._plans

@@ -383,6 +383,79 @@ HIDREAM: dict[str, Any] = {
     "llama_layers": list(range(32)) + [31] * 16,
 }
 
+# Chroma1-HD (8.9B): the class defaults, Flux.1's blocks at Flux's width with the pooled
+# modulation replaced by one approximator
+CHROMA: dict[str, Any] = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "axes_dims_rope": (16, 56, 56),
+    "approximator_num_channels": 64,
+    "approximator_hidden_dim": 5120,
+    "approximator_layers": 5,
+}
+
+# Wan 2.1 VACE 14B: the class defaults (Wan 14B's blocks, control blocks joining every 5th)
+WAN_VACE_14B: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+    "vace_layers": [0, 5, 10, 15, 20, 25, 30, 35],
+    "vace_in_channels": 96,
+}
+
+# HunyuanVideo 1.5 (8.3B, 480p): the class defaults; 32-channel latents of a 16x VAE (4x in
+# time) with the image-to-video condition and mask channels (65 in)
+HUNYUAN_VIDEO15: dict[str, Any] = {
+    "in_channels": 65,
+    "out_channels": 32,
+    "num_attention_heads": 16,
+    "attention_head_dim": 128,
+    "num_layers": 54,
+    "num_refiner_layers": 2,
+    "mlp_ratio": 4.0,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "text_embed_dim": 3584,
+    "text_embed_2_dim": 1472,
+    "image_embed_dim": 1152,
+    "rope_theta": 256.0,
+    "rope_axes_dim": (16, 56, 56),
+}
+
+# Cosmos-Predict2 2B Text2Image (diffusers' scripts/convert_cosmos_to_diffusers.py), without
+# the padding-mask input channel: diffusers resizes that mask with torchvision, which this
+# project does not install (one input channel of 16; the blocks are the same)
+COSMOS_PREDICT2_2B: dict[str, Any] = {
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_attention_heads": 16,
+    "attention_head_dim": 128,
+    "num_layers": 28,
+    "mlp_ratio": 4.0,
+    "text_embed_dim": 1024,
+    "adaln_lora_dim": 256,
+    "max_size": (128, 240, 240),
+    "patch_size": (1, 2, 2),
+    "rope_scale": (1.0, 4.0, 4.0),
+    "concat_padding_mask": False,
+    "extra_pos_embed_type": None,
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -398,6 +471,10 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "bria-fibo": ("num_layers", "num_single_layers"),
     "zimage": ("n_layers",),
     "hidream": ("num_layers", "num_single_layers"),
+    "chroma": ("num_layers", "num_single_layers"),
+    "wan-vace": ("num_layers", "vace_layers"),  # the control blocks: one per entry of vace_layers
+    "hunyuanvideo15": ("num_layers",),
+    "cosmos": ("num_layers",),
 }
 
 
@@ -577,6 +654,31 @@ ARCHS: dict[str, Arch] = {
     "bria-fibo": Arch("bria-fibo", "bria-fibo", BRIA_FIBO, 1024, 1024, 4096, 0, 16, "Bria FIBO transformer", patch=1),
     # the pipeline passes each prompt's own tokens (up to 512), padded to a multiple of 32: 512 stands for one
     "zimage": Arch("zimage", "zimage", ZIMAGE, 1024, 512, 2560, 0, 8, "Z-Image-Turbo transformer (6B)"),
+    # Chroma's pipeline pads the T5 prompt to 512 tokens, as Flux's
+    "chroma": Arch("chroma", "chroma", CHROMA, 1024, 512, 4096, 0, 8, "Chroma1-HD transformer (8.9B)"),
+    "wan-vace": Arch(
+        "wan-vace", "wan-vace", WAN_VACE_14B, 480, 512, 4096, 0, 8, "Wan 2.1 VACE 14B transformer", 832 / 480, 81
+    ),
+    # 480p (848x480, the pipeline's 16:9), 16x VAE, 1000 MLLM + 256 ByT5 prompt tokens as padded
+    # by the pipeline, text to video (its image embedding of zeros)
+    "hunyuanvideo15": Arch(
+        "hunyuanvideo15",
+        "hunyuanvideo15",
+        HUNYUAN_VIDEO15,
+        480,
+        1000,
+        3584,
+        0,
+        16,
+        "HunyuanVideo 1.5 480p transformer (8.3B)",
+        848 / 480,
+        121,
+        patch=1,
+    ),
+    # the pipeline's 768x1360 image (Wan's 8x VAE) and T5 prompt of 512
+    "cosmos": Arch(
+        "cosmos", "cosmos", COSMOS_PREDICT2_2B, 768, 512, 1024, 0, 8, "Cosmos-Predict2 2B text-to-image", 1360 / 768
+    ),
     # the pipeline's T5 and Llama prompts, 128 tokens each
     "hidream": Arch("hidream", "hidream", HIDREAM, 1024, 128, 4096, 2048, 8, "HiDream-I1-Full transformer (17B)"),
 }
@@ -599,7 +701,11 @@ def reduced_config(family: str, config: dict[str, Any], depth: int) -> dict[str,
         raise ValueError(f"depth must be an int >= 1 (1 = full depth); got {depth!r}")
     if family not in DEPTH_KEYS:
         raise ValueError(f"depth applies to transformers ({', '.join(DEPTH_KEYS)}); got depth={depth} for a {family}")
-    out = {**config, **{key: max(1, round(config[key] / depth)) for key in DEPTH_KEYS[family]}}
+    counts = [key for key in DEPTH_KEYS[family] if not isinstance(config[key], (list, tuple))]
+    out = {**config, **{key: max(1, round(config[key] / depth)) for key in counts}}
+    if family == "wan-vace":  # the control blocks that join the blocks built, at the same share
+        every = max(1, round(config["num_layers"] / len(config["vace_layers"])))
+        out["vace_layers"] = list(range(0, out["num_layers"], every))
     if family == "hidream":  # one Llama layer's features per block built
         out["llama_layers"] = config["llama_layers"][: out["num_layers"] + out["num_single_layers"]]
     if config.get("dual_attention_layers"):
@@ -792,6 +898,42 @@ def make_inputs(
             "cap_feats": [rand(arch.text_tokens, arch.text_dim) for _ in range(batch)],
             "return_dict": False,
         }
+    if arch.family == "wan-vace":  # Wan's call and a control input (VACE's 96 channels) over the same latents
+        count = latent_frames(arch, frames)
+        return {
+            "hidden_states": rand(batch, channels, count, lh, lw),
+            "timestep": timestep,
+            "encoder_hidden_states": text,
+            "control_hidden_states": rand(batch, arch.config["vace_in_channels"], count, lh, lw),
+            "return_dict": False,
+        }
+    if arch.family == "hunyuanvideo15":  # text to video: the condition channels and image embedding zero
+        count = latent_frames(arch, frames)
+        latents = torch.cat(
+            [
+                rand(batch, 32, count, lh, lw),
+                torch.zeros(batch, channels - 32, count, lh, lw, device=device, dtype=dtype),
+            ],
+            dim=1,
+        )
+        ones = torch.ones(batch, arch.text_tokens, device=device, dtype=dtype)
+        return {
+            "hidden_states": latents,
+            "timestep": timestep,
+            "encoder_hidden_states": text,
+            "encoder_attention_mask": ones,
+            "encoder_hidden_states_2": rand(batch, 256, arch.config["text_embed_2_dim"]),
+            "encoder_attention_mask_2": torch.ones(batch, 256, device=device, dtype=dtype),
+            "image_embeds": torch.zeros(batch, 729, arch.config["image_embed_dim"], device=device, dtype=dtype),
+            "return_dict": False,
+        }
+    if arch.family == "cosmos":  # one latent frame: the text-to-image pipeline's call
+        return {
+            "hidden_states": rand(batch, channels, 1, lh, lw),
+            "timestep": torch.full((batch,), 0.5, device=device, dtype=dtype),
+            "encoder_hidden_states": text,
+            "return_dict": False,
+        }
     if arch.family == "hidream":  # latents (the model patchifies them); the Llama's hidden states, layer by layer
         return {
             "hidden_states": rand(batch, channels, lh, lw),
@@ -839,6 +981,16 @@ def make_inputs(
             "img_ids": img_ids[None].expand(batch, -1, -1).to(device),
             "txt_ids": txt_ids[None].expand(batch, -1, -1).to(device),
             "guidance": torch.full((batch,), 4.0, device=device, dtype=dtype),
+            "return_dict": False,
+        }
+    if arch.family == "chroma":  # Flux.1's call without pooled projections or guidance
+        rows, cols = torch.meshgrid(torch.arange(th), torch.arange(tw), indexing="ij")
+        return {
+            "hidden_states": rand(batch, th * tw, channels),
+            "encoder_hidden_states": text,
+            "timestep": torch.full((batch,), 1.0, device=device, dtype=dtype),
+            "img_ids": torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).to(device, dtype),
+            "txt_ids": torch.zeros(arch.text_tokens, 3, device=device, dtype=dtype),
             "return_dict": False,
         }
     ids = torch.zeros(1 + arch.references, th, tw, 3)
@@ -908,7 +1060,8 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
         return {**inputs, "timesteps": torch.full_like(inputs["timesteps"], 999.0 * frac)}
     t = inputs["timestep"]
     # the flow-matching transformers take the timestep in [0, 1]
-    value = max(frac, 1e-3) if arch.family in ("flux", "flux2", "qwenimage", "krea2") else 999.0 * frac
+    flow = ("flux", "flux2", "qwenimage", "krea2", "chroma", "cosmos")  # the timestep in [0, 1]
+    value = max(frac, 1e-3) if arch.family in flow else 999.0 * frac
     return {**inputs, "timestep": torch.full_like(t, value)}
 
 
@@ -925,6 +1078,13 @@ def token_grid(arch: Arch, resolution: int, frames: int | None = None) -> tuple[
     return (latent_frames(arch, frames), h, w) if arch.frames else (h, w)
 
 
+def block_count(config: dict[str, Any], key: str) -> int:
+    """The blocks a ``DEPTH_KEYS`` entry of ``config`` counts: its value, or the length of a
+    list of the blocks they join (Wan VACE's ``vace_layers``)."""
+    value = config[key]
+    return len(value) if isinstance(value, (list, tuple)) else value
+
+
 def merged_blocks(count: int, full_count: int, skip: int = 5) -> tuple[int, ...]:
     """Merged block indices when ``count`` of ``full_count`` blocks are built: the default
     skip of the first ``skip`` blocks, scaled by ``count / full_count`` (at least one merged)."""
@@ -938,7 +1098,7 @@ def default_placement(arch: Arch, model: torch.nn.Module) -> dict[str, Any]:
     the full model's skip of the first 5 blocks per stack, scaled to the blocks built."""
     if arch.family not in STACKS:
         return {}
-    full = dict(zip(STACKS[arch.family], (arch.config[k] for k in DEPTH_KEYS[arch.family])))
+    full = dict(zip(STACKS[arch.family], (block_count(arch.config, k) for k in DEPTH_KEYS[arch.family])))
     return {"blocks": {s: merged_blocks(len(getattr(model, s)), full[s]) for s in STACKS[arch.family]}}
 
 
