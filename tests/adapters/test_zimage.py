@@ -1,6 +1,7 @@
 """Z-Image's own cases: the calls whose unified sequence is irregular (image tokens padded
-before the caption, captions of different padded lengths, images of different sizes) run
-bitwise unmerged, with one warning that says why; the refiners never merge."""
+before the caption, images of different sizes) run bitwise unmerged, with one warning that
+says why; a batch whose captions differ in padded length (classifier-free guidance) merges,
+its joint mask fitted; the refiners never merge."""
 
 from __future__ import annotations
 
@@ -18,16 +19,11 @@ FAM = FAMILIES["zimage"]
 def irregular(kind: str) -> dict:
     if kind == "padded image":  # 5x7 = 35 tokens, padded to 64 between the image and the caption
         return zimage_inputs(2, 10, 14)
-    if kind == "captions":  # 5 and 40 caption tokens: padded to 32 and 64, then masked
-        return zimage_inputs(2, 16, 16, longer=35)
     kw = zimage_inputs(2, 16, 16)
     return {**kw, "x": [kw["x"][0], torch.randn(16, 1, 16, 32)]}
 
 
-@pytest.mark.parametrize(
-    "kind, words",
-    [("padded image", "multiple of 32"), ("captions", "padded lengths"), ("sizes", "different sizes")],
-)
+@pytest.mark.parametrize("kind, words", [("padded image", "multiple of 32"), ("sizes", "different sizes")])
 def test_irregular_sequences_run_unmerged_with_one_warning(kind, words):
     model, kw = FAM.make(), irregular(kind)
     ref = [t.clone() for t in model(**kw).sample] if kind == "sizes" else FAM.output(model, kw)
@@ -53,3 +49,27 @@ def test_only_the_main_layers_merge():
     assert names and all(name.startswith("layers.") for name in names)
     with pytest.raises(ValueError):  # the refiners are no stack of the family's
         toma.apply_toma(model, ratio=0.5, blocks={"noise_refiner": range(1)})
+
+
+def test_captions_of_different_lengths_merge_as_each_sample_alone():
+    # 5 and 40 caption tokens, padded to 32 and 64: the forward pads the first sample's
+    # sequence at its end and masks those keys. Each merged attention takes the mask's last
+    # positions; each sample's output is then its output alone (no padding, no mask), to the
+    # float noise of batching (see the conformance suite's per-sample plan test)
+    model, kw = FAM.make(), zimage_inputs(2, 16, 16, longer=35)
+    patch = toma.apply_toma(model, ratio=0.5, **FAM.every_part())
+    masks: list = []
+    attn = model.layers[1].attention
+    attn.register_forward_pre_hook(
+        lambda mod, args, kwargs: masks.append(kwargs.get("attention_mask")) and None, with_kwargs=True
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing said: it merges
+        both = torch.stack(model(**kw).sample)
+    [plan] = [p for _, p in patch.cache._plans.values()]
+    k = plan.num_merged
+    assert k < 64 and masks[0] is not None and masks[0].shape == (2, 64 + 64)  # what the layer passes
+    for b in range(2):
+        alone = {"x": kw["x"][b : b + 1], "t": kw["t"][b : b + 1], "cap_feats": kw["cap_feats"][b : b + 1]}
+        out = torch.stack(model(**alone).sample)
+        torch.testing.assert_close(both[b : b + 1], out, rtol=1e-4, atol=1e-5)

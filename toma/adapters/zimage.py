@@ -9,12 +9,15 @@ whole. The forward builds per-sample rotary tables ``freqs_cis`` ``(B, N + T, D/
 (complex) with the image's rows first, and passes them to every block; each merged call
 gets the rows of its destinations, then the caption's.
 
-Merging needs the regular layout: every sample's image of one size and its token count a
-multiple of 32 (the forward pads the image part with pad tokens to such a multiple,
-between the image and the caption, where no plan can place them), and captions of one
-padded length (otherwise the forward masks each sample's padding over the joint sequence).
-Other calls, and omni mode (``[caption; images; SigLIP]`` with per-token modulation), run
-unmerged with one warning saying why. Tokens stay in raster order: the image enters as a
+Merging needs every sample's image of one size and its token count a multiple of 32 (the
+forward pads the image part with pad tokens to such a multiple, between the image and the
+caption, where no plan can place them). Captions of different padded lengths in one batch
+(a classifier-free guidance batch: the prompt and the negative prompt) make the forward
+pad the shorter sequences at their end and mask those keys: the image leads every
+sequence, the mask holds ones over it, and each merged attention takes its last positions,
+one per merged token (:func:`toma.core.masks.slice_image_first_mask`). Other calls, and
+omni mode (``[caption; images; SigLIP]`` with per-token modulation), run unmerged with one
+warning saying why. Tokens stay in raster order: the image enters as a
 concatenation of per-sample lists and leaves within the unified sequence, so no module
 brackets the image tokens alone. Proportional attention is not offered: the processor
 dispatches the model's mask as is.
@@ -28,6 +31,7 @@ import torch
 
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.spec import gather_rows
+from toma.core.masks import slice_image_first_mask
 
 SEQ_MULTIPLE = 32  # diffusers' SEQ_MULTI_OF: the forward pads image and caption to it
 
@@ -37,13 +41,10 @@ _ROTARY = Rotary("freqs_cis", None, gather=gather_rows)
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return [
-        Site("attention", "attn", rotary=_ROTARY, image_first=True),
+        # the joint mask of a batch whose sequences differ in length: ones over the image
+        Site("attention", "attn", rotary=_ROTARY, image_first=True, joint_mask=slice_image_first_mask),
         Site("feed_forward", "mlp", image_first=True),
     ]
-
-
-def _padded(length: int) -> int:
-    return length + (-length) % SEQ_MULTIPLE
 
 
 def zimage_grid(model: torch.nn.Module, call: dict) -> Grid | str | None:
@@ -64,11 +65,6 @@ def zimage_grid(model: torch.nn.Module, call: dict) -> Grid | str | None:
         return (
             f"Z-Image pads {tokens} image tokens to a multiple of {SEQ_MULTIPLE} with pad tokens between the image "
             "and the caption, which no plan places"
-        )
-    if len({_padded(len(c)) for c in caps}) != 1:
-        return (
-            "Z-Image captions of different padded lengths in one batch get an attention mask over the joint "
-            "sequence, which ToMA does not fit"
         )
     return grid
 
