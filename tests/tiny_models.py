@@ -923,6 +923,77 @@ def zimage_inputs(batch: int, h: int, w: int, text: int = 5, longer: int = 0) ->
     }
 
 
+def make_minimax_h3(seed: int = 0, layers: int = 2):
+    """MiniMax H3: a text refiner block, then blocks on the packed [text; audio; video] sequence."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    torch.manual_seed(seed)
+    model = MiniMaxH3Transformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        hidden_size=32,
+        num_layers=layers,
+        num_refiner_layers=1,
+        ffn_dim=32,
+        in_channels=4,
+        audio_in_channels=4,
+        text_dim=TEXT_DIM,
+        freq_dim=16,
+        time_embed_hidden_dim=32,
+        time_embed_dim=16,
+        rope_freq_dim=2,  # 2 * 3 * 2 of the 16 head channels rotated
+    )
+    with torch.no_grad():  # its norms start at 1; make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.1)
+    return model.eval()
+
+
+def minimax_h3_inputs(
+    batch: int,
+    frames: int,
+    h: int,
+    w: int,
+    text: int = 5,
+    audio: int = 3,
+    audio_t: float | None = None,
+    anchors: tuple[str, ...] = (),
+) -> dict:
+    """A call as the modular pipeline's t2va layout makes it (fl2va with keyframe ``anchors``,
+    whose rows come after the text): ``frames`` latent frames of ``h x w`` latents (4 channels,
+    1x2x2 patches), ``audio`` stereo audio latents, the packed layout from its own
+    ``build_packed_sequence`` and the row timesteps from ``build_row_timesteps`` (the audio at
+    ``audio_t``, by default the video's 0.7; keyframes at 0.9)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3PrepareLayoutStep,
+        MiniMaxH3SetTimestepsStep,
+        patchify_video_latents,
+    )
+
+    g = torch.Generator().manual_seed(1)
+    ids, tags, video, audio_rows, text_rows, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        torch.ones(text, dtype=torch.long), frames, h, w, audio, (1, 2, 2), 2, 2, 0, anchors
+    )
+    conditioning = len(anchors) * (h // 2) * (w // 2)
+    timestep, row_index = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        video, audio_rows, conditioning, 0, text, 0.7, 0.7 if audio_t is None else audio_t, 0.9, 1.0
+    )
+    latents = torch.randn(batch, 4, len(anchors) + frames, h, w, generator=g)  # keyframes' rows first
+    return {
+        "hidden_states": patchify_video_latents(latents, (1, 2, 2)).reshape(batch, -1, 16),
+        "audio_hidden_states": torch.randn(batch, audio_rows.numel(), 4, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "timestep": timestep,
+        "timestep_indices": row_index,
+        "token_tags": tags,
+        "position_ids": ids.float(),
+        "video_indices": video,
+        "audio_indices": audio_rows,
+        "text_indices": text_rows,
+    }
+
+
 def make_bria_fibo(seed: int = 0, double: int = 2, single: int = 2):
     """Bria FIBO: Flux.1's blocks, half the text's channels replaced per block from a text-encoder layer."""
     from diffusers import BriaFiboTransformer2DModel
@@ -1399,6 +1470,18 @@ FAMILIES: dict[str, Family] = {
             grid=(1, 8, 8),
             timestep="timesteps",
             own_breaks=True,
+        ),
+        Family(
+            "minimax-h3",
+            "minimax-h3",
+            make_minimax_h3,
+            lambda b: minimax_h3_inputs(b, 2, 16, 20),
+            {"blocks": {"transformer_blocks": range(2)}},
+            odd=lambda b: minimax_h3_inputs(b, 1, 10, 14),
+            odd_tokens=35,
+            divided=lambda b: minimax_h3_inputs(b, 2, 16, 16),
+            grid=(2, 8, 10),
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/minimax_h3.py)
         ),
     )
 }

@@ -37,6 +37,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "bria-fibo": ("toma.adapters.bria_fibo", ("BriaFiboTransformer2DModel",)),
     "zimage": ("toma.adapters.zimage", ("ZImageTransformer2DModel",)),
     "hidream": ("toma.adapters.hidream", ("HiDreamImageTransformer2DModel",)),
+    "minimax-h3": ("toma.adapters.minimax_h3", ("MiniMaxH3Transformer3DModel",)),
 }
 
 
