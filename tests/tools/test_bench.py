@@ -732,3 +732,39 @@ def test_2026_video_and_image_archs_call_and_merge_at_reduced_depth(name):
     else:  # latents (B, C, F, H, W)
         assert out.shape[1] == arch.config["out_channels"]
     assert patch.cache._plans
+
+
+def test_minimax_h3_arch_calls_merge_its_video_rows_and_take_17k_plus_5_frames():
+    # the published width narrowed so it builds in a second: make_inputs packs the modular
+    # pipeline's t2va layout ([text; audio; video]), its video VAE's frame rule gives the
+    # latent frames, and the default placement merges the video rows of the merged blocks
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement, latent_frames, set_timestep
+
+    arch = ARCHS["minimax-h3"]
+    assert arch.size(768) == (768, 1344) and latent_frames(arch) == 37 and latent_frames(arch, 22) == 7
+    with pytest.raises(ValueError, match="17k \\+ 5"):
+        latent_frames(arch, 9)
+    narrow = {
+        "num_attention_heads": 2,
+        "attention_head_dim": 16,
+        "hidden_size": 32,
+        "ffn_dim": 32,
+        "text_dim": 32,
+        "freq_dim": 16,
+        "time_embed_hidden_dim": 32,
+        "time_embed_dim": 16,
+        "rope_freq_dim": 2,
+    }
+    tiny = dataclasses.replace(arch, config={**arch.config, **narrow}, text_dim=32, text_tokens=8)
+    model = build_model(tiny, depth=10)
+    kw = make_inputs(tiny, 256, frames=5)
+    ts = [float(set_timestep(tiny, kw, step, 4)["timestep"][0]) for step in range(4)]
+    assert ts == sorted(ts, reverse=True) and ts[0] == 1.0
+    patch = toma.apply_toma(model, ratio=0.5, **default_placement(tiny, model))
+    with torch.no_grad():
+        video, audio = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))
+    assert video.shape == (1, 2 * 8 * 14, 96) and audio.shape == kw["audio_hidden_states"].shape
+    assert patch.cache.base_grid == (2, 8, 14) and patch.cache._plans

@@ -456,6 +456,27 @@ COSMOS_PREDICT2_2B: dict[str, Any] = {
     "extra_pos_embed_type": None,
 }
 
+# MiniMax H3 (33B, t2va/fl2va partition): diffusers' class defaults, which its docstring gives
+# as the released checkpoint's (transformer_minimax_h3.py; 33.1B parameters counted). The 2
+# text-refiner blocks are not divided by --depth (never merged)
+MINIMAX_H3: dict[str, Any] = {
+    "num_attention_heads": 56,
+    "attention_head_dim": 128,
+    "hidden_size": 5376,
+    "num_layers": 50,
+    "num_refiner_layers": 2,
+    "ffn_dim": 14336,
+    "in_channels": 24,
+    "audio_in_channels": 32,
+    "patch_size": (1, 2, 2),
+    "text_dim": 5120,
+    "freq_dim": 256,
+    "time_embed_hidden_dim": 5376,
+    "time_embed_dim": 2688,
+    "rope_freq_dim": 16,
+    "rope_theta": 10000.0,
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -475,6 +496,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "wan-vace": ("num_layers", "vace_layers"),  # the control blocks: one per entry of vace_layers
     "hunyuanvideo15": ("num_layers",),
     "cosmos": ("num_layers",),
+    "minimax-h3": ("num_layers",),
 }
 
 
@@ -681,6 +703,22 @@ ARCHS: dict[str, Arch] = {
     ),
     # the pipeline's T5 and Llama prompts, 128 tokens each
     "hidream": Arch("hidream", "hidream", HIDREAM, 1024, 128, 4096, 2048, 8, "HiDream-I1-Full transformer (17B)"),
+    # the modular pipeline's default canvas (768x1344, 16x VAE) and shortest clip (5 s at 24 fps:
+    # 124 frames, 37 latent frames); the prompt is as long as it is (no padding): 256 tokens
+    # stand for one
+    "minimax-h3": Arch(
+        "minimax-h3",
+        "minimax-h3",
+        MINIMAX_H3,
+        768,
+        256,
+        5120,
+        0,
+        16,
+        "MiniMax H3 transformer (33B, video + audio)",
+        1344 / 768,
+        124,
+    ),
 }
 
 
@@ -945,6 +983,8 @@ def make_inputs(
             "pooled_embeds": rand(batch, arch.pooled_dim),
             "return_dict": False,
         }
+    if arch.family == "minimax-h3":  # the modular pipeline's t2va layout: [text; audio; video], all at one level
+        return minimax_h3_inputs(arch, rand, batch, lh, lw, frames, device)
     if arch.family == "bria-fibo":  # FIBO's 16x VAE latents, one token per latent pixel
         rows, cols = torch.meshgrid(torch.arange(lh), torch.arange(lw), indexing="ij")
         img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
@@ -1009,6 +1049,37 @@ def make_inputs(
     }
 
 
+def minimax_h3_inputs(
+    arch: Arch, rand: Any, batch: int, lh: int, lw: int, frames: int | None, device: torch.device | str
+) -> dict[str, Any]:
+    """A MiniMax H3 call as its modular pipeline makes it for text-to-video+audio: the packed
+    layout of its ``build_packed_sequence`` (text rows, the stereo soundtrack's rows, then the
+    video's), every row at one timestep."""
+    import torch
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames
+
+    pixels = arch.frames if frames is None else frames
+    count, text = latent_frames(arch, frames), arch.text_tokens
+    ids, tags, video, audio, text_rows, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        torch.ones(text, dtype=torch.long), count, lh, lw, audio_latent_num_frames(pixels), (1, 2, 2), 2, 2, 0
+    )
+    config = arch.config
+    return {
+        "hidden_states": rand(batch, video.numel(), config["in_channels"] * 4),
+        "audio_hidden_states": rand(batch, audio.numel(), config["audio_in_channels"]),
+        "encoder_hidden_states": rand(batch, text, arch.text_dim),
+        "timestep": torch.ones(1, device=device),
+        "timestep_indices": torch.zeros(ids.shape[0], dtype=torch.long, device=device),
+        "token_tags": tags.to(device),
+        "position_ids": ids.float().to(device),
+        "video_indices": video.to(device),
+        "audio_indices": audio.to(device),
+        "text_indices": text_rows.to(device),
+        "return_dict": False,
+    }
+
+
 def cogvideox_rotary(
     config: dict[str, Any],
     frames: int,
@@ -1036,6 +1107,13 @@ def cogvideox_rotary(
 def latent_frames(arch: Arch, frames: int | None = None) -> int:
     """Latent frames of a video arch for ``frames`` pixel frames (its default if None): the
     VAE keeps the first frame and compresses the rest ``time_scale`` times. 1 for images."""
+    if arch.family == "minimax-h3":  # its video VAE encodes chunks of 17 frames to 5 latents
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import video_latent_num_frames
+
+        frames = arch.frames if frames is None else frames
+        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 5 or frames % 17 != 5:
+            raise ValueError(f"frames must be 17k + 5 (MiniMax H3's video VAE chunks); got {frames!r}")
+        return video_latent_num_frames(frames, 17, 5)
     if not arch.frames:
         if frames not in (None, 0, 1):
             raise ValueError(f"frames applies to video archs; {arch.name} draws images")
@@ -1060,7 +1138,7 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
         return {**inputs, "timesteps": torch.full_like(inputs["timesteps"], 999.0 * frac)}
     t = inputs["timestep"]
     # the flow-matching transformers take the timestep in [0, 1]
-    flow = ("flux", "flux2", "qwenimage", "krea2", "chroma", "cosmos")  # the timestep in [0, 1]
+    flow = ("flux", "flux2", "qwenimage", "krea2", "chroma", "cosmos", "minimax-h3")  # the timestep in [0, 1]
     value = max(frac, 1e-3) if arch.family in flow else 999.0 * frac
     return {**inputs, "timestep": torch.full_like(t, value)}
 
