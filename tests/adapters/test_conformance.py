@@ -421,6 +421,10 @@ def test_rotary_rows_are_the_destinations(name, layout):
                     assert torch.equal(g, f)  # e.g. Qwen-Image's text table
                 elif site.image_first:  # (B, N + T, ...) -> (B, K + T, ...): the image's rows first
                     assert torch.equal(g[b], torch.cat([f[b, :n][dest[b]], f[b, n:]])), (target, i)
+                elif site.text_first and not rotary.shared:  # (B, T + N, ...) -> (B, T + K, ...): the text first
+                    lead = f.shape[1] - n
+                    fb = f[0 if f.shape[0] == 1 else b]
+                    assert torch.equal(g[b], torch.cat([fb[:lead], fb[lead:][dest[b]]])), (target, i)
                 elif rotary.shared:  # (lead + N + extra, ...) -> (lead + extra + K, ...)
                     lead = f.shape[0] - n - extra
                     image = f[lead : lead + n]

@@ -205,7 +205,9 @@ class MergeHook(Hook):
         under proportional attention, the plan's log masses as its mask."""
         site, plan = self.site, merged.plan
         if site.rotary is not None:
-            args, kwargs, self.samples = _gather_rotary(site.rotary, merged, args, kwargs, site=site.path)
+            args, kwargs, self.samples = _gather_rotary(
+                site.rotary, merged, args, kwargs, site=site.path, text_first=site.text_first
+            )
         x = hidden_states_of(args, kwargs)
         if self._biased(module, x):
             named = kwargs.get(site.text_keys) if site.text_keys else None
@@ -418,13 +420,15 @@ def _concat_batch(outputs: list) -> Any:
 
 
 def _gather_rotary(
-    rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict, site: str = ""
+    rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict, site: str = "", text_first: bool = False
 ) -> tuple[tuple, dict, list | None]:
     """The call with its rotary tables gathered to the tokens of ``merged``, at the site whose
     path is ``site``.
 
     The tables are one tensor or a tuple of items, of which ``rotary.items`` hold image
     rows; such an item is a tensor or a tuple nesting tensors (and None), each gathered.
+    At a ``text_first`` site, per-batch tables ``(Bt, text + N, ...)`` (not ``shared``) keep
+    their text rows whole before the gathered image rows (Ideogram 4's packed sequence).
     Returns the arguments and, for ``rotary.shared`` when samples have plans of their own,
     each sample's tables (the module must then run once per sample); else None.
     """
@@ -445,6 +449,8 @@ def _gather_rotary(
             return None
         if merged.first:  # per-batch (Bt, N + text, ...) tables, the image's rows first
             return _image_first_rows(rotary, table, dest, tokens)
+        if text_first and merged.text and not rotary.shared:  # per-batch (Bt, text + N, ...), text first
+            return _text_first_rows(rotary, table, dest, tokens)
         return _sample_rows(table, dest[b], tokens) if rotary.shared else rotary.gather(table, dest)
 
     def pick(b: int | None, dest: torch.Tensor) -> Any:
@@ -474,6 +480,18 @@ def _image_first_rows(rotary: Rotary, table: torch.Tensor, dest: torch.Tensor, t
     if text.shape[0] != image.shape[0]:
         text = text.expand(image.shape[0], *text.shape[1:])
     return torch.cat([image, text], dim=1)
+
+
+def _text_first_rows(rotary: Rotary, table: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A per-batch ``(Bt, text + N, ...)`` table whose last ``N`` rows are the image's: the
+    text rows, whole (broadcast to the gathered batch), then the rows of the destinations
+    ``dest`` ``(Bp, K)`` gathered by the site's ``gather``."""
+    text = table.shape[1] - tokens
+    image = rotary.gather(table[:, text:], dest)
+    lead = table[:, :text]
+    if lead.shape[0] != image.shape[0]:
+        lead = lead.expand(image.shape[0], *lead.shape[1:])
+    return torch.cat([lead, image], dim=1)
 
 
 def _sample_rows(table: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:

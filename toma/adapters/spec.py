@@ -89,7 +89,9 @@ class Site:
             model's mask is where ``mask`` says (by default, ``attention_mask``).
         text_first: the call's hidden states are ``[text; image]`` (a single-stream block):
             the last ``N`` tokens merge, the text before them passes whole, and so does the
-            text part of the output.
+            text part of the output. Per-batch rotary tables (not ``shared``) are then
+            ``(B, text + N, ...)``: ``rotary.gather`` gets their last ``N`` rows and the
+            text rows lead whole.
         image_first: the call's hidden states are ``[image; text]`` (Z-Image's unified
             sequence): the first ``N`` tokens merge, the text after them passes whole, and
             so does the text part of the output. Its rotary tables are per-batch
