@@ -994,6 +994,60 @@ def minimax_h3_inputs(
     }
 
 
+def make_ideogram4(seed: int = 0, layers: int = 2):
+    """Ideogram 4: sandwich-norm blocks on the packed [padding; text; image] sequence, M-RoPE."""
+    from diffusers import Ideogram4Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = Ideogram4Transformer2DModel(
+        in_channels=16,
+        num_layers=layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        intermediate_size=32,
+        adaln_dim=16,
+        llm_features_dim=TEXT_DIM,
+        rope_theta=10000,
+        mrope_section=(4, 2, 2),  # the 8 frequencies of a 16-channel head
+    )
+    with torch.no_grad():  # its norms start at 1; make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.1)
+    return model.eval()
+
+
+def ideogram4_inputs(batch: int, h: int, w: int, text: int = 5, padded: int = 2, image_only: bool = False) -> dict:
+    """An ``h x w`` image's tokens as the pipeline packs them for its conditional transformer:
+    ``text`` text slots, the last sample's prompt ``padded`` tokens shorter (left padding), the
+    layout from its own ``_prepare_ids``; with ``image_only``, the unconditional transformer's
+    call (the image's slots alone, zero text features), as the pipeline slices it."""
+    from diffusers.pipelines.ideogram4.pipeline_ideogram4 import Ideogram4Pipeline
+
+    g = torch.Generator().manual_seed(1)
+    lengths = [text] * batch
+    lengths[-1] = text - padded
+    ids, segments, indicator = Ideogram4Pipeline._prepare_ids(lengths, h, w, text, "cpu")
+    latents = torch.randn(batch, h * w, 16, generator=g)
+    if image_only:
+        return {
+            "hidden_states": latents,
+            "timestep": torch.full((batch,), 0.3),
+            "encoder_hidden_states": torch.zeros(batch, h * w, TEXT_DIM),
+            "position_ids": ids[:, text:],
+            "segment_ids": segments[:, text:],
+            "indicator": indicator[:, text:],
+        }
+    return {
+        "hidden_states": torch.cat([torch.zeros(batch, text, 16), latents], dim=1),
+        "timestep": torch.full((batch,), 0.3),  # model time: 0 is noise, 1 clean
+        "encoder_hidden_states": torch.randn(batch, text + h * w, TEXT_DIM, generator=g),
+        "position_ids": ids,
+        "segment_ids": segments,
+        "indicator": indicator,
+    }
+
+
 def make_bria_fibo(seed: int = 0, double: int = 2, single: int = 2):
     """Bria FIBO: Flux.1's blocks, half the text's channels replaced per block from a text-encoder layer."""
     from diffusers import BriaFiboTransformer2DModel
@@ -1482,6 +1536,19 @@ FAMILIES: dict[str, Family] = {
             divided=lambda b: minimax_h3_inputs(b, 2, 16, 16),
             grid=(2, 8, 10),
             tile_order=False,  # the forward keeps raster order (see toma/adapters/minimax_h3.py)
+        ),
+        Family(
+            "ideogram4",
+            "ideogram4",
+            make_ideogram4,
+            lambda b: ideogram4_inputs(b, 8, 10),
+            {"blocks": {"layers": range(2)}},
+            odd=lambda b: ideogram4_inputs(b, 5, 7),
+            odd_tokens=35,
+            divided=lambda b: ideogram4_inputs(b, 8, 8),
+            grid=(1, 8, 10),
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/ideogram4.py)
+            rising_timestep=True,
         ),
     )
 }

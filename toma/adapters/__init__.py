@@ -38,6 +38,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "zimage": ("toma.adapters.zimage", ("ZImageTransformer2DModel",)),
     "hidream": ("toma.adapters.hidream", ("HiDreamImageTransformer2DModel",)),
     "minimax-h3": ("toma.adapters.minimax_h3", ("MiniMaxH3Transformer3DModel",)),
+    "ideogram4": ("toma.adapters.ideogram4", ("Ideogram4Transformer2DModel",)),
 }
 
 

@@ -1,0 +1,102 @@
+"""Ideogram 4 beyond the conformance suite (its row is in tests/tiny_models.py): the segment
+mask its forward builds, sliced to the merged tokens; image tokens over several segments
+(a structured mask) run unmerged; the unconditional transformer's image-only call merges."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+import toma
+from tests.tiny_models import FAMILIES, ideogram4_inputs
+from toma.adapters.base import Hook, register_innermost, remove_hook
+
+FAM = FAMILIES["ideogram4"]
+TEXT, PADDED, GRID = 5, 2, (1, 8, 10)
+
+
+class MaskSpy(Hook):
+    """Records the attention mask and hidden states of each call of the module it is registered on."""
+
+    def __init__(self, seen: list) -> None:
+        self.seen = seen
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.seen.append((kwargs.get("attention_mask"), args[0] if args else kwargs["hidden_states"]))
+        return args, kwargs
+
+
+def attention_calls(model, kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(mask, hidden states) of each call of the blocks' attentions, inside toma's hooks where patched."""
+    seen, spied = [], [block.attention for block in model.layers]
+    for attn in spied:
+        register_innermost(attn, MaskSpy(seen), "spy")
+    FAM.output(model, kw)
+    for attn in spied:
+        remove_hook(attn, "spy")
+    return seen
+
+
+def test_merged_attention_takes_the_segment_masks_slice():
+    model, kw = FAM.make(), FAM.inputs(2)  # the second sample's prompt 2 tokens shorter: 2 left pads
+    [(full, _), *_] = attention_calls(model, kw)
+    s = TEXT + math.prod(GRID)
+    assert full.shape == (2, 1, s, s) and full.dtype == torch.bool
+    assert not full[1, 0, :PADDED, PADDED:].any() and full[1, 0, PADDED:, PADDED:].all()  # pads see only pads
+    patch = toma.apply_toma(model, ratio=0.5, proportional_attention=False, **FAM.every_part())
+    kept = patch.cache.layout(*GRID, ratio=0.5).num_merged
+    calls = attention_calls(model, kw)
+    # per-sample tables and a plan per sample: one call for the batch, on T + K tokens
+    assert kept < math.prod(GRID) and len(calls) == len(model.layers)
+    for mask, hidden in calls:
+        assert hidden.shape[1] == TEXT + kept
+        assert torch.equal(mask, full[..., : TEXT + kept, : TEXT + kept])
+
+
+def test_image_tokens_in_two_segments_run_unmerged_with_one_warning():
+    # several images packed in one row: the mask differs over the image, so no slice fits it
+    model, kw = FAM.make(), FAM.inputs(2)
+    segments = kw["segment_ids"].clone()
+    segments[:, -7:] = 2
+    kw["segment_ids"] = segments
+    reference = FAM.output(model, kw)
+    toma.apply_toma(model, ratio=0.5, **FAM.every_part())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = FAM.output(model, kw)
+        FAM.output(model, kw)
+    messages = [str(w.message) for w in caught if "ToMA" in str(w.message)]
+    assert len(messages) == 1 and "segment_ids that differ over the image" in messages[0]
+    assert torch.equal(out, reference)
+
+
+def test_image_tokens_that_do_not_end_the_sequence_run_unmerged_with_one_warning():
+    model, kw = FAM.make(), FAM.inputs(1)
+    order = torch.cat([torch.arange(TEXT, TEXT + 80), torch.arange(TEXT)])  # [image; text]
+    kw = {k: (v[:, order] if k != "timestep" else v) for k, v in kw.items()}
+    reference = FAM.output(model, kw)
+    toma.apply_toma(model, ratio=0.5, **FAM.every_part())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = FAM.output(model, kw)
+    messages = [str(w.message) for w in caught if "ToMA" in str(w.message)]
+    assert len(messages) == 1 and "not the last of the packed sequence" in messages[0]
+    assert torch.equal(out, reference)
+
+
+def test_the_unconditional_image_only_call_merges_and_removes_bitwise():
+    model, kw = FAM.make(), ideogram4_inputs(2, 8, 10, image_only=True)
+    assert kw["hidden_states"].shape[1] == math.prod(GRID)
+    reference = FAM.output(model, kw)
+    toma.apply_toma(model, ratio=0.0, **FAM.every_part())
+    assert torch.equal(FAM.output(model, kw), reference)
+    toma.remove_toma(model)
+    patch = toma.apply_toma(model, ratio=0.5, **FAM.every_part())
+    kept = patch.cache.layout(*GRID, ratio=0.5).num_merged
+    calls = attention_calls(model, kw)
+    assert calls and all(hidden.shape[1] == kept for _, hidden in calls)
+    out = FAM.output(model, kw)
+    assert torch.isfinite(out).all() and not torch.equal(out, reference)
+    assert toma.remove_toma(model) and torch.equal(FAM.output(model, kw), reference)
