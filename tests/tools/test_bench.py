@@ -768,3 +768,35 @@ def test_minimax_h3_arch_calls_merge_its_video_rows_and_take_17k_plus_5_frames()
         video, audio = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))
     assert video.shape == (1, 2 * 8 * 14, 96) and audio.shape == kw["audio_hidden_states"].shape
     assert patch.cache.base_grid == (2, 8, 14) and patch.cache._plans
+
+
+def test_ideogram4_arch_calls_pack_the_pipelines_layout_and_merge_its_image():
+    # the published width narrowed so it builds in a second: make_inputs packs the pipeline's
+    # [padding; text; image] with its own _prepare_ids, set_timestep makes the model time
+    # (0 is noise) rise, and the default placement merges the image tokens
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement, set_timestep
+
+    arch = ARCHS["ideogram4"]
+    narrow = {
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "adaln_dim": 16,
+        "llm_features_dim": 32,
+        "mrope_section": (4, 2, 2),
+    }
+    tiny = dataclasses.replace(arch, config={**arch.config, **narrow}, text_dim=32, text_tokens=300)
+    model = build_model(tiny, depth=10)
+    kw = make_inputs(tiny, 256)
+    assert kw["hidden_states"].shape == (1, 300 + 16 * 16, 128)
+    assert (kw["indicator"][0, :44] == 0).all() and (kw["indicator"][0, 44:300] == 3).all()  # 44 pads, 256 text
+    ts = [float(set_timestep(tiny, kw, step, 4)["timestep"][0]) for step in range(4)]
+    assert ts == sorted(ts) and ts[0] == 0.0
+    patch = toma.apply_toma(model, ratio=0.5, **default_placement(tiny, model))
+    with torch.no_grad():
+        (out,) = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))
+    assert out.shape == kw["hidden_states"].shape
+    assert patch.cache.base_grid == (1, 16, 16) and patch.cache._plans

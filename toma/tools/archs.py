@@ -477,6 +477,20 @@ MINIMAX_H3: dict[str, Any] = {
     "rope_theta": 10000.0,
 }
 
+# Ideogram 4: diffusers' class defaults, as its docs give them (the published config.json is
+# not to be had here); 9.28B parameters counted
+IDEOGRAM4: dict[str, Any] = {
+    "in_channels": 128,
+    "num_layers": 34,
+    "attention_head_dim": 256,
+    "num_attention_heads": 18,
+    "intermediate_size": 12288,
+    "adaln_dim": 512,
+    "llm_features_dim": 53248,
+    "rope_theta": 5_000_000,
+    "mrope_section": (24, 20, 20),
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -497,6 +511,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "hunyuanvideo15": ("num_layers",),
     "cosmos": ("num_layers",),
     "minimax-h3": ("num_layers",),
+    "ideogram4": ("num_layers",),
 }
 
 
@@ -719,6 +734,9 @@ ARCHS: dict[str, Arch] = {
         1344 / 768,
         124,
     ),
+    # the pipeline's 2048px default; its conditional transformer always takes 2048 text slots
+    # (max_sequence_length), a prompt's tokens left-padded to it
+    "ideogram4": Arch("ideogram4", "ideogram4", IDEOGRAM4, 2048, 2048, 53248, 0, 8, "Ideogram 4 transformer (9.3B)"),
 }
 
 
@@ -983,6 +1001,23 @@ def make_inputs(
             "pooled_embeds": rand(batch, arch.pooled_dim),
             "return_dict": False,
         }
+    if arch.family == "ideogram4":  # the conditional transformer's [padding; text; image], the pipeline's layout
+        from diffusers.pipelines.ideogram4.pipeline_ideogram4 import Ideogram4Pipeline
+
+        th, tw, slots = lh // 2, lw // 2, arch.text_tokens
+        prompt = [min(IDEOGRAM4_PROMPT, slots)] * batch
+        ids, segments, indicator = Ideogram4Pipeline._prepare_ids(prompt, th, tw, slots, device)
+        return {
+            "hidden_states": torch.cat(
+                [torch.zeros(batch, slots, channels), torch.randn(batch, th * tw, channels, generator=g)], 1
+            ).to(device=device, dtype=dtype),
+            "timestep": torch.zeros(batch, device=device, dtype=dtype),
+            "encoder_hidden_states": rand(batch, slots + th * tw, arch.text_dim),
+            "position_ids": ids,
+            "segment_ids": segments,
+            "indicator": indicator,
+            "return_dict": False,
+        }
     if arch.family == "minimax-h3":  # the modular pipeline's t2va layout: [text; audio; video], all at one level
         return minimax_h3_inputs(arch, rand, batch, lh, lw, frames, device)
     if arch.family == "bria-fibo":  # FIBO's 16x VAE latents, one token per latent pixel
@@ -1047,6 +1082,9 @@ def make_inputs(
         "guidance": torch.full((batch,), 3.5, device=device, dtype=dtype),
         "return_dict": False,
     }
+
+
+IDEOGRAM4_PROMPT = 256  # a prompt's tokens in Ideogram 4's text slots (the rest is left padding)
 
 
 def minimax_h3_inputs(
@@ -1136,6 +1174,8 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
         return {**inputs, "t": torch.full_like(inputs["t"], 1.0 - frac)}
     if arch.family == "hidream":
         return {**inputs, "timesteps": torch.full_like(inputs["timesteps"], 999.0 * frac)}
+    if arch.family == "ideogram4":  # model time 1 - sigma (0 is noise): rises over a run
+        return {**inputs, "timestep": torch.full_like(inputs["timestep"], 1.0 - frac)}
     t = inputs["timestep"]
     # the flow-matching transformers take the timestep in [0, 1]
     flow = ("flux", "flux2", "qwenimage", "krea2", "chroma", "cosmos", "minimax-h3")  # the timestep in [0, 1]
