@@ -342,6 +342,7 @@ class StepHook(Hook):
         order.layout = None if raster else self.cache.tile_order_layout(grid, device)
         order.extra = 0
         order.enter = order.leave = None
+        order.packed = self.spec.packed
         # conditioning tokens lead only in forwards that merge: others keep the model's order
         # (under context parallelism a shard's tokens are all the generated image's)
         lead = grid is not None and self.spec.conditioning_tokens and self.cache.merging and shard is None
@@ -417,12 +418,22 @@ def _positions_to_block_order(
     module: torch.nn.Module, name: str, rows: Any, order: TileState, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict]:
     """The call with its per-token position rows ``name`` (``(N, d)`` or ``(B, N, d)``) in the
-    order the tokens have in the blocks (tile order; conditioning tokens first)."""
+    order the tokens have in the blocks (tile order; conditioning tokens first). In a packed
+    sequence (``order.packed``), rows ``(S,)``, ``(S, d)`` or ``(B, S, d)`` over ``[prefix; image]``
+    with their image rows in tile order and the prefix's in place."""
     count = order.enter.numel() if order.extra else order.layout.num_tokens
-    if not isinstance(rows, torch.Tensor) or rows.ndim not in (2, 3) or rows.shape[-2] != count:
+    if not isinstance(rows, torch.Tensor):
         return args, kwargs
-    ordered = order.convert(rows if rows.ndim == 3 else rows[None], enter=True)
-    ordered = ordered if rows.ndim == 3 else ordered[0]
+    seq = rows.shape[1 if rows.ndim == 3 else 0] if rows.ndim in (1, 2, 3) else 0
+    if order.packed and not order.extra and (seq > count or (rows.ndim == 1 and seq == count)):
+        shaped = rows[None, :, None] if rows.ndim == 1 else rows[None] if rows.ndim == 2 else rows
+        ordered = order.convert(shaped, enter=True)
+        ordered = ordered[0, :, 0] if rows.ndim == 1 else ordered[0] if rows.ndim == 2 else ordered
+    elif rows.ndim not in (2, 3) or rows.shape[-2] != count:
+        return args, kwargs
+    else:
+        ordered = order.convert(rows if rows.ndim == 3 else rows[None], enter=True)
+        ordered = ordered if rows.ndim == 3 else ordered[0]
     names = _parameter_names(type(module))
     index = names.index(name) if name in names else None
     return replace_arg(args, kwargs, name, index, ordered)

@@ -192,7 +192,14 @@ class FamilySpec:
             there are none or ``rope`` reorders them.
         position_inputs: forward arguments holding one position row per image token,
             ``(N, d)`` or ``(B, N, d)`` (Flux.2's ``img_ids``), put in tile order at the call
-            when tokens are, so that tables computed from them follow the tokens.
+            when tokens are, so that tables computed from them follow the tokens. With
+            ``packed``, rows over the whole packed sequence, ``(S,)``, ``(S, d)`` or
+            ``(B, S, d)``, whose last ``N`` are the image's (its per-row tags too).
+        packed: the sequence that enters the blocks and leaves them is ``[prefix; image]``
+            (a packed single stream built from the model's inputs: MiniMax H3, Ideogram 4):
+            its last ``N`` tokens are the image's and are the ones put in tile order at
+            ``enter`` and back at ``leave``; the prefix (text, other modalities) stays where
+            it is, and so do its rows of ``position_inputs``.
         raster_kwargs: forward keywords that add raster-ordered residuals between blocks;
             a call that passes one runs in raster order.
         tile_order_ok: optional check of the model and its forward's named arguments; False
@@ -228,6 +235,7 @@ class FamilySpec:
     rope_items: tuple[int, ...] | None = None
     block_rope: tuple[str, int | None, int] | None = None
     position_inputs: tuple[str, ...] = ()
+    packed: bool = False
     raster_kwargs: tuple[str, ...] = ()
     tile_order_ok: Callable[[torch.nn.Module, dict], bool] | None = None
     conditioning_tokens: bool | Callable[[torch.nn.Module, dict], int] = False

@@ -78,15 +78,19 @@ class TokenOrder:
         enter: with ``extra``, the ``(N + extra,)`` index that takes the model's order (the
             image's tokens, then the conditioning ones) to the blocks' order; ``leave`` is
             its inverse.
+        packed: the sequences that enter and leave the stretch may be ``[prefix; image]``
+            (``FamilySpec.packed``): of one longer than the image, only its last ``N``
+            tokens are reordered; the prefix stays where it is.
     """
 
-    __slots__ = ("layout", "extra", "enter", "leave")
+    __slots__ = ("layout", "extra", "enter", "leave", "packed")
 
     def __init__(self) -> None:
         self.layout: TileLayout | None = None
         self.extra = 0
         self.enter: torch.Tensor | None = None
         self.leave: torch.Tensor | None = None
+        self.packed = False
 
     def convert(self, x: torch.Tensor, enter: bool, shard: Any = None) -> torch.Tensor:
         """Tokens ``x`` ``(B, S, C)`` from the model's order into this stretch's (``enter``),
@@ -109,6 +113,12 @@ class TokenOrder:
         if layout is None or x.ndim != 3:
             return x
         runs = shard.world if shard is not None and x.shape[1] == shard.world * layout.num_tokens else 1
+        if self.packed and runs == 1 and x.shape[1] > layout.num_tokens:  # [prefix; image]: the image's part
+            prefix = x.shape[1] - layout.num_tokens
+            with profiled("toma::merge" if enter else "toma::unmerge"):
+                image = x[:, prefix:]
+                image = tile_order(image, layout) if enter else raster_order(image, layout)
+                return torch.cat([x[:, :prefix], image], dim=1)
         if x.shape[1] != runs * layout.num_tokens:
             return x
         with profiled("toma::merge" if enter else "toma::unmerge"):
@@ -121,6 +131,7 @@ class TokenOrder:
     def copy(self) -> "TokenOrder":
         new = TokenOrder()
         new.layout, new.extra, new.enter, new.leave = self.layout, self.extra, self.enter, self.leave
+        new.packed = self.packed
         return new
 
 
@@ -221,6 +232,15 @@ class TileState:
     @leave.setter
     def leave(self, value: torch.Tensor | None) -> None:
         self._now().leave = value
+
+    @property
+    def packed(self) -> bool:
+        """Whether sequences ``[prefix; image]`` have their image part reordered (see :class:`TokenOrder`)."""
+        return self._now().packed
+
+    @packed.setter
+    def packed(self, value: bool) -> None:
+        self._now().packed = value
 
     def convert(self, x: torch.Tensor, enter: bool) -> torch.Tensor:
         """See :meth:`TokenOrder.convert` (with the current forward's shard)."""
