@@ -1535,7 +1535,6 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=35,
             divided=lambda b: minimax_h3_inputs(b, 2, 16, 16),
             grid=(2, 8, 10),
-            tile_order=False,  # the forward keeps raster order (see toma/adapters/minimax_h3.py)
         ),
         Family(
             "ideogram4",
@@ -1547,7 +1546,6 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=35,
             divided=lambda b: ideogram4_inputs(b, 8, 8),
             grid=(1, 8, 10),
-            tile_order=False,  # the forward keeps raster order (see toma/adapters/ideogram4.py)
             rising_timestep=True,
         ),
     )

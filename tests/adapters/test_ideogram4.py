@@ -100,3 +100,41 @@ def test_the_unconditional_image_only_call_merges_and_removes_bitwise():
     out = FAM.output(model, kw)
     assert torch.isfinite(out).all() and not torch.equal(out, reference)
     assert toma.remove_toma(model) and torch.equal(FAM.output(model, kw), reference)
+
+
+def layouts_used(monkeypatch, model, kw) -> tuple[torch.Tensor, list]:
+    """The output of ``model`` on ``kw`` and the tile layouts its forwards asked for."""
+    from toma.adapters.state import PlanCache
+
+    real, used = PlanCache.tile_order_layout, []
+    monkeypatch.setattr(
+        PlanCache, "tile_order_layout", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1]
+    )
+    out = FAM.output(model, kw)
+    monkeypatch.setattr(PlanCache, "tile_order_layout", real)
+    return out, used
+
+
+def test_both_transformers_calls_run_in_tile_order_as_in_raster_order(monkeypatch):
+    from toma.adapters.state import PlanCache
+
+    model = FAM.make()
+    toma.apply_toma(model, ratio=0.5, **FAM.every_part())
+    for kw in (FAM.inputs(2), ideogram4_inputs(2, 8, 10, image_only=True)):
+        tiled, used = layouts_used(monkeypatch, model, kw)
+        assert used and all(layout is not None for layout in used)
+        monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)
+        raster = FAM.output(model, kw)
+        monkeypatch.undo()
+        # the same plans and merges; attention sums keys in another order (float32 ulps)
+        torch.testing.assert_close(tiled, raster, rtol=1e-4, atol=1e-5)
+
+
+def test_a_per_token_timestep_keeps_raster_order_and_merges(monkeypatch):
+    model, kw = FAM.make(), FAM.inputs(2)
+    kw["timestep"] = torch.linspace(0.2, 0.4, kw["hidden_states"].shape[1]).expand(2, -1)  # (B, S)
+    reference = FAM.output(model, kw)
+    patch = toma.apply_toma(model, ratio=0.5, **FAM.every_part())
+    out, used = layouts_used(monkeypatch, model, kw)
+    assert used == [] and patch.cache._plans  # raster order, merged
+    assert torch.isfinite(out).all() and not torch.equal(out, reference)

@@ -126,3 +126,35 @@ def test_a_layout_whose_last_rows_are_not_video_runs_unmerged_with_one_warning()
     out, messages = warned_output(model, kw)
     assert len(messages) == 1 and "no run of video_indices ends the packed sequence" in messages[0]
     assert torch.equal(out, reference)
+
+
+def test_tile_order_computes_what_raster_order_does_for_video_and_audio(monkeypatch):
+    # the packed sequence's video rows run in tile order between the first block and proj_out,
+    # with the per-row inputs (positions, timestep indices, tags) reordered alike; the audio
+    # head reads rows that never move. Against every site merging from raster order: the same
+    # plans, attention summing keys in another order (float32 ulps, under 1e-5 here)
+    from toma.adapters.state import PlanCache
+
+    model, kw = FAM.make(), minimax_h3_inputs(1, 2, 16, 16, audio_t=0.4, anchors=("first",))
+    toma.apply_toma(model, ratio=0.5, **FAM.every_part())
+    real, used = PlanCache.tile_order_layout, []
+    monkeypatch.setattr(
+        PlanCache, "tile_order_layout", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1]
+    )
+    tables = []
+    handle = model.rope.register_forward_hook(lambda m, a, out: tables.append(out[0]))
+    with torch.no_grad():
+        tiled = model(**kw)
+    assert used and all(layout is not None for layout in used)
+    monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)
+    with torch.no_grad():
+        raster = model(**kw)
+    handle.remove()
+    torch.testing.assert_close(tiled.sample, raster.sample, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tiled.audio_sample, raster.audio_sample, rtol=1e-4, atol=1e-5)
+    # the rope made its tables from the reordered position_ids: the prefix's rows in place,
+    # the video's in tile order (2x2 tiles on 8x8 rows per frame)
+    prefix = kw["position_ids"].shape[0] - 2 * 64
+    assert torch.equal(tables[0][:prefix], tables[1][:prefix]) and not torch.equal(tables[0], tables[1])
+    assert torch.equal(tables[0][prefix : prefix + 2], tables[1][[prefix, prefix + 1]])  # a tile's top row
+    assert torch.equal(tables[0][prefix + 2], tables[1][prefix + 8])  # then its second row

@@ -21,10 +21,14 @@ row) gets a structured mask and runs unmerged, with one warning. Proportional at
 a key bias into the processor's dispatched attention, beside that mask.
 
 The grid is read from the image rows of ``position_ids`` (``(0, row, column)`` plus the
-model's offset), which ``indicator`` marks. Tokens stay in raster order: the image enters
-the blocks inside the packed sequence, and the engine reorders only sequences of exactly
-the grid's tokens. The timestep is model time in ``[0, 1]`` (0 is noise), rising over a run:
-the engine, which counts steps by a falling timestep, gets its negative.
+model's offset), which ``indicator`` marks. Between the blocks the image tokens run in tile
+order (``FamilySpec.packed``): the sequence's last ``N`` tokens are reordered where it
+enters the first block and back at ``final_layer``, the prefix in place, and ``position_ids``
+follow them at the call, so that ``rotary_emb`` makes its tables in that order. The mask
+needs no reordering: it holds one value over the image. A per-token timestep ``(B, S)``
+(per-token modulation laid out in raster order) keeps raster order. The timestep is model
+time in ``[0, 1]`` (0 is noise), rising over a run: the engine, which counts steps by a
+falling timestep, gets its negative.
 """
 
 from __future__ import annotations
@@ -121,6 +125,12 @@ def falling_timestep(call: dict) -> torch.Tensor | None:
     return None if t is None else -t
 
 
+def per_sample_timestep(model: torch.nn.Module, call: dict) -> bool:
+    """Tile order only for one timestep per sample: a ``(B, S)`` one modulates each token in raster order."""
+    t = call.get("timestep")
+    return not (isinstance(t, torch.Tensor) and t.ndim == 2)
+
+
 SPEC = FamilySpec(
     name="ideogram4",
     classes=("Ideogram4Transformer2DModel",),
@@ -128,8 +138,10 @@ SPEC = FamilySpec(
     sites=_sites,
     grid=PackedImageGrid,
     enter=("block", ""),
-    leave="final_layer",  # never reorders: the forwards stay in raster order
-    tile_order_ok=lambda model, call: False,
+    leave="final_layer",
+    position_inputs=("position_ids",),
+    packed=True,
+    tile_order_ok=per_sample_timestep,
     timestep=falling_timestep,
     default_blocks=skip_first(5),
     reference=(128, 128),  # the pipeline's 2048px: 8x VAE, 2x2 patches

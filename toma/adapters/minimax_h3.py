@@ -19,9 +19,12 @@ tensors change). The batch is a replication axis (one layout for every sample). 
 passes no attention mask; proportional attention is a key bias into the processor's
 dispatched attention (the prefix's keys first, log mass 0).
 
-Tokens stay in raster order: the packed sequence enters the blocks with its prefix, and the
-engine reorders only sequences of exactly the grid's tokens, so no module brackets the
-video rows alone (tile order for such a prefix is left for later).
+Between the blocks the video rows run in tile order (``FamilySpec.packed``): the packed
+sequence's last ``N`` rows are reordered where it enters the first block and back where it
+reaches ``proj_out``, the prefix in place. The per-row inputs follow them at the call
+(``position_ids``, so that ``rope`` makes its tables in that order, and ``timestep_indices``
+and ``token_tags``, so that the per-row modulation and ``norm_out`` see each row's own);
+``audio_proj_out`` reads only the audio rows, which never move.
 """
 
 from __future__ import annotations
@@ -129,8 +132,9 @@ SPEC = FamilySpec(
     sites=_sites,
     grid=PackedVideoGrid,
     enter=("block", ""),
-    leave="norm_out",  # never reorders: the forwards stay in raster order
-    tile_order_ok=lambda model, call: False,
+    leave="proj_out",  # after norm_out, which reads timestep_indices in the blocks' order
+    position_inputs=("position_ids", "timestep_indices", "token_tags"),
+    packed=True,
     timestep=target_timestep,
     default_blocks=skip_first(5),
     video=True,
