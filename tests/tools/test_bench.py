@@ -800,3 +800,39 @@ def test_ideogram4_arch_calls_pack_the_pipelines_layout_and_merge_its_image():
         (out,) = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))
     assert out.shape == kw["hidden_states"].shape
     assert patch.cache.base_grid == (1, 16, 16) and patch.cache._plans
+
+
+def test_ltx2_arch_calls_merge_the_video_and_carry_the_pipelines_audio():
+    # the published config, narrowed so it builds in a second: make_inputs gives the audio
+    # latents LTX2Pipeline makes for the clip (25 a second at 24 fps) and the default
+    # placement merges the video tokens alone
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement, ltx2_audio_frames
+
+    arch = ARCHS["ltx2"]
+    narrow = {
+        "attention_head_dim": 8,
+        "num_attention_heads": 2,
+        "cross_attention_dim": 16,
+        "audio_attention_head_dim": 4,
+        "audio_num_attention_heads": 2,
+        "audio_cross_attention_dim": 8,
+        "caption_channels": 32,
+        "in_channels": 8,
+        "audio_in_channels": 8,
+        "out_channels": 8,
+        "audio_out_channels": 8,
+    }
+    tiny = dataclasses.replace(arch, config={**arch.config, **narrow}, text_dim=32, text_tokens=16)
+    assert ltx2_audio_frames(arch) == 126  # 121 frames: 5.04 s
+    model = build_model(tiny, depth=12)
+    kw = make_inputs(tiny, 128, batch=2, frames=9)
+    assert kw["audio_hidden_states"].shape == (2, 9, 8) and kw["audio_num_frames"] == 9
+    assert kw["hidden_states"].shape == (2, 2 * 4 * 6, 8)  # 2 latent frames of 128x192 px
+    patch = toma.apply_toma(model, ratio=0.5, **default_placement(tiny, model))
+    with torch.no_grad():
+        video, audio = call_denoiser(tiny, model, kw)
+    assert video.shape == (2, 48, 8) and audio.shape == (2, 9, 8)
+    assert patch.cache._plans

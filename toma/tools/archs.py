@@ -129,6 +129,32 @@ LTX_VIDEO: dict[str, Any] = {
     "qk_norm": "rms_norm_across_heads",
 }
 
+# LTX-2 (19B, Lightricks/LTX-2): diffusers 0.42.1's LTX2VideoTransformer3DModel defaults are
+# the published model (18.9B parameters built from them; its pipelines' docs load
+# Lightricks/LTX-2 into it): video 32 heads of 128, audio 32 heads of 64, 48 blocks, prompt
+# embeddings of Gemma 3 12B's width (3840). The audio fields set the audio token count
+# (make_inputs: 25 latents a second at 16 kHz, hop 160, 4x)
+LTX2_VIDEO: dict[str, Any] = {
+    "in_channels": 128,
+    "out_channels": 128,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "num_attention_heads": 32,
+    "attention_head_dim": 128,
+    "cross_attention_dim": 4096,
+    "audio_in_channels": 128,
+    "audio_out_channels": 128,
+    "audio_num_attention_heads": 32,
+    "audio_attention_head_dim": 64,
+    "audio_cross_attention_dim": 2048,
+    "audio_scale_factor": 4,
+    "audio_sampling_rate": 16000,
+    "audio_hop_length": 160,
+    "num_layers": 48,
+    "caption_channels": 3840,
+    "rope_type": "interleaved",
+}
+
 # HunyuanVideo (13B): diffusers' class defaults are the published model (its conversion
 # script, scripts/convert_hunyuan_video_to_diffusers.py, builds HunyuanVideoTransformer3DModel())
 HUNYUAN_VIDEO: dict[str, Any] = {
@@ -500,6 +526,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "wan": ("num_layers",),
     "pixart": ("num_layers",),
     "ltx": ("num_layers",),
+    "ltx2": ("num_layers",),
     "hunyuanvideo": ("num_layers", "num_single_layers"),
     "cogvideox": ("num_layers",),
     "krea2": ("num_layers",),
@@ -633,6 +660,22 @@ ARCHS: dict[str, Arch] = {
     "tiny-wan": Arch("tiny-wan", "wan", TINY_WAN, 64, 8, 32, 0, 8, "tiny Wan-like transformer (tests)", 1.0, 5),
     "pixart": Arch("pixart", "pixart", PIXART_SIGMA, 1024, 300, 4096, 0, 8, "PixArt-Sigma XL 1024 transformer"),
     "ltx": Arch("ltx", "ltx", LTX_VIDEO, 512, 128, 4096, 0, 32, "LTX-Video 0.9 transformer", 768 / 512, 121, 8, 1),
+    # LTX2Pipeline's defaults: 768x512, 121 frames at 24 fps, prompts padded to 1024 tokens
+    "ltx2": Arch(
+        "ltx2",
+        "ltx2",
+        LTX2_VIDEO,
+        512,
+        1024,
+        3840,
+        0,
+        32,
+        "LTX-2 19B transformer (video + audio)",
+        768 / 512,
+        121,
+        8,
+        1,
+    ),
     "hunyuanvideo": Arch(
         "hunyuanvideo",
         "hunyuanvideo",
@@ -914,6 +957,24 @@ def make_inputs(
             "width": lw,
             "return_dict": False,
         }
+    if arch.family == "ltx2":  # video and audio latents, each stream with its prompt
+        count = latent_frames(arch, frames)
+        audio = ltx2_audio_frames(arch, frames)
+        mask = torch.ones(batch, arch.text_tokens, device=device, dtype=dtype)
+        return {
+            "hidden_states": rand(batch, count * lh * lw, channels),
+            "audio_hidden_states": rand(batch, audio, arch.config["audio_in_channels"]),
+            "encoder_hidden_states": text,
+            "audio_encoder_hidden_states": rand(batch, arch.text_tokens, arch.text_dim),
+            "timestep": timestep,
+            "encoder_attention_mask": mask,
+            "audio_encoder_attention_mask": mask,
+            "num_frames": count,
+            "height": lh,
+            "width": lw,
+            "audio_num_frames": audio,
+            "return_dict": False,
+        }
     if arch.family == "hunyuanvideo":
         count = latent_frames(arch, frames)
         return {
@@ -1163,6 +1224,15 @@ def latent_frames(arch: Arch, frames: int | None = None) -> int:
             f"frames must be 1 + {k}k (the video VAE keeps the first frame and compresses {k} into 1); got {frames!r}"
         )
     return (frames - 1) // k + 1
+
+
+def ltx2_audio_frames(arch: Arch, frames: int | None = None, fps: float = 24.0) -> int:
+    """Audio latents LTX2Pipeline makes for ``frames`` pixel frames (the arch's default if None)
+    at ``fps``: the clip's seconds times the audio VAE's latents a second."""
+    frames = arch.frames if frames is None else frames
+    config = arch.config
+    per_second = config["audio_sampling_rate"] / config["audio_hop_length"] / config["audio_scale_factor"]
+    return max(1, round(frames / fps * per_second))
 
 
 def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> dict[str, Any]:
