@@ -1492,7 +1492,6 @@ FAMILIES: dict[str, Family] = {
             make_zimage,
             lambda b: zimage_inputs(b, 16, 16),
             {"blocks": {"layers": range(2)}},
-            proportional=False,
             odd=lambda b: zimage_inputs(b, 6, 64),  # 3x32 tokens (a multiple of 32): 2 or 4 rows a tile pad
             odd_tokens=96,
             grid=(1, 8, 8),

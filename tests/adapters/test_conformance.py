@@ -553,7 +553,8 @@ def test_set_attention_backend_computes_what_the_default_does(name, monkeypatch)
     # the backend the user set: "native" is the default's function (bitwise), and
     # "_native_math" torch's math kernel in place of the fused CPU one, which sums in
     # another order (a few float32 ulps an op, under 1e-5 through these blocks; merging
-    # moves outputs by more than 1e-3). Processors that call SDPA themselves (the UNets',
+    # moves outputs by more than 1e-4, ten times that, and by more than 1e-3 but where
+    # proportional attention brings them close: Z-Image's, 5e-4). Processors that call SDPA themselves (the UNets',
     # PixArt's, CogVideoX's) keep doing so, and dispatch nothing
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
@@ -571,7 +572,7 @@ def test_set_attention_backend_computes_what_the_default_does(name, monkeypatch)
     reference = fam.output(model, kw)
     toma.apply_toma(model, ratio=0.5, **fam.options)
     default = fam.output(model, kw)
-    assert (default - reference).abs().max() > 1e-3
+    assert (default - reference).abs().max() > 1e-4
     model.set_attention_backend("native")
     assert torch.equal(fam.output(model, kw), default)
     math_calls.clear()

@@ -73,7 +73,6 @@ def test_rotary_rows_are_the_destinations_then_the_suffix(table_batch):
     "options",
     [
         {"text_first": True},
-        {"mask": ("attention_mask", None)},
         {"rotary": Rotary("freqs_cis", None, shared=True)},
         {"until": "proj_out", "call": "attn"},
     ],

@@ -19,7 +19,7 @@ from toma.adapters import attention as A
 def run(model, **kw):
     with torch.no_grad():
         out = model(**kw, return_dict=False)[0]
-    return out
+    return torch.stack(out) if isinstance(out, list) else out  # Z-Image: one tensor per sample
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,19 @@ FAMILIES = {
 # the families built on Wan's spec, whose processors live in modules of their own
 # and those whose processors cannot carry the bias in their mask argument: SD3 (toma's own
 # joint attention), LTX, LTX-2 and Qwen-Image (the bias waits for the processor's dispatch)
-for _name in ("wan-vace", "skyreels-v2", "wan-animate", "sd3", "ltx", "ltx2", "qwenimage", "cosmos", "joyimage"):
+# Z-Image's image-first attention (its caption's keys after the image's)
+for _name in (
+    "wan-vace",
+    "skyreels-v2",
+    "wan-animate",
+    "sd3",
+    "ltx",
+    "ltx2",
+    "qwenimage",
+    "cosmos",
+    "joyimage",
+    "zimage",
+):
     _f = TINY[_name]
     FAMILIES[_name] = (_f.make, lambda _f=_f: _f.inputs(2), _f.options)
 

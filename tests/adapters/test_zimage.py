@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import toma
+from tests.cases import clustered_tokens, force
 from tests.tiny_models import FAMILIES, zimage_inputs
+from toma.adapters import attention as A
 
 FAM = FAMILIES["zimage"]
 
@@ -51,13 +53,15 @@ def test_only_the_main_layers_merge():
         toma.apply_toma(model, ratio=0.5, blocks={"noise_refiner": range(1)})
 
 
-def test_captions_of_different_lengths_merge_as_each_sample_alone():
+@pytest.mark.parametrize("proportional", [False, True], ids=["plain", "bias"])
+def test_captions_of_different_lengths_merge_as_each_sample_alone(proportional):
     # 5 and 40 caption tokens, padded to 32 and 64: the forward pads the first sample's
     # sequence at its end and masks those keys. Each merged attention takes the mask's last
     # positions; each sample's output is then its output alone (no padding, no mask), to the
     # float noise of batching (see the conformance suite's per-sample plan test)
+    # (with the bias: the model's mask folds into it, and the caption's keys take log mass 0)
     model, kw = FAM.make(), zimage_inputs(2, 16, 16, longer=35)
-    patch = toma.apply_toma(model, ratio=0.5, **FAM.every_part())
+    patch = toma.apply_toma(model, ratio=0.5, proportional_attention=proportional, **FAM.every_part())
     masks: list = []
     attn = model.layers[1].attention
     attn.register_forward_pre_hook(
@@ -73,3 +77,30 @@ def test_captions_of_different_lengths_merge_as_each_sample_alone():
         alone = {"x": kw["x"][b : b + 1], "t": kw["t"][b : b + 1], "cap_feats": kw["cap_feats"][b : b + 1]}
         out = torch.stack(model(**alone).sample)
         torch.testing.assert_close(both[b : b + 1], out, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", A.FORMS)
+def test_the_bias_is_exact_on_duplicate_tokens(form, monkeypatch):
+    # two 4x4 tiles of one token 9 times and 7 others enter the main layers (rotary tables
+    # of 1 + 0j rotate nothing): merged attention with the log(mass) bias, the caption's keys
+    # after the image's, computes the unmerged one, by every form
+    force(monkeypatch, form)
+    model, kw = FAM.make(), zimage_inputs(1, 8, 16)  # 4x8 image tokens
+
+    def duplicated(module, args):
+        x, mask, freqs, *rest = args
+        if module is model.layers[0]:
+            x = torch.cat([clustered_tokens(2, channels=x.shape[-1]), x[:, 32:]], dim=1)
+        return (x, mask, torch.ones_like(freqs), *rest)
+
+    for layer in model.layers:
+        layer.register_forward_pre_hook(duplicated)
+    ref = torch.stack(model(**kw).sample)
+    outs = {}
+    for proportional in (True, False):
+        toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=proportional, blocks={"layers": [0]})
+        with torch.no_grad():
+            outs[proportional] = torch.stack(model(**kw).sample)
+        toma.remove_toma(model)
+    torch.testing.assert_close(outs[True], ref, rtol=1e-4, atol=1e-5)
+    assert (outs[False] - ref).abs().max() > 1e-3

@@ -211,7 +211,9 @@ class MergeHook(Hook):
         x = hidden_states_of(args, kwargs)
         if self._biased(module, x):
             named = kwargs.get(site.text_keys) if site.text_keys else None
-            lead = merged.text + (named.shape[1] if isinstance(named, torch.Tensor) else 0)
+            # the text keys lead the merged image keys, but for image-first sites, whose
+            # layout pads the bias with them after the image keys
+            lead = 0 if merged.first else merged.text + (named.shape[1] if isinstance(named, torch.Tensor) else 0)
             # diffusers' Attention names its query heads heads; some families' own modules, num_heads (Krea 2)
             batch, heads = x.shape[0], getattr(module, "heads", None) or module.num_heads
             mask = plan.memo(

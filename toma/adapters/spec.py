@@ -96,8 +96,10 @@ class Site:
             sequence): the first ``N`` tokens merge, the text after them passes whole, and
             so does the text part of the output. Its rotary tables are per-batch
             ``(B, N + text, ...)`` with the image's rows first: ``rotary.gather`` gets their
-            first ``N`` rows and the text rows follow whole. Not with ``text_first``, a key
-            bias (``mask``, ``bias_call``), ``until`` or a ``shared`` table.
+            first ``N`` rows and the text rows follow whole. Under proportional attention its
+            bias covers the merged image keys, and the text keys after them take log mass 0:
+            its ``mask_layout`` must pad after them (:func:`toma.adapters.attention.key_bias_text_after`).
+            Not with ``text_first``, ``until`` or a ``shared`` table.
         text_keys: keyword of the call's text tokens when its processor puts them before the
             image tokens in one joint attention (Flux): under proportional attention their
             keys get a log mass of 0, before the merged image keys'.
@@ -148,10 +150,8 @@ class Site:
             raise ValueError("Site: own_mask needs a joint_mask, and takes neither mask, bias_call nor until")
         if self.image_first:
             shared = self.rotary is not None and self.rotary.shared
-            if self.text_first or self.takes_bias or self.until is not None or shared:
-                raise ValueError(
-                    "Site: image_first takes none of text_first, mask, bias_call, until or a shared Rotary"
-                )
+            if self.text_first or self.until is not None or shared:
+                raise ValueError("Site: image_first takes none of text_first, until or a shared Rotary")
 
 
 @dataclass(frozen=True)

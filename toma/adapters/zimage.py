@@ -19,8 +19,9 @@ one per merged token (:func:`toma.core.masks.slice_image_first_mask`). Other cal
 omni mode (``[caption; images; SigLIP]`` with per-token modulation), run unmerged with one
 warning saying why. Tokens stay in raster order: the image enters as a
 concatenation of per-sample lists and leaves within the unified sequence, so no module
-brackets the image tokens alone. Proportional attention is not offered: the processor
-dispatches the model's mask as is.
+brackets the image tokens alone. Under proportional attention the bias waits for the
+processor's dispatch (:func:`toma.adapters.attention.through_dispatch`), which folds in the
+processor's mask; the caption's keys take log mass 0.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import math
 
 import torch
 
+from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.spec import gather_rows
 from toma.core.masks import slice_image_first_mask
@@ -41,8 +43,16 @@ _ROTARY = Rotary("freqs_cis", None, gather=gather_rows)
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return [
-        # the joint mask of a batch whose sequences differ in length: ones over the image
-        Site("attention", "attn", rotary=_ROTARY, image_first=True, joint_mask=slice_image_first_mask),
+        Site(
+            "attention",
+            "attn",
+            rotary=_ROTARY,
+            image_first=True,
+            joint_mask=slice_image_first_mask,  # the joint mask of sequences that differ in length
+            mask_layout=key_bias_text_after,  # the caption's keys follow the image's
+            bias_call=through_dispatch,  # the processor reshapes its mask: the bias waits for its dispatch
+            mask_ok=dispatch_ok,
+        ),
         Site("feed_forward", "mlp", image_first=True),
     ]
 
