@@ -62,6 +62,18 @@ UNSUPPORTED: dict[str, str] = {
     "AnyFlowFARTransformer3DModel": _KV_CACHE,
     "WanAnimate2Transformer3DModel": "its generation pass attends to a cache of the reference pass's keys and "
     "values, packed with its own tokens under a flex block mask laid out over the unmerged tokens (out of scope)",
+    "QwenImage21Transformer2DModel": "its one sequence interleaves text with the condition and target images under "
+    "a block-causal mask (a segment list or a flex BlockMask over the unmerged positions), with modulation rows "
+    "chosen per token by target_token_mask and a key-value cache of the prefix (kv_cache_mode); ToMA does not lay "
+    "a merge out within that sequence yet (not supported yet)",
+    "HunyuanVideoFramepackTransformer3DModel": "its video stream packs clean history latents (latents_clean, "
+    "latents_history_2x, latents_history_4x, with rotary tables cut from other grids) before the tokens it generates; "
+    "ToMA does not yet lay a merge out behind such a history (not supported yet)",
+    "HeliosTransformer3DModel": "its attention scales the keys of the history latents that lead the generated tokens, "
+    "split off by a token count (original_context_length) over the unmerged sequence, and its rotary tables are "
+    "concatenated from several grids (not supported yet)",
+    "Flux3Transformer2DModel": "its blocks take their modulation as one row per token (timestep embeddings expanded "
+    "over the image and reference tokens), laid out over the unmerged sequence (not supported yet)",
     "AceStepTransformer1DModel": _AUDIO,
     "StableAudioDiTModel": _AUDIO,
     "StableAudio3DiTModel": _AUDIO,
