@@ -128,3 +128,16 @@ def test_a_rope_module_with_one_table_gets_its_image_rows_reordered():
 def test_a_mask_of_the_models_own_elsewhere_needs_a_fit_and_no_bias(options):
     with pytest.raises(ValueError, match="own_mask"):
         Site("attention", "attn", own_mask=("hidden_states_masks", 1), **options)
+
+
+@pytest.mark.parametrize("table_batch, dest_batch", [(1, 2), (2, 1), (2, 2)])
+def test_gather_rows_takes_rows_of_any_shape(table_batch, dest_batch):
+    # Kandinsky 5's rotations are (B, N, 1, D/2, 2, 2), ERNIE-Image's angles (B, N, 1, D)
+    g = torch.Generator().manual_seed(2)
+    table = torch.randn(table_batch, N, 1, 3, 2, 2, generator=g)
+    dest = torch.stack([torch.randperm(N, generator=g)[:6] for _ in range(dest_batch)])
+    got = gather_rows(table, dest)
+    assert got.shape == (max(table_batch, dest_batch), 6, 1, 3, 2, 2)
+    for b in range(got.shape[0]):
+        rows = table[0 if table_batch == 1 else b]
+        assert torch.equal(got[b], torch.stack([rows[int(i)] for i in dest[0 if dest_batch == 1 else b]]))

@@ -189,8 +189,8 @@ def order_hooks(
         entry = model.get_submodule(path)
     hooks: list[tuple[torch.nn.Module, Hook]] = [
         (model, StepHook(spec, cache, order)),
-        (entry, Reorder(order, enter=True, on_output=kind == "output")),
-        (model.get_submodule(spec.leave), Reorder(order, enter=False, on_output=False)),
+        (entry, Reorder(order, enter=True, on_output=kind == "output", grid=spec.grid_tokens)),
+        (model.get_submodule(spec.leave), Reorder(order, enter=False, on_output=False, grid=spec.grid_tokens)),
     ]
     for path, seq_dim in spec.rope_modules:
         rotary = RotaryToTileOrder(order, seq_dim, spec.rope_items, image_first=spec.rope_image_first)
@@ -441,14 +441,21 @@ def _positions_to_block_order(
 
 class Reorder(Hook):
     """Puts the tokens in the blocks' order where they enter the blocks (tile order, after
-    any conditioning tokens), and back in the model's where they leave."""
+    any conditioning tokens), and back in the model's where they leave. With ``grid``, the
+    tokens may come as a channel-last grid ``(B, t, h, w, C)`` that the forward flattens to
+    the blocks' sequence, or reshaped from it (``FamilySpec.grid_tokens``): they are
+    reordered as that sequence, in the grid's shape."""
 
-    def __init__(self, order: TileState, enter: bool, on_output: bool) -> None:
+    def __init__(self, order: TileState, enter: bool, on_output: bool, grid: bool = False) -> None:
         self.order = order
         self.enter = enter
         self.on_output = on_output
+        self.grid = grid
 
     def _convert(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grid and x.ndim > 3:
+            # a plain reshape of the sequence in the blocks' order: flattening undoes it
+            return self.order.convert(x.flatten(1, -2), self.enter).reshape(x.shape)
         return self.order.convert(x, self.enter)
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:

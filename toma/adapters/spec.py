@@ -173,6 +173,13 @@ class FamilySpec:
             ``hidden_states`` input.
         leave: a module after the blocks whose first input (``hidden_states``) is the
             ``(B, N, C)`` tokens; they go back to raster order there.
+        grid_tokens: the tokens come out of the ``enter`` module (an ``("output", path)``)
+            and go into the ``leave`` module as a channel-last grid ``(B, t, h, w, C)``, which
+            the forward flattens into the blocks' sequence and reshapes back with plain
+            reshapes (Kandinsky 5's ``fractal_flatten`` and ``fractal_unflatten``): they are
+            put in the blocks' order, and back, as that sequence. Everything between the two
+            then sees the blocks' order, block caches too (MagCache compares and replays
+            residuals around the blocks, and its skipped steps never call the last block).
         rope: path of the module whose output tuple holds the rotary tables, and the
             sequence dimension of each table (their image rows are put in tile order), or
             None. A family with several such modules over the image tokens (LTX-2's
@@ -230,6 +237,7 @@ class FamilySpec:
     grid: GridReader
     enter: tuple[str, str]
     leave: str
+    grid_tokens: bool = False
     rope: tuple[str, int] | tuple[tuple[str, int], ...] | None = None
     rope_image_first: bool = False
     rope_items: tuple[int, ...] | None = None
