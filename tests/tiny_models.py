@@ -1116,6 +1116,47 @@ def hidream_inputs(batch: int, h: int, w: int, text: int = 5, llama: int = 3, la
     }
 
 
+def make_kandinsky5(seed: int = 0, layers: int = 3, **config):
+    """Kandinsky 5: one text block, then visual blocks (self-attention, cross-attention, MLP)."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    torch.manual_seed(seed)
+    model = Kandinsky5Transformer3DModel(
+        in_visual_dim=4,
+        out_visual_dim=4,
+        in_text_dim=TEXT_DIM,
+        in_text_dim2=16,
+        time_dim=16,
+        patch_size=(1, 2, 2),
+        model_dim=32,
+        ff_dim=64,
+        num_text_blocks=1,
+        num_visual_blocks=layers,
+        axes_dims=(4, 6, 6),
+        **config,
+    )
+    with torch.no_grad():  # its modulations start at zero (every block an identity); make them matter
+        for name, p in model.named_parameters():
+            if "modulation" in name:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def kandinsky5_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """The T2V pipeline's call on channel-last latents ``(B, frames, h, w, 4)``: rotary
+    positions as it makes them (per latent frame, per 2x2 patch row and column)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, frames, h, w, 4, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "pooled_projections": torch.randn(batch, 16, generator=g),
+        "timestep": torch.full((batch,), 700.0),
+        "visual_rope_pos": [torch.arange(frames), torch.arange(h // 2), torch.arange(w // 2)],
+        "text_rope_pos": torch.arange(text),
+        "scale_factor": (1, 2, 2),  # the pipeline's _get_scale_factor at 480p sizes
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -1159,6 +1200,11 @@ class Family:
     # whether the model's own blocks break torch.compile graphs, unpatched (HiDream's
     # mixture-of-experts MLP counts tokens per expert on the host)
     own_breaks: bool = False
+    # how far a sample's output in a batch of 2 may be from its output alone: float32 ulps
+    # (~1e-7 an op) reach ~1e-6; Kandinsky 5's processor rounds its rotated queries and keys
+    # to bfloat16, where such an ulp can tip an element by one bfloat16 ulp (2**-8 relative):
+    # 5.6e-6 unmerged, 3.5e-5 merged (tokens averaged by another plan's sums), so 1e-4
+    batch_atol: float = 1e-5
 
     def divided_inputs(self, batch: int) -> dict:
         """A call on a token grid the default tiles divide (see ``divided``)."""
@@ -1546,6 +1592,19 @@ FAMILIES: dict[str, Family] = {
             divided=lambda b: ideogram4_inputs(b, 8, 8),
             grid=(1, 8, 10),
             rising_timestep=True,
+        ),
+        Family(
+            "kandinsky5",
+            "kandinsky5",
+            make_kandinsky5,
+            lambda b: kandinsky5_inputs(b, 4, 12, 16),
+            {"blocks": {"visual_transformer_blocks": range(3)}},
+            cross=True,
+            odd=lambda b: kandinsky5_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            divided=lambda b: kandinsky5_inputs(b, 4, 16, 16),
+            grid=(4, 6, 8),
+            batch_atol=1e-4,
         ),
     )
 }

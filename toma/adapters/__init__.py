@@ -39,6 +39,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "hidream": ("toma.adapters.hidream", ("HiDreamImageTransformer2DModel",)),
     "minimax-h3": ("toma.adapters.minimax_h3", ("MiniMaxH3Transformer3DModel",)),
     "ideogram4": ("toma.adapters.ideogram4", ("Ideogram4Transformer2DModel",)),
+    "kandinsky5": ("toma.adapters.kandinsky5", ("Kandinsky5Transformer3DModel",)),
 }
 
 
