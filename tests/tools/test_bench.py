@@ -836,3 +836,25 @@ def test_ltx2_arch_calls_merge_the_video_and_carry_the_pipelines_audio():
         video, audio = call_denoiser(tiny, model, kw)
     assert video.shape == (2, 48, 8) and audio.shape == (2, 9, 8)
     assert patch.cache._plans
+
+
+def test_kandinsky5_arch_calls_merge():
+    # the published config, narrowed so it builds in a second: make_inputs' channel-last
+    # latents (visual_cond: latents, conditioning and its mask) and rotary positions run the
+    # model, and the default placement merges its visual blocks
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement
+
+    arch = ARCHS["kandinsky5"]
+    narrow = {"model_dim": 64, "ff_dim": 128, "time_dim": 32, "axes_dims": (8, 12, 12), "in_text_dim": 32}
+    tiny = dataclasses.replace(arch, config={**arch.config, **narrow}, text_dim=32, text_tokens=8)
+    model = build_model(tiny, depth=8)
+    kw = make_inputs(tiny, 128, batch=2, frames=5)
+    assert kw["hidden_states"].shape == (2, 2, 16, 24, 33)
+    patch = toma.apply_toma(model, ratio=0.5, **default_placement(tiny, model))
+    with torch.no_grad():
+        out = call_denoiser(tiny, model, kw)  # return_dict=False: the tensor itself
+    assert out.shape == (2, 2, 16, 24, 16)
+    assert patch.cache._plans

@@ -517,6 +517,24 @@ IDEOGRAM4: dict[str, Any] = {
     "mrope_section": (24, 20, 20),
 }
 
+# Kandinsky 5.0 T2V Lite (2B), its 5 s SFT checkpoint: kandinskylab's configs/config_5s_sft.yaml
+# (dit_params; diffusers' class defaults otherwise). The 10 s checkpoints add NABLA attention,
+# which ToMA runs unmerged
+KANDINSKY5_LITE: dict[str, Any] = {
+    "in_visual_dim": 16,
+    "out_visual_dim": 16,
+    "time_dim": 512,
+    "patch_size": (1, 2, 2),
+    "model_dim": 1792,
+    "ff_dim": 7168,
+    "num_text_blocks": 2,
+    "num_visual_blocks": 32,
+    "axes_dims": (16, 24, 24),
+    "visual_cond": True,
+    "in_text_dim": 3584,
+    "in_text_dim2": 768,
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -539,6 +557,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "cosmos": ("num_layers",),
     "minimax-h3": ("num_layers",),
     "ideogram4": ("num_layers",),
+    "kandinsky5": ("num_visual_blocks",),  # its 2 text blocks run on the text alone
 }
 
 
@@ -780,6 +799,21 @@ ARCHS: dict[str, Arch] = {
     # the pipeline's 2048px default; its conditional transformer always takes 2048 text slots
     # (max_sequence_length), a prompt's tokens left-padded to it
     "ideogram4": Arch("ideogram4", "ideogram4", IDEOGRAM4, 2048, 2048, 53248, 0, 8, "Ideogram 4 transformer (9.3B)"),
+    # the T2V pipeline's 512x768 x 121 frames; its Qwen2.5-VL prompt embeddings are as long as
+    # the longest prompt (up to 256 tokens): 128 stands for one of a few sentences
+    "kandinsky5": Arch(
+        "kandinsky5",
+        "kandinsky5",
+        KANDINSKY5_LITE,
+        512,
+        128,
+        3584,
+        768,
+        8,
+        "Kandinsky 5.0 T2V Lite transformer (2B)",
+        768 / 512,
+        121,
+    ),
 }
 
 
@@ -887,6 +921,7 @@ def make_inputs(
     with ``F' = (frames - 1) / 4 + 1`` latent frames (``frames`` defaults to the arch's), text.
     HunyuanVideo: the same latents, text with its (all-ones) mask, pooled, guidance.
     CogVideoX: latents ``(B, F', 16, H/8, W/8)``, text, the pipeline's rotary tables.
+    Kandinsky 5: channel-last latents ``(B, F', H/8, W/8, C)``, text, pooled, rotary positions.
     Qwen-Image: packed latents ``(B, (R/16)^2, 64)``, text, ``img_shapes``. Flux.2: packed
     latents ``(B, (R/16)^2, 128)``, text ``(B, 512, 15360)``, 4-column ``img_ids``, ``txt_ids``.
     The timestep is a placeholder; :func:`set_timestep` changes it per step. ``dtype`` None
@@ -906,6 +941,19 @@ def make_inputs(
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
     text = rand(batch, arch.text_tokens, arch.text_dim)
+    if arch.family == "kandinsky5":  # channel-last latents (with visual_cond: + conditioning + its mask)
+        count, cfg = latent_frames(arch, frames), arch.config
+        channels = cfg["in_visual_dim"] * (2 if cfg.get("visual_cond") else 1) + bool(cfg.get("visual_cond"))
+        return {
+            "hidden_states": rand(batch, count, lh, lw, channels),
+            "encoder_hidden_states": text,
+            "pooled_projections": rand(batch, arch.pooled_dim),
+            "timestep": torch.full((batch,), 999.0, device=device, dtype=dtype),
+            "visual_rope_pos": [torch.arange(n, device=device) for n in (count, lh // 2, lw // 2)],
+            "text_rope_pos": torch.arange(arch.text_tokens, device=device),
+            "scale_factor": (1, 2, 2),  # the pipeline's at 480-854 pixels a side
+            "return_dict": False,
+        }
     channels = arch.config["in_channels"]
     if arch.family == "unet":
         inputs: dict[str, Any] = {
