@@ -174,6 +174,8 @@ class MergeHook(Hook):
         # keys are the text, which stays whole, so only self-attention must then adapt it
         # to the merged keys (where the family says how) or run unmerged
         site = self.site
+        if site.seq_first:  # (S, B, C): merged as its (B, S, C) view
+            x = x.transpose(0, 1)
         own = None if self.part == "cross" else self._own_mask(args, kwargs)
         if own is not None and site.joint_mask is None:
             self._warn_once(
@@ -195,7 +197,8 @@ class MergeHook(Hook):
                 return args, kwargs
             args, kwargs = replace_arg(args, kwargs, *self._own_place(), own)
         self.merged = merged
-        args, kwargs = with_hidden_states(args, kwargs, merged.merge(x))
+        x = merged.merge(x)
+        args, kwargs = with_hidden_states(args, kwargs, x.transpose(0, 1) if site.seq_first else x)
         return self._merged_call(module, merged, args, kwargs)
 
     def _merged_call(
@@ -283,6 +286,8 @@ class MergeHook(Hook):
         merged, self.merged = self.merged, None
         if merged is None:
             return output
+        if self.site.seq_first:  # (S', B, C) back to (S, B, C), through its (B, S', C) view
+            return merged.unmerge(output.transpose(0, 1)).transpose(0, 1)
         if isinstance(output, tuple):  # joint attention: (image, text)
             return (merged.unmerge(output[0]), *output[1:])
         slot = self.residual

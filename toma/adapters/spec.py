@@ -100,6 +100,11 @@ class Site:
             bias covers the merged image keys, and the text keys after them take log mass 0:
             its ``mask_layout`` must pad after them (:func:`toma.adapters.attention.key_bias_text_after`).
             Not with ``text_first``, ``until`` or a ``shared`` table.
+        seq_first: the call's hidden states, and its output, are sequence-first ``(S, B, C)``
+            (ERNIE-Image's MLP): they merge and unmerge as their ``(B, S, C)`` transpose (a
+            view), and the merged call gets ``(K, B, C)`` (with ``text_first`` or
+            ``image_first``, ``(text + K, B, C)``). Not with a key bias (``mask``,
+            ``bias_call``) or ``until``.
         text_keys: keyword of the call's text tokens when its processor puts them before the
             image tokens in one joint attention (Flux): under proportional attention their
             keys get a log mass of 0, before the merged image keys'.
@@ -131,6 +136,7 @@ class Site:
     own_mask: tuple[str, int | None] | None = None
     text_first: bool = False
     image_first: bool = False
+    seq_first: bool = False
     text_keys: str | None = None
     until: str | None = None
     call: str | None = None
@@ -152,6 +158,8 @@ class Site:
             shared = self.rotary is not None and self.rotary.shared
             if self.text_first or self.until is not None or shared:
                 raise ValueError("Site: image_first takes none of text_first, until or a shared Rotary")
+        if self.seq_first and (self.takes_bias or self.until is not None):
+            raise ValueError("Site: seq_first takes neither a key bias (mask, bias_call) nor until")
 
 
 @dataclass(frozen=True)
