@@ -109,6 +109,26 @@ def test_uniform_masks_fit_as_the_brute_force_reference(layout, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_image_first_masks_fit_as_their_mirror_image(layout, dtype):
+    # [image; text] is [text; image] read backwards: the image-first slice of a mirrored
+    # mask is the mirrored text-first fit, which the test above checks by brute force
+    shape = LAYOUTS[layout]
+    rows = len(shape) > 2 and shape[-2] == S
+
+    def mirror(m: torch.Tensor) -> torch.Tensor:
+        return m.flip(-1, -2) if rows else m.flip(-1)
+
+    for seed in range(4):
+        mask = random_mask(shape, dtype, seed)
+        for kept in (0, 1, 2, IMAGE):
+            fitted = M.slice_image_first_mask(mirror(mask), IMAGE, kept)
+            assert torch.equal(fitted, mirror(M.fit_joint_mask(mask, IMAGE, kept)))
+    with pytest.raises(ValueError, match="kept must be in"):
+        M.slice_image_first_mask(mask, IMAGE, IMAGE + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_structured_masks_have_no_merged_form(layout, dtype):
     shape = LAYOUTS[layout]
     g = torch.Generator().manual_seed(3)
