@@ -1157,6 +1157,45 @@ def kandinsky5_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, se
     }
 
 
+def make_ernie_image(seed: int = 0, layers: int = 2):
+    """ERNIE-Image: shared-AdaLN blocks on one sequence-first [image; text] stream."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = ErnieImageTransformer2DModel(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_layers=layers,
+        ffn_hidden_size=64,
+        in_channels=16,
+        out_channels=16,
+        patch_size=1,
+        text_in_dim=16,
+        rope_axes_dim=(4, 6, 6),
+    )
+    with torch.no_grad():  # its modulation and output layer start at zero (a zero output); make them matter
+        for name, p in model.named_parameters():
+            if "adaLN_modulation" in name or "final_linear" in name:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def ernie_image_inputs(batch: int, h: int, w: int, text: int = 5, padded: int = 0) -> dict:
+    """Latents ``(B, 16, h, w)`` (one token per latent pixel) and the pipeline's padded text
+    (``ErnieImagePipeline._pad_text``): the last sample's prompt ``padded`` tokens shorter."""
+    from diffusers.pipelines.ernie_image.pipeline_ernie_image import ErnieImagePipeline
+
+    g = torch.Generator().manual_seed(1)
+    hiddens = [torch.randn(text - (padded if i == batch - 1 else 0), 16, generator=g) for i in range(batch)]
+    text_bth, text_lens = ErnieImagePipeline._pad_text(hiddens, "cpu", torch.float32, 16)
+    return {
+        "hidden_states": torch.randn(batch, 16, h, w, generator=g),
+        "timestep": torch.full((batch,), 700.0),
+        "text_bth": text_bth,
+        "text_lens": text_lens,
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -1605,6 +1644,18 @@ FAMILIES: dict[str, Family] = {
             divided=lambda b: kandinsky5_inputs(b, 4, 16, 16),
             grid=(4, 6, 8),
             batch_atol=1e-4,
+        ),
+        Family(
+            "ernie-image",
+            "ernie-image",
+            make_ernie_image,
+            lambda b: ernie_image_inputs(b, 8, 10, padded=2),
+            {"blocks": {"layers": range(2)}},
+            proportional=False,
+            odd=lambda b: ernie_image_inputs(b, 5, 7, padded=2),
+            odd_tokens=35,
+            grid=(1, 8, 10),
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/ernie_image.py)
         ),
     )
 }

@@ -40,6 +40,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "minimax-h3": ("toma.adapters.minimax_h3", ("MiniMaxH3Transformer3DModel",)),
     "ideogram4": ("toma.adapters.ideogram4", ("Ideogram4Transformer2DModel",)),
     "kandinsky5": ("toma.adapters.kandinsky5", ("Kandinsky5Transformer3DModel",)),
+    "ernie-image": ("toma.adapters.ernie_image", ("ErnieImageTransformer2DModel",)),
 }
 
 
