@@ -858,3 +858,24 @@ def test_kandinsky5_arch_calls_merge():
         out = call_denoiser(tiny, model, kw)  # return_dict=False: the tensor itself
     assert out.shape == (2, 2, 16, 24, 16)
     assert patch.cache._plans
+
+
+def test_ernie_image_arch_calls_merge():
+    # the published config, narrowed so it builds in a second: make_inputs' latents and
+    # padded text run the model, and the default placement merges its layers
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement
+
+    arch = ARCHS["ernie-image"]
+    narrow = {"hidden_size": 64, "num_attention_heads": 2, "ffn_hidden_size": 128, "rope_axes_dim": (8, 12, 12)}
+    tiny = dataclasses.replace(arch, config={**arch.config, **narrow, "text_in_dim": 32}, text_dim=32, text_tokens=8)
+    model = build_model(tiny, depth=9)
+    kw = make_inputs(tiny, 256, batch=2)
+    assert kw["hidden_states"].shape == (2, 128, 16, 16) and kw["text_lens"].tolist() == [8, 8]
+    patch = toma.apply_toma(model, ratio=0.5, **default_placement(tiny, model))
+    with torch.no_grad():
+        out = call_denoiser(tiny, model, kw)[0]
+    assert out.shape == (2, 128, 16, 16)
+    assert patch.cache._plans

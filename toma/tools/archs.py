@@ -535,6 +535,23 @@ KANDINSKY5_LITE: dict[str, Any] = {
     "in_text_dim2": 768,
 }
 
+# ERNIE-Image (8B; Turbo has the same transformer): baidu's transformer/config.json (diffusers'
+# class defaults describe a smaller model: hidden 3072, 24 layers)
+ERNIE_IMAGE: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_layers": 36,
+    "ffn_hidden_size": 12288,
+    "in_channels": 128,
+    "out_channels": 128,
+    "patch_size": 1,
+    "text_in_dim": 3072,
+    "rope_theta": 256,
+    "rope_axes_dim": (32, 48, 48),
+    "eps": 1e-06,
+    "qk_layernorm": True,
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -558,6 +575,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "minimax-h3": ("num_layers",),
     "ideogram4": ("num_layers",),
     "kandinsky5": ("num_visual_blocks",),  # its 2 text blocks run on the text alone
+    "ernie-image": ("num_layers",),
 }
 
 
@@ -814,6 +832,12 @@ ARCHS: dict[str, Arch] = {
         768 / 512,
         121,
     ),
+    # 1024px: the pipeline's 16x latents (the VAE's 8x, patchified 2x2 by the pipeline), one
+    # token each; its Mistral3 prompt embeddings are as long as the prompt (padded to the
+    # longest of a CFG batch): 128 stands for one of a few sentences
+    "ernie-image": Arch(
+        "ernie-image", "ernie-image", ERNIE_IMAGE, 1024, 128, 3072, 0, 16, "ERNIE-Image transformer (8B)", patch=1
+    ),
 }
 
 
@@ -922,6 +946,7 @@ def make_inputs(
     HunyuanVideo: the same latents, text with its (all-ones) mask, pooled, guidance.
     CogVideoX: latents ``(B, F', 16, H/8, W/8)``, text, the pipeline's rotary tables.
     Kandinsky 5: channel-last latents ``(B, F', H/8, W/8, C)``, text, pooled, rotary positions.
+    ERNIE-Image: latents ``(B, 128, R/16, R/16)``, text ``text_bth`` with its ``text_lens``.
     Qwen-Image: packed latents ``(B, (R/16)^2, 64)``, text, ``img_shapes``. Flux.2: packed
     latents ``(B, (R/16)^2, 128)``, text ``(B, 512, 15360)``, 4-column ``img_ids``, ``txt_ids``.
     The timestep is a placeholder; :func:`set_timestep` changes it per step. ``dtype`` None
@@ -1129,6 +1154,14 @@ def make_inputs(
         }
     if arch.family == "minimax-h3":  # the modular pipeline's t2va layout: [text; audio; video], all at one level
         return minimax_h3_inputs(arch, rand, batch, lh, lw, frames, device)
+    if arch.family == "ernie-image":  # one token per 16x latent pixel; every prompt its full length
+        return {
+            "hidden_states": rand(batch, channels, lh, lw),
+            "timestep": timestep,
+            "text_bth": text,
+            "text_lens": torch.full((batch,), arch.text_tokens, device=device, dtype=torch.long),
+            "return_dict": False,
+        }
     if arch.family == "bria-fibo":  # FIBO's 16x VAE latents, one token per latent pixel
         rows, cols = torch.meshgrid(torch.arange(lh), torch.arange(lw), indexing="ij")
         img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
