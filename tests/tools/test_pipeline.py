@@ -581,3 +581,88 @@ def test_a_vace_pipeline_without_ftfy_is_a_clear_error(tmp_path, one_thread, mon
     assert "WanVACEPipeline needs the ftfy package to clean its prompts, which is not installed: pip install ftfy" in (
         capsys.readouterr().err
     )
+
+
+def tiny_ernie_image_folder(tmp_path):
+    """A tiny ERNIE-Image pipeline saved to a folder: a Mistral 3 model from config (its
+    Pixtral tower unused: the pipeline encodes text only), the byte-level Qwen2 tokenizer, a
+    4-channel FLUX.2 VAE (2x space: with the pipeline's 2x2 patchify, 4x) and the tiny
+    transformer (16 channels: 4 patchified)."""
+    from diffusers import AutoencoderKLFlux2, ErnieImagePipeline
+    from transformers import Mistral3Config, Mistral3Model
+
+    from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
+    from tests.tiny_models import make_ernie_image
+
+    tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    text = dict(
+        model_type="mistral",
+        vocab_size=len(tokenizer),
+        hidden_size=16,  # the transformer's text_in_dim
+        intermediate_size=32,
+        num_hidden_layers=2,  # the pipeline reads the second hidden state from the end
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
+    vision = dict(
+        model_type="pixtral", hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+    )
+    ErnieImagePipeline(
+        vae=AutoencoderKLFlux2(
+            block_out_channels=(8, 16),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            latent_channels=4,
+            norm_num_groups=8,
+            layers_per_block=1,
+        ),
+        text_encoder=Mistral3Model(Mistral3Config(text_config=text, vision_config=vision)).eval(),
+        tokenizer=tokenizer,
+        transformer=make_ernie_image(),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+    ).save_pretrained(tmp_path / "ernie")
+    return tmp_path / "ernie"
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+def test_generate_runs_an_ernie_image_pipeline(ratio, tmp_path, one_thread, monkeypatch):
+    # toma generate on ErnieImagePipeline: its CFG batch pads the empty negative prompt to
+    # the prompt's length (masked), the merged layer sees the token count the ratio implies
+    # and the text whole, and ratio 0 gives the unmerged image bitwise
+    import toma.tools.generate as generate
+    from toma.tools.cli import main
+
+    seen: list[tuple[int, int]] = []
+    images = []
+    load, save = generate.load_pipeline, generate.report_and_save
+
+    def load_and_watch(*args):
+        pipe = load(*args)
+        # the default merges the last layer; its attention projects [image; text] in to_q
+        pipe.transformer.layers[-1].self_attention.to_q.register_forward_hook(
+            lambda m, a, o: seen.append(tuple(a[0].shape[:2]))
+        )
+        return pipe
+
+    def save_and_keep(args, baseline, merged, *rest, **kw):
+        images.extend([baseline, merged])
+        return save(args, baseline, merged, *rest, **kw)
+
+    monkeypatch.setattr(generate, "load_pipeline", load_and_watch)
+    monkeypatch.setattr(generate, "report_and_save", save_and_keep)
+    folder = tiny_ernie_image_folder(tmp_path)
+    args = ["--model", str(folder), "--height", "32", "--width", "32", "--steps", "2", "--threads", "1"]
+    assert main(["generate", *args, "--ratio", str(ratio), "--compare", "--out", str(tmp_path / "cmp.png")]) == 0
+    # 32x32 px -> 8x8 tokens, in 2x2 tiles (auto, far below 1024px); a 1-step warm-up and 2
+    # steps, unmerged then with ToMA, each one CFG batch of 2
+    text = seen[0][1] - 64
+    assert text > 1  # the prompt's tokens (the empty negative prompt's one is padded to them)
+    assert seen == [(2, 64 + text)] * 3 + [(2, 64 - int(64 * ratio) + text)] * 3
+    baseline, merged = images
+    if ratio == 0:
+        assert torch.equal(merged, baseline)
+    else:
+        assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
