@@ -1651,7 +1651,6 @@ FAMILIES: dict[str, Family] = {
             make_ernie_image,
             lambda b: ernie_image_inputs(b, 8, 10, padded=2),
             {"blocks": {"layers": range(2)}},
-            proportional=False,
             odd=lambda b: ernie_image_inputs(b, 5, 7, padded=2),
             odd_tokens=35,
             grid=(1, 8, 10),

@@ -49,7 +49,8 @@ FAMILIES = {
 # the families built on Wan's spec, whose processors live in modules of their own
 # and those whose processors cannot carry the bias in their mask argument: SD3 (toma's own
 # joint attention), LTX, LTX-2 and Qwen-Image (the bias waits for the processor's dispatch)
-# Z-Image's image-first attention (its caption's keys after the image's)
+# Z-Image's and ERNIE-Image's image-first attention (the text's keys after the image's), and
+# Kandinsky 5's (its processor's dispatch, no mask of its own)
 for _name in (
     "wan-vace",
     "skyreels-v2",
@@ -61,6 +62,8 @@ for _name in (
     "cosmos",
     "joyimage",
     "zimage",
+    "ernie-image",
+    "kandinsky5",
 ):
     _f = TINY[_name]
     FAMILIES[_name] = (_f.make, lambda _f=_f: _f.inputs(2), _f.options)

@@ -14,13 +14,16 @@ fitted to the merged tokens by its last ``K + T`` columns
 
 Tokens stay in raster order: the image leaves the blocks within the sequence-first stream
 (``final_norm`` takes ``[image; text]``), so no module brackets the image tokens alone.
-Proportional attention is not offered: image-first sites take no key bias yet.
+Under proportional attention the bias waits for the processor's dispatch
+(:func:`toma.adapters.attention.through_dispatch`), which folds in the key mask the
+processor passes; the text's keys take log mass 0.
 """
 
 from __future__ import annotations
 
 import torch
 
+from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
 from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, gather_rows, image_grid, skip_first
 from toma.core.masks import slice_image_first_mask
 
@@ -36,6 +39,9 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
             rotary=_ROTARY,
             joint_mask=slice_image_first_mask,
             image_first=True,
+            mask_layout=key_bias_text_after,  # the text's keys follow the image's
+            bias_call=through_dispatch,
+            mask_ok=dispatch_ok,
         ),
         Site("mlp", "mlp", image_first=True, seq_first=True),
     ]
