@@ -70,7 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         help="transformers: build DEPTH times fewer blocks at full width (merged blocks scale with them)",
     )
-    p.add_argument("--frames", type=int, default=None, help="video: frames in pixels, 1 + 4k (default: the arch's)")
+    p.add_argument(
+        "--frames",
+        type=int,
+        default=None,
+        help="video: frames in pixels, 1 + 4k (MiniMax H3: 17k + 5) (default: the arch's)",
+    )
     p.add_argument("--levels", type=int, default=1, help="UNet: attention levels merged, from the highest resolution")
     p.add_argument("--merge-mlp", action="store_true", help="merge the MLPs too")
     p.add_argument(
