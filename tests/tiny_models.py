@@ -1196,6 +1196,66 @@ def ernie_image_inputs(batch: int, h: int, w: int, text: int = 5, padded: int = 
     }
 
 
+def make_framepack(seed: int = 0, layers: int = 2, single: int = 2):
+    """FramePack: HunyuanVideo's blocks (2 heads of 8, 3-D rotary over (2, 2, 4) channels)
+    with the history embedders and the image projection its checkpoints have."""
+    from diffusers import HunyuanVideoFramepackTransformer3DModel
+
+    torch.manual_seed(seed)
+    return HunyuanVideoFramepackTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=layers,
+        num_single_layers=single,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        text_embed_dim=TEXT_DIM,
+        pooled_projection_dim=TEXT_DIM,
+        rope_axes_dim=(2, 2, 4),
+        has_image_proj=True,
+        image_proj_dim=16,
+        has_clean_x_embedder=True,
+    ).eval()
+
+
+def framepack_inputs(batch: int, frames: int, h: int, w: int, text: int = 6, padded: int = 2, seed: int = 1) -> dict:
+    """The pipeline's call: ``frames x h x w`` latents to generate (tokens ``frames x h/2 x
+    w/2``), 3 clean history frames, 4 at 2x and 4 at 4x (``h``, ``w`` multiples of 8), each
+    with its frame indices (1-D, as the pipeline's: keep their lengths off the batch size,
+    which the tests cut per sample); text with the last sample's last ``padded`` tokens
+    masked, 3 image-embedding tokens."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, text)
+    if batch > 1 and padded:
+        mask[-1, text - padded :] = 0
+
+    def latents(count: int) -> torch.Tensor:
+        return torch.randn(batch, 4, count, h, w, generator=g)
+
+    def indices(start: int, count: int) -> torch.Tensor:
+        return torch.arange(start, start + count)
+
+    return {
+        "hidden_states": latents(frames),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "encoder_attention_mask": mask,
+        "pooled_projections": torch.randn(batch, TEXT_DIM, generator=g),
+        "image_embeds": torch.randn(batch, 3, 16, generator=g),
+        "indices_latents": indices(11, frames),
+        "guidance": torch.full((batch,), 6000.0),
+        "latents_clean": latents(3),
+        "indices_latents_clean": indices(0, 3),
+        "latents_history_2x": latents(4),
+        "indices_latents_history_2x": indices(3, 4),
+        "latents_history_4x": latents(4),
+        "indices_latents_history_4x": indices(7, 4),
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -1594,6 +1654,18 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=35,
             grid=(1, 8, 8),
             joint_mask=flux_joint_mask,
+        ),
+        Family(
+            "framepack",
+            "framepack",
+            make_framepack,
+            lambda b: framepack_inputs(b, 3, 16, 16),
+            {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}},
+            odd=lambda b: framepack_inputs(b, 1, 10, 14),  # one frame of 5x7 tokens
+            odd_tokens=35,
+            grid=(3, 8, 8),
+            text_mask="encoder_attention_mask",
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/framepack.py)
         ),
         Family(
             "hidream",

@@ -206,7 +206,6 @@ REFUSED = [
     ("LongCatAudioDiTTransformer", "denoises audio"),
     ("MiniMaxMusic3Transformer1DModel", "denoises audio"),
     ("QwenImage21Transformer2DModel", "block-causal mask"),
-    ("HunyuanVideoFramepackTransformer3DModel", "clean history latents"),
     ("HeliosTransformer3DModel", "original_context_length"),
     ("Flux3Transformer2DModel", "one row per token"),
 ]
@@ -216,7 +215,6 @@ REFUSED = [
     "name, needles",
     [
         ("QwenImage21Transformer2DModel", ("kv_cache_mode", "target_token_mask", "segments")),
-        ("HunyuanVideoFramepackTransformer3DModel", ("latents_clean", "latents_history_2x", "latents_history_4x")),
         ("HeliosTransformer3DModel", ("original_context_length", "latents_history_short")),
         ("Flux3Transformer2DModel", ("expand(batch_size, image_seq_len", "content_mod")),
     ],

@@ -37,6 +37,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "bria-fibo": ("toma.adapters.bria_fibo", ("BriaFiboTransformer2DModel",)),
     "zimage": ("toma.adapters.zimage", ("ZImageTransformer2DModel",)),
     "hidream": ("toma.adapters.hidream", ("HiDreamImageTransformer2DModel",)),
+    "framepack": ("toma.adapters.framepack", ("HunyuanVideoFramepackTransformer3DModel",)),
     "minimax-h3": ("toma.adapters.minimax_h3", ("MiniMaxH3Transformer3DModel",)),
     "ideogram4": ("toma.adapters.ideogram4", ("Ideogram4Transformer2DModel",)),
     "kandinsky5": ("toma.adapters.kandinsky5", ("Kandinsky5Transformer3DModel",)),
@@ -68,9 +69,6 @@ UNSUPPORTED: dict[str, str] = {
     "a block-causal mask (a segment list or a flex BlockMask over the unmerged positions), with modulation rows "
     "chosen per token by target_token_mask and a key-value cache of the prefix (kv_cache_mode); ToMA does not lay "
     "a merge out within that sequence yet (not supported yet)",
-    "HunyuanVideoFramepackTransformer3DModel": "its video stream packs clean history latents (latents_clean, "
-    "latents_history_2x, latents_history_4x, with rotary tables cut from other grids) before the tokens it generates; "
-    "ToMA does not yet lay a merge out behind such a history (not supported yet)",
     "HeliosTransformer3DModel": "its attention scales the keys of the history latents that lead the generated tokens, "
     "split off by a token count (original_context_length) over the unmerged sequence, and its rotary tables are "
     "concatenated from several grids (not supported yet)",
