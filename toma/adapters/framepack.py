@@ -18,31 +18,19 @@ blocks.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from toma.adapters.attention import key_bias_text_after
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
-from toma.adapters.hunyuanvideo import _joint_mask
-
-# one (history + N, D) table pair for the batch: the generated tokens' rows last
-_ROTARY = Rotary("image_rotary_emb", None, shared=True)
+from toma.adapters import hunyuanvideo
+from toma.adapters.engine import EngineAdapter, FamilySpec, Site, skip_first, video_grid
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
-    sites = [
-        Site(
-            "attn",
-            "attn",
-            rotary=_ROTARY,
-            mask=("attention_mask", None),
-            mask_layout=key_bias_text_after,  # the history's keys lead (log mass 0), the text's follow
-            joint_mask=_joint_mask,  # ones over [history; video]: cutting its first N - K keeps the text's
-            text_first=True,
-        )
-    ]
-    if stack == "transformer_blocks":  # dual-stream: the video stream has its own MLP
-        sites.append(Site("ff", "mlp", text_first=True))
-    return sites
+    # HunyuanVideo's: its key bias already pads the text's keys after the merged ones, and
+    # a text-first merge leads them with the history's at log mass 0; its joint mask holds
+    # ones over [history; video], so cutting its first N - K keys keeps the text's
+    return [replace(site, text_first=True) for site in hunyuanvideo._sites(stack, block)]
 
 
 SPEC = FamilySpec(
