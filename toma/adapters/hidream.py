@@ -6,7 +6,8 @@ queries before the text's) and a mixture-of-experts MLP ``ff_i`` on the image st
 single-stream block runs both on one sequence ``[image; text; a Llama layer's tokens]``.
 Every site merges the first ``N`` tokens of its call (``Site.image_first``): in a double
 block that is the whole image stream, in a single block the image before the text, which
-passes whole. The expert router sees merged tokens as it sees any others.
+passes whole. The MLPs merge with ``merge_mlp``; their expert router sees merged tokens as
+it sees any others.
 
 The rotary tables come from ``pe_embedder`` over the image ids, then the text's:
 ``(B, N + text, 1, D/2, 2, 2)`` with the image's rows first. Tokens run in tile order from
