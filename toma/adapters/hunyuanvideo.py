@@ -24,13 +24,14 @@ import torch
 
 from toma.adapters.attention import key_bias_text_after
 from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
+from toma.core.masks import slice_image_first_mask
 
 
 def _joint_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor | None:
     """The model's ``(B, 1, 1, N + text)`` mask for ``K`` merged video tokens: its last ``K + text`` columns."""
     if mask.ndim != 4 or mask.shape[-1] < tokens:
         return None
-    return mask[..., tokens - kept :]
+    return slice_image_first_mask(mask, tokens, kept)
 
 
 # the processor applies one (N, D) table to the whole batch: samples with plans of their
