@@ -187,9 +187,10 @@ def order_hooks(
         entry = next(getattr(model, s) for s in spec.stacks if len(getattr(model, s)))[0]
     else:
         entry = model.get_submodule(path)
+    grid = "first" if kind == "grid" else spec.grid_tokens
     hooks: list[tuple[torch.nn.Module, Hook]] = [
         (model, StepHook(spec, cache, order)),
-        (entry, Reorder(order, enter=True, on_output=kind == "output", grid=spec.grid_tokens)),
+        (entry, Reorder(order, enter=True, on_output=kind != "block", grid=grid)),
         (model.get_submodule(spec.leave), Reorder(order, enter=False, on_output=False, grid=spec.grid_tokens)),
     ]
     for path, seq_dim in spec.rope_modules:
@@ -444,15 +445,21 @@ class Reorder(Hook):
     any conditioning tokens), and back in the model's where they leave. With ``grid``, the
     tokens may come as a channel-last grid ``(B, t, h, w, C)`` that the forward flattens to
     the blocks' sequence, or reshaped from it (``FamilySpec.grid_tokens``): they are
-    reordered as that sequence, in the grid's shape."""
+    reordered as that sequence, in the grid's shape. With ``grid="first"``, they come as a
+    channel-first grid ``(B, C, t, h, w)`` that the forward flattens with
+    ``flatten(2).transpose(1, 2)`` (a patch embedding's output, ``FamilySpec.enter``'s
+    ``"grid"``): the result is a view of the reordered sequence, so that flattening it
+    costs no copy."""
 
-    def __init__(self, order: TileState, enter: bool, on_output: bool, grid: bool = False) -> None:
+    def __init__(self, order: TileState, enter: bool, on_output: bool, grid: bool | str = False) -> None:
         self.order = order
         self.enter = enter
         self.on_output = on_output
         self.grid = grid
 
     def _convert(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grid == "first" and x.ndim > 3:
+            return self.order.convert(x.flatten(2).transpose(1, 2), self.enter).transpose(1, 2).reshape(x.shape)
         if self.grid and x.ndim > 3:
             # a plain reshape of the sequence in the blocks' order: flattening undoes it
             return self.order.convert(x.flatten(1, -2), self.enter).reshape(x.shape)

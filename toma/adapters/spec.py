@@ -177,8 +177,13 @@ class FamilySpec:
             merged (the forward then runs unmerged). A class is instantiated once per
             patched model (for readers that remember what they read).
         enter: where tokens enter the blocks: ``("output", path)`` for a module whose
-            output is the ``(B, N, C)`` tokens, or ``("block", "")`` for the first block's
-            ``hidden_states`` input.
+            output is the ``(B, N, C)`` tokens; ``("grid", path)`` for a patch embedding whose
+            output is the channel-first grid ``(B, C, t, h, w)`` that the forward flattens
+            with ``flatten(2).transpose(1, 2)`` and hands to the blocks unchanged (Wan's
+            ``patch_embedding``); or ``("block", "")`` for the first block's
+            ``hidden_states`` input. Prefer a module before the blocks: a cache around them
+            (FirstBlockCache's hook on the first block, cache-dit's first blocks) compares
+            the first blocks' output with their input, which must be in the same order.
         leave: a module after the blocks whose first input (``hidden_states``) is the
             ``(B, N, C)`` tokens; they go back to raster order there.
         grid_tokens: the tokens come out of the ``enter`` module (an ``("output", path)``)

@@ -40,7 +40,9 @@ SPEC = FamilySpec(
     stacks=("blocks",),
     sites=_sites,
     grid=video_grid,
-    enter=("block", ""),
+    # the patch embedding's output, not the first block's input: FirstBlockCache and
+    # cache-dit watch that block's output minus its input, which must share one order
+    enter=("grid", "patch_embedding"),
     leave="norm_out",
     rope=("rope", 1),
     tile_order_ok=_tile_order_ok,

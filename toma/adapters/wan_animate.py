@@ -5,6 +5,10 @@ Its blocks (a copy of Wan's) merge as Wan's do (:mod:`toma.adapters.wan`). Every
 motion vector per latent frame: it splits the token sequence into equal runs, one per
 frame. Tile order keeps each frame's tokens together only while tiles span one frame, so
 ``tile_frames`` is 1 here and any other value is refused.
+
+Known limit: the tokens enter tile order at the first block, inside FirstBlockCache's hook
+on it, so that cache's skips differ from those of raster order (Wan enters at its patch
+embedding, which here would reorder the grid the pose embedding is added to).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from toma.adapters.engine import EngineAdapter
 from toma.adapters.wan import SPEC as WAN
 from toma.config import ToMAConfig
 
-SPEC = dataclasses.replace(WAN, name="wan-animate", classes=("WanAnimateTransformer3DModel",))
+# tokens enter tile order at the first block, not at the patch embedding: the pose
+# embedding is added to that embedding's output on its (B, C, t, h, w) grid
+SPEC = dataclasses.replace(WAN, name="wan-animate", classes=("WanAnimateTransformer3DModel",), enter=("block", ""))
 
 
 class _Adapter(EngineAdapter):
