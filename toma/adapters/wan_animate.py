@@ -6,9 +6,10 @@ motion vector per latent frame: it splits the token sequence into equal runs, on
 frame. Tile order keeps each frame's tokens together only while tiles span one frame, so
 ``tile_frames`` is 1 here and any other value is refused.
 
-Known limit: the tokens enter tile order at the first block, inside FirstBlockCache's hook
-on it, so that cache's skips differ from those of raster order (Wan enters at its patch
-embedding, which here would reorder the grid the pose embedding is added to).
+Known limit: the tokens enter tile order at the first block, not at the patch embedding as
+Wan's do, because the pose embedding is added to that embedding's ``(B, C, t, h, w)`` grid.
+That is inside FirstBlockCache's hook on the block, so that cache's skips may depend on the
+token order, as Wan's did (not checked).
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from toma.adapters.engine import EngineAdapter
 from toma.adapters.wan import SPEC as WAN
 from toma.config import ToMAConfig
 
-# tokens enter tile order at the first block, not at the patch embedding: the pose
-# embedding is added to that embedding's output on its (B, C, t, h, w) grid
 SPEC = dataclasses.replace(WAN, name="wan-animate", classes=("WanAnimateTransformer3DModel",), enter=("block", ""))
 
 
