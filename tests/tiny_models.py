@@ -1196,6 +1196,45 @@ def ernie_image_inputs(batch: int, h: int, w: int, text: int = 5, padded: int = 
     }
 
 
+def make_lumina2(seed: int = 0, layers: int = 2):
+    """Lumina 2: a caption and a noise refiner block, then blocks on [caption; image] per
+    sample (2 query heads of 16 channels sharing one key head; 3-D rotary over (4, 6, 6))."""
+    from diffusers import Lumina2Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = Lumina2Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=32,
+        num_layers=layers,
+        num_refiner_layers=1,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        multiple_of=16,
+        axes_dim_rope=(4, 6, 6),
+        axes_lens=(64, 64, 64),
+        cap_feat_dim=TEXT_DIM,
+    )
+    return model.eval()
+
+
+def lumina2_inputs(batch: int, h: int, w: int, text: int = 6, padded: int = 0) -> dict:
+    """Latents ``(B, 4, h, w)`` (2x2 patches) and the pipeline's padded caption with its
+    mask: the last sample's caption ``padded`` tokens shorter (its sequence then starts its
+    image ``padded`` tokens earlier)."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(batch, text, dtype=torch.bool)
+    if padded:
+        mask[-1, -padded:] = False
+    return {
+        "hidden_states": torch.randn(batch, 4, h, w, generator=g),
+        "timestep": torch.full((batch,), 0.3),  # 1 - t / 1000: it rises over a run
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "encoder_attention_mask": mask,
+    }
+
+
 def make_framepack(seed: int = 0, layers: int = 2, single: int = 2):
     """FramePack: HunyuanVideo's blocks (2 heads of 8, 3-D rotary over (2, 2, 4) channels)
     with the history embedders and the image projection its checkpoints have."""
@@ -1727,6 +1766,22 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=35,
             grid=(1, 8, 10),
             tile_order=False,  # the forward keeps raster order (see toma/adapters/ernie_image.py)
+        ),
+        Family(
+            "lumina2",
+            "lumina2",
+            make_lumina2,
+            # captions of one length (the pipeline's calls: one prompt, CFG's two passes apart);
+            # test_text_masks and test_lumina2.py pad one, which shifts its image
+            lambda b: lumina2_inputs(b, 16, 20),
+            {"blocks": {"layers": range(2)}},
+            proportional=False,
+            odd=lambda b: lumina2_inputs(b, 10, 14),
+            odd_tokens=35,
+            grid=(1, 8, 10),
+            text_mask="encoder_attention_mask",
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/lumina2.py)
+            rising_timestep=True,
         ),
     )
 }

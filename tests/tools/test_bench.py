@@ -879,3 +879,28 @@ def test_ernie_image_arch_calls_merge():
         out = call_denoiser(tiny, model, kw)[0]
     assert out.shape == (2, 128, 16, 16)
     assert patch.cache._plans
+
+
+def test_lumina2_arch_calls_merge():
+    # the published config, narrowed so it builds in a second: make_inputs' latents and
+    # full-length caption run the model, the timestep rises over a run (1 - t / 1000), and
+    # the default placement merges its main layers
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement, set_timestep
+
+    arch = ARCHS["lumina2"]
+    narrow = {"hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2, "axes_dim_rope": (4, 6, 6)}
+    tiny = dataclasses.replace(arch, config={**arch.config, **narrow, "cap_feat_dim": 32}, text_dim=32, text_tokens=8)
+    model = build_model(tiny, depth=13)
+    assert len(model.layers) == 2 and len(model.noise_refiner) == 2
+    kw = make_inputs(tiny, 256, batch=2)
+    assert kw["hidden_states"].shape == (2, 16, 32, 32) and kw["encoder_attention_mask"].all()
+    ts = [float(set_timestep(tiny, kw, step, 4)["timestep"][0]) for step in range(4)]
+    assert ts == sorted(ts) and ts[0] == 0.0
+    patch = toma.apply_toma(model, ratio=0.5, **default_placement(tiny, model))
+    with torch.no_grad():
+        out = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))[0]
+    assert out.shape == (2, 16, 32, 32)
+    assert patch.cache.base_grid == (1, 16, 16) and patch.cache._plans

@@ -42,6 +42,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ideogram4": ("toma.adapters.ideogram4", ("Ideogram4Transformer2DModel",)),
     "kandinsky5": ("toma.adapters.kandinsky5", ("Kandinsky5Transformer3DModel",)),
     "ernie-image": ("toma.adapters.ernie_image", ("ErnieImageTransformer2DModel",)),
+    "lumina2": ("toma.adapters.lumina2", ("Lumina2Transformer2DModel",)),
 }
 
 

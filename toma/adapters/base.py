@@ -13,12 +13,14 @@ CHUNK_HOOK_NAME = "toma_chunk"  # a block's second hook, where its MLP's chunkin
 RESIDUAL_HOOK_NAME = "toma_residual"  # a block's hook that leaves its residual adds to the merge hooks
 REPLAY_HOOK_NAME = "toma_replay"  # a block's outermost hook, for its recomputation under checkpointing
 ROPE_HOOK_NAME = "toma_rope"  # a block's hook that puts the rotary tables it takes in the blocks' order
+PREFIX_HOOK_NAME = "toma_prefix"  # a block's hook that aligns per-sample prefixes (Lumina 2)
 HOOK_NAMES = (
     HOOK_NAME,
     CHUNK_HOOK_NAME,
     RESIDUAL_HOOK_NAME,
     REPLAY_HOOK_NAME,
     ROPE_HOOK_NAME,
+    PREFIX_HOOK_NAME,
 )  # every name an adapter's attach registers hooks under
 
 

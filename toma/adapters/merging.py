@@ -183,6 +183,12 @@ class MergeHook(Hook):
                 "does not fit merged ones; such calls run unmerged"
             )
             return args, kwargs
+        if site.self_keys is not None and kwargs.get(site.self_keys) is not hidden_states_of(args, kwargs):
+            self._warn_once(
+                f"ToMA: {type(module).__name__} got keys ({site.self_keys}) other than its hidden states; such "
+                "calls run unmerged"
+            )
+            return args, kwargs
         merged = open_call(self.cache, self.order, site, x, grid, self.ratio)
         if merged is None:
             self._warn_if_chunked(module, x.shape[1], math.prod(grid))
@@ -199,6 +205,8 @@ class MergeHook(Hook):
         self.merged = merged
         x = merged.merge(x)
         args, kwargs = with_hidden_states(args, kwargs, x.transpose(0, 1) if site.seq_first else x)
+        if site.self_keys is not None:  # the keys come from the merged tokens too
+            kwargs = {**kwargs, site.self_keys: hidden_states_of(args, kwargs)}
         return self._merged_call(module, merged, args, kwargs)
 
     def _merged_call(

@@ -105,6 +105,10 @@ class Site:
             view), and the merged call gets ``(K, B, C)`` (with ``text_first`` or
             ``image_first``, ``(text + K, B, C)``). Not with a key bias (``mask``,
             ``bias_call``) or ``until``.
+        self_keys: keyword under which the call passes its hidden states a second time, as
+            the source of its keys and values (Lumina 2's self-attention, called through a
+            cross-attention signature): the merged call gets the merged tokens there too. A
+            call that passes another tensor there runs unmerged, with a warning once.
         text_keys: keyword of the call's text tokens when its processor puts them before the
             image tokens in one joint attention (Flux): under proportional attention their
             keys get a log mass of 0, before the merged image keys'.
@@ -137,6 +141,7 @@ class Site:
     text_first: bool = False
     image_first: bool = False
     seq_first: bool = False
+    self_keys: str | None = None
     text_keys: str | None = None
     until: str | None = None
     call: str | None = None

@@ -389,6 +389,24 @@ ZIMAGE: dict[str, Any] = {
     "axes_lens": [1536, 512, 512],
 }
 
+# Lumina-Image 2.0 (2.6B), Alpha-VLLM/Lumina-Image-2.0's published transformer config: Gemma-2-2B
+# captions (2304 wide), 16-channel latents (Flux's VAE), 24 query heads sharing 8 key heads
+LUMINA2: dict[str, Any] = {
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 16,
+    "hidden_size": 2304,
+    "num_layers": 26,
+    "num_refiner_layers": 2,
+    "num_attention_heads": 24,
+    "num_kv_heads": 8,
+    "multiple_of": 256,
+    "norm_eps": 1e-05,
+    "axes_dim_rope": (32, 32, 32),
+    "axes_lens": (300, 512, 512),
+    "cap_feat_dim": 2304,
+}
+
 # HiDream-I1-Full (17B): the class defaults, with the published config's 16-channel latents
 # (Flux's VAE) and text widths: T5-XXL and Llama-3.1-8B (4096 each; a Llama layer's hidden
 # states per block, its 32 layers, then the last one again) and pooled CLIP-L + CLIP-G (2048)
@@ -576,6 +594,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "ideogram4": ("num_layers",),
     "kandinsky5": ("num_visual_blocks",),  # its 2 text blocks run on the text alone
     "ernie-image": ("num_layers",),
+    "lumina2": ("num_layers",),  # its 2 + 2 refiner blocks run on the caption or the image alone
 }
 
 
@@ -771,6 +790,7 @@ ARCHS: dict[str, Arch] = {
     "bria-fibo": Arch("bria-fibo", "bria-fibo", BRIA_FIBO, 1024, 1024, 4096, 0, 16, "Bria FIBO transformer", patch=1),
     # the pipeline passes each prompt's own tokens (up to 512), padded to a multiple of 32: 512 stands for one
     "zimage": Arch("zimage", "zimage", ZIMAGE, 1024, 512, 2560, 0, 8, "Z-Image-Turbo transformer (6B)"),
+    "lumina2": Arch("lumina2", "lumina2", LUMINA2, 1024, 256, 2304, 0, 8, "Lumina-Image 2.0 transformer (2.6B)"),
     # Chroma's pipeline pads the T5 prompt to 512 tokens, as Flux's
     "chroma": Arch("chroma", "chroma", CHROMA, 1024, 512, 4096, 0, 8, "Chroma1-HD transformer (8.9B)"),
     "wan-vace": Arch(
@@ -1088,6 +1108,14 @@ def make_inputs(
             "cap_feats": [rand(arch.text_tokens, arch.text_dim) for _ in range(batch)],
             "return_dict": False,
         }
+    if arch.family == "lumina2":  # one prompt per call (CFG's passes apart): every caption its full length
+        return {
+            "hidden_states": rand(batch, channels, lh, lw),
+            "timestep": torch.zeros(batch, device=device, dtype=dtype),
+            "encoder_hidden_states": text,
+            "encoder_attention_mask": torch.ones(batch, arch.text_tokens, dtype=torch.bool, device=device),
+            "return_dict": False,
+        }
     if arch.family == "wan-vace":  # Wan's call and a control input (VACE's 96 channels) over the same latents
         count = latent_frames(arch, frames)
         return {
@@ -1325,7 +1353,7 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
         return {**inputs, "t": torch.full_like(inputs["t"], 1.0 - frac)}
     if arch.family == "hidream":
         return {**inputs, "timesteps": torch.full_like(inputs["timesteps"], 999.0 * frac)}
-    if arch.family == "ideogram4":  # model time 1 - sigma (0 is noise): rises over a run
+    if arch.family in ("ideogram4", "lumina2"):  # model time 1 - sigma (0 is noise): rises over a run
         return {**inputs, "timestep": torch.full_like(inputs["timestep"], 1.0 - frac)}
     t = inputs["timestep"]
     # the flow-matching transformers take the timestep in [0, 1]
