@@ -666,3 +666,102 @@ def test_generate_runs_an_ernie_image_pipeline(ratio, tmp_path, one_thread, monk
         assert torch.equal(merged, baseline)
     else:
         assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
+
+
+def tiny_lumina2_folder(tmp_path):
+    """A tiny Lumina 2 pipeline saved to a folder: a Gemma 2 model from config, the
+    byte-level Qwen2 tokenizer (the pipeline pads every prompt, its system prompt before it,
+    to 256 tokens), an 8x VAE with Flux's scaling and shift, and a tiny transformer whose
+    caption positions reach past 256."""
+    from diffusers import AutoencoderKL, Lumina2Pipeline, Lumina2Transformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
+
+    tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    text = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=16,  # the transformer's cap_feat_dim
+        intermediate_size=32,
+        num_hidden_layers=2,  # the pipeline reads the second hidden state from the end
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    transformer = Lumina2Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=32,
+        num_layers=2,
+        num_refiner_layers=1,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        multiple_of=16,
+        axes_dim_rope=(4, 6, 6),
+        axes_lens=(300, 64, 64),
+        cap_feat_dim=16,
+    )
+    Lumina2Pipeline(
+        transformer=transformer.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=AutoencoderKL(
+            block_out_channels=(8,) * 4,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            latent_channels=4,
+            norm_num_groups=4,
+            layers_per_block=1,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+        ),
+        text_encoder=Gemma2Model(text).eval(),
+        tokenizer=tokenizer,
+    ).save_pretrained(tmp_path / "lumina2")
+    return tmp_path / "lumina2"
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+def test_generate_runs_a_lumina2_pipeline(ratio, tmp_path, one_thread, monkeypatch):
+    # toma generate on Lumina2Pipeline, loaded back from its folder: its guidance passes run
+    # apart (the prompt's caption and the negative one's, each its own length), the merged
+    # layer sees the token count the ratio implies and the caption whole, and ratio 0 gives
+    # the unmerged image bitwise
+    import toma.tools.generate as generate
+    from toma.tools.cli import main
+
+    seen: list[tuple[int, int]] = []
+    images = []
+    load, save = generate.load_pipeline, generate.report_and_save
+
+    def load_and_watch(*args):
+        pipe = load(*args)
+        # the default merges the last layer; its attention projects [caption; image] in to_q
+        pipe.transformer.layers[-1].attn.to_q.register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape[:2])))
+        return pipe
+
+    def save_and_keep(args, baseline, merged, *rest, **kw):
+        images.extend([baseline, merged])
+        return save(args, baseline, merged, *rest, **kw)
+
+    monkeypatch.setattr(generate, "load_pipeline", load_and_watch)
+    monkeypatch.setattr(generate, "report_and_save", save_and_keep)
+    folder = tiny_lumina2_folder(tmp_path)
+    args = ["--model", str(folder), "--height", "128", "--width", "128", "--steps", "2", "--threads", "1"]
+    assert main(["generate", *args, "--ratio", str(ratio), "--compare", "--out", str(tmp_path / "cmp.png")]) == 0
+    # 128x128 px -> 8x8 tokens, in 2x2 tiles (auto, far below 1024px); a 1-step warm-up and 2
+    # steps, unmerged then with ToMA, each a pass with the prompt, then one with the negative
+    lengths = sorted({n - 64 for _, n in seen[:2]})
+    assert len(lengths) == 2  # the two captions differ in length
+    kept = 64 - int(64 * ratio)
+    assert [b for b, _ in seen] == [1] * 12
+    assert [n for _, n in seen[:6]] == [n for _, n in seen[:2]] * 3
+    assert [n for _, n in seen[6:]] == [n - 64 + kept for _, n in seen[:2]] * 3
+    baseline, merged = images
+    if ratio == 0:
+        assert torch.equal(merged, baseline)
+    else:
+        assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
