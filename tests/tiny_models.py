@@ -1196,9 +1196,10 @@ def ernie_image_inputs(batch: int, h: int, w: int, text: int = 5, padded: int = 
     }
 
 
-def make_lumina2(seed: int = 0, layers: int = 2):
+def make_lumina2(seed: int = 0, layers: int = 2, caption: int = 64, caption_dim: int = TEXT_DIM):
     """Lumina 2: a caption and a noise refiner block, then blocks on [caption; image] per
-    sample (2 query heads of 16 channels sharing one key head; 3-D rotary over (4, 6, 6))."""
+    sample (2 query heads of 16 channels sharing one key head; 3-D rotary over (4, 6, 6),
+    caption positions up to ``caption``)."""
     from diffusers import Lumina2Transformer2DModel
 
     torch.manual_seed(seed)
@@ -1213,8 +1214,8 @@ def make_lumina2(seed: int = 0, layers: int = 2):
         num_kv_heads=1,
         multiple_of=16,
         axes_dim_rope=(4, 6, 6),
-        axes_lens=(64, 64, 64),
-        cap_feat_dim=TEXT_DIM,
+        axes_lens=(caption, 64, 64),
+        cap_feat_dim=caption_dim,
     )
     return model.eval()
 

@@ -583,6 +583,33 @@ def test_a_vace_pipeline_without_ftfy_is_a_clear_error(tmp_path, one_thread, mon
     )
 
 
+def generate_watching(monkeypatch, tmp_path, folder, size: int, ratio: float, watched) -> tuple[list, list]:
+    """``toma generate --compare`` on a pipeline folder at ``size`` px, 2 steps: the
+    ``(batch, tokens)`` of every call of the module ``watched(pipe)`` names, and the
+    unmerged and merged images."""
+    import toma.tools.generate as generate
+    from toma.tools.cli import main
+
+    seen: list[tuple[int, int]] = []
+    images = []
+    load, save = generate.load_pipeline, generate.report_and_save
+
+    def load_and_watch(*args):
+        pipe = load(*args)
+        watched(pipe).register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape[:2])))
+        return pipe
+
+    def save_and_keep(args, baseline, merged, *rest, **kw):
+        images.extend([baseline, merged])
+        return save(args, baseline, merged, *rest, **kw)
+
+    monkeypatch.setattr(generate, "load_pipeline", load_and_watch)
+    monkeypatch.setattr(generate, "report_and_save", save_and_keep)
+    args = ["--model", str(folder), "--height", str(size), "--width", str(size), "--steps", "2", "--threads", "1"]
+    assert main(["generate", *args, "--ratio", str(ratio), "--compare", "--out", str(tmp_path / "cmp.png")]) == 0
+    return seen, images
+
+
 def tiny_ernie_image_folder(tmp_path):
     """A tiny ERNIE-Image pipeline saved to a folder: a Mistral 3 model from config (its
     Pixtral tower unused: the pipeline encodes text only), the byte-level Qwen2 tokenizer, a
@@ -632,30 +659,11 @@ def test_generate_runs_an_ernie_image_pipeline(ratio, tmp_path, one_thread, monk
     # toma generate on ErnieImagePipeline: its CFG batch pads the empty negative prompt to
     # the prompt's length (masked), the merged layer sees the token count the ratio implies
     # and the text whole, and ratio 0 gives the unmerged image bitwise
-    import toma.tools.generate as generate
-    from toma.tools.cli import main
-
-    seen: list[tuple[int, int]] = []
-    images = []
-    load, save = generate.load_pipeline, generate.report_and_save
-
-    def load_and_watch(*args):
-        pipe = load(*args)
-        # the default merges the last layer; its attention projects [image; text] in to_q
-        pipe.transformer.layers[-1].self_attention.to_q.register_forward_hook(
-            lambda m, a, o: seen.append(tuple(a[0].shape[:2]))
-        )
-        return pipe
-
-    def save_and_keep(args, baseline, merged, *rest, **kw):
-        images.extend([baseline, merged])
-        return save(args, baseline, merged, *rest, **kw)
-
-    monkeypatch.setattr(generate, "load_pipeline", load_and_watch)
-    monkeypatch.setattr(generate, "report_and_save", save_and_keep)
+    # the default merges the last layer; its attention projects [image; text] in to_q
     folder = tiny_ernie_image_folder(tmp_path)
-    args = ["--model", str(folder), "--height", "32", "--width", "32", "--steps", "2", "--threads", "1"]
-    assert main(["generate", *args, "--ratio", str(ratio), "--compare", "--out", str(tmp_path / "cmp.png")]) == 0
+    seen, images = generate_watching(
+        monkeypatch, tmp_path, folder, 32, ratio, lambda pipe: pipe.transformer.layers[-1].self_attention.to_q
+    )
     # 32x32 px -> 8x8 tokens, in 2x2 tiles (auto, far below 1024px); a 1-step warm-up and 2
     # steps, unmerged then with ToMA, each one CFG batch of 2
     text = seen[0][1] - 64
@@ -673,10 +681,11 @@ def tiny_lumina2_folder(tmp_path):
     byte-level Qwen2 tokenizer (the pipeline pads every prompt, its system prompt before it,
     to 256 tokens), an 8x VAE with Flux's scaling and shift, and a tiny transformer whose
     caption positions reach past 256."""
-    from diffusers import AutoencoderKL, Lumina2Pipeline, Lumina2Transformer2DModel
+    from diffusers import AutoencoderKL, Lumina2Pipeline
     from transformers import Gemma2Config, Gemma2Model
 
     from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
+    from tests.tiny_models import make_lumina2
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
@@ -691,22 +700,9 @@ def tiny_lumina2_folder(tmp_path):
         max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id,
     )
-    transformer = Lumina2Transformer2DModel(
-        sample_size=16,
-        patch_size=2,
-        in_channels=4,
-        hidden_size=32,
-        num_layers=2,
-        num_refiner_layers=1,
-        num_attention_heads=2,
-        num_kv_heads=1,
-        multiple_of=16,
-        axes_dim_rope=(4, 6, 6),
-        axes_lens=(300, 64, 64),
-        cap_feat_dim=16,
-    )
+    transformer = make_lumina2(caption=300, caption_dim=16)
     Lumina2Pipeline(
-        transformer=transformer.eval(),
+        transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=AutoencoderKL(
             block_out_channels=(8,) * 4,
@@ -730,28 +726,11 @@ def test_generate_runs_a_lumina2_pipeline(ratio, tmp_path, one_thread, monkeypat
     # apart (the prompt's caption and the negative one's, each its own length), the merged
     # layer sees the token count the ratio implies and the caption whole, and ratio 0 gives
     # the unmerged image bitwise
-    import toma.tools.generate as generate
-    from toma.tools.cli import main
-
-    seen: list[tuple[int, int]] = []
-    images = []
-    load, save = generate.load_pipeline, generate.report_and_save
-
-    def load_and_watch(*args):
-        pipe = load(*args)
-        # the default merges the last layer; its attention projects [caption; image] in to_q
-        pipe.transformer.layers[-1].attn.to_q.register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape[:2])))
-        return pipe
-
-    def save_and_keep(args, baseline, merged, *rest, **kw):
-        images.extend([baseline, merged])
-        return save(args, baseline, merged, *rest, **kw)
-
-    monkeypatch.setattr(generate, "load_pipeline", load_and_watch)
-    monkeypatch.setattr(generate, "report_and_save", save_and_keep)
+    # the default merges the last layer; its attention projects [caption; image] in to_q
     folder = tiny_lumina2_folder(tmp_path)
-    args = ["--model", str(folder), "--height", "128", "--width", "128", "--steps", "2", "--threads", "1"]
-    assert main(["generate", *args, "--ratio", str(ratio), "--compare", "--out", str(tmp_path / "cmp.png")]) == 0
+    seen, images = generate_watching(
+        monkeypatch, tmp_path, folder, 128, ratio, lambda pipe: pipe.transformer.layers[-1].attn.to_q
+    )
     # 128x128 px -> 8x8 tokens, in 2x2 tiles (auto, far below 1024px); a 1-step warm-up and 2
     # steps, unmerged then with ToMA, each a pass with the prompt, then one with the negative
     lengths = sorted({n - 64 for _, n in seen[:2]})
