@@ -208,6 +208,7 @@ REFUSED = [
     ("QwenImage21Transformer2DModel", "block-causal mask"),
     ("HeliosTransformer3DModel", "original_context_length"),
     ("Flux3Transformer2DModel", "one row per token"),
+    ("JoyImageEditPlusTransformer3DModel", "packed per sample"),
 ]
 
 
@@ -217,6 +218,7 @@ REFUSED = [
         ("QwenImage21Transformer2DModel", ("kv_cache_mode", "target_token_mask", "segments")),
         ("HeliosTransformer3DModel", ("original_context_length", "latents_history_short")),
         ("Flux3Transformer2DModel", ("expand(batch_size, image_seq_len", "content_mod")),
+        ("JoyImageEditPlusTransformer3DModel", ("max_num_patches", "shape_list[i]", "sample_cos_list")),
     ],
 )
 def test_the_not_yet_supported_refusals_name_what_the_code_does(name, needles):

@@ -75,6 +75,10 @@ UNSUPPORTED: dict[str, str] = {
     "concatenated from several grids (not supported yet)",
     "Flux3Transformer2DModel": "its blocks take their modulation as one row per token (timestep embeddings expanded "
     "over the image and reference tokens), laid out over the unmerged sequence (not supported yet)",
+    "JoyImageEditPlusTransformer3DModel": "its latents come as patches packed per sample up to max_num_patches, "
+    "the target and reference items each of their own size (shape_list) with per-sample rotary tables, so the "
+    "target's token grid is not the input's shape and differs from sample to sample (not supported yet; "
+    "JoyImageEditTransformer3DModel merges)",
     "AceStepTransformer1DModel": _AUDIO,
     "StableAudioDiTModel": _AUDIO,
     "StableAudio3DiTModel": _AUDIO,
