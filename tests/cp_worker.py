@@ -47,10 +47,12 @@ from diffusers.models import attention_dispatch as dispatch  # noqa: E402
 from tiny_models import (  # noqa: E402
     flux2_inputs,
     flux_inputs,
+    ltx2_inputs,
     ltx_inputs,
     make_flux,
     make_flux2,
     make_ltx,
+    make_ltx2,
     make_qwen,
     make_wan,
     qwen_inputs,
@@ -139,6 +141,7 @@ ALL_BLOCKS = {
     "wan": {"blocks": {"blocks": range(2)}},
     "qwenimage": {"blocks": {"transformer_blocks": range(2)}},
     "ltx": {"blocks": {"transformer_blocks": range(2)}},
+    "ltx2": {"blocks": {"transformer_blocks": range(2)}},
 }
 MAKERS = {
     "flux": make_flux,
@@ -146,9 +149,10 @@ MAKERS = {
     "wan": lambda: make_wan(layers=2),
     "qwenimage": lambda: make_qwen(layers=2),
     "ltx": lambda: make_ltx(layers=2),
+    "ltx2": lambda: make_ltx2(layers=2),
 }
 # merged self-attention calls per forward with ALL_BLOCKS (double and single blocks alike)
-MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2}
+MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2, "ltx2": 2}
 
 
 def inputs(family: str, world: int, rows: int | None = None, cols: int = 8, frames: int | None = None) -> dict:
@@ -171,7 +175,21 @@ def inputs(family: str, world: int, rows: int | None = None, cols: int = 8, fram
         # rank's keys, and its Ulysses path fails on LTX's (B, 1, S) text bias
         frames = 2 if frames is None else frames
         return {**ltx_inputs(1, frames, 8 if rows == 4 * world else rows, cols, text=4), "encoder_attention_mask": None}
+    if family == "ltx2":
+        # isolate_modalities: diffusers 0.42.1's plan splits the video but leaves the audio-video
+        # attentions' time tables (cross_attn_rope) whole, so those attentions fail under CP
+        # unless they are off; without text masks, as LTX's
+        frames = 2 if frames is None else frames
+        kw = ltx2_inputs(1, frames, 8 if rows == 4 * world else rows, cols, text=4)
+        return {**kw, "encoder_attention_mask": None, "audio_encoder_attention_mask": None, "isolate_modalities": True}
     raise KeyError(family)
+
+
+def ltx2_coords(world: int) -> dict:
+    """LTX-2's aligned call with the pipelines' ``video_coords``."""
+    kw = inputs("ltx2", world)
+    coords = ltx2_inputs(1, 2, 8, 8, coords=True)["video_coords"]
+    return {**kw, "video_coords": coords}
 
 
 def sliced_ids(kw: dict) -> dict:
@@ -352,7 +370,7 @@ def table(world: int) -> dict[str, Callable[[], dict]]:
             cases[f"unaligned/flux/{mode}"] = functools.partial(
                 compare, "flux", mode, world, kw=inputs("flux", world, rows=6)
             )
-            for family in ("flux2", "qwenimage", "ltx"):
+            for family in ("flux2", "qwenimage", "ltx", "ltx2"):
                 cases[f"midrow/{family}/{mode}"] = functools.partial(
                     compare, family, mode, world, kw=inputs(family, world, rows=9, frames=1)
                 )
@@ -363,6 +381,12 @@ def table(world: int) -> dict[str, Callable[[], dict]]:
         cases[f"proportional/flux/{mode}/compare"] = functools.partial(
             compare, "flux", mode, world, proportional_attention=True
         )
+        cases[f"proportional/ltx2/{mode}/compare"] = functools.partial(
+            compare, "ltx2", mode, world, proportional_attention=True
+        )
+        # the pipelines' video_coords, which diffusers leaves whole: the tables made from them
+        # are split, each shard's rows in its tile order
+        cases[f"coords/ltx2/{mode}"] = functools.partial(compare, "ltx2", mode, world, kw=ltx2_coords(world))
     if world == 2:  # two samples: Flux's merged attention then runs once per sample, on every rank
         cases["batch2/flux/ulysses"] = functools.partial(
             compare, "flux", "ulysses", world, kw=flux_inputs(2, 8, 8, text=4)

@@ -36,22 +36,44 @@ from toma.core.tiling import (
 
 WORKER = Path(__file__).parents[1] / "cp_worker.py"
 SPAWN_SECONDS = 240  # about 35 s (2 processes) and 50 s (4) on the 2-core CI machine; the rest is load
-FAMILIES = ("flux", "flux2", "wan", "qwenimage", "ltx")
-MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2}  # merged self-attention calls per forward
+FAMILIES = ("flux", "flux2", "wan", "qwenimage", "ltx", "ltx2")
+MERGED_CALLS = {
+    "flux": 4,
+    "flux2": 4,
+    "wan": 2,
+    "qwenimage": 2,
+    "ltx": 2,
+    "ltx2": 2,
+}  # merged self-attention calls per forward
 # Tiles are local, so on tile-aligned shards CP + ToMA computes single-process ToMA's
 # maths: only the order of float sums differs (attention split by heads or by key chunks,
 # whose partial results ring attention recombines through their log-sum-exps).
 REORDERING = 1e-5
 # the shard grids of the cases' calls (tests/cp_worker.py ``inputs``): 4-row bands of 8
 # columns; Wan's 3 frames of 8x8 over 2 ranks are 12-row bands across a frame boundary,
-# its 4 frames over 4 ranks one frame each; LTX's 2 frames of 8x8, one frame or 4 rows
+# its 4 frames over 4 ranks one frame each; LTX's and LTX-2's 2 frames of 8x8, one frame or 4 rows
+IMAGES = {"flux": (1, 4, 8), "flux2": (1, 4, 8), "qwenimage": (1, 4, 8)}
 SHARDS = {
-    2: {"flux": (1, 4, 8), "flux2": (1, 4, 8), "qwenimage": (1, 4, 8), "wan": (1, 12, 8), "ltx": (1, 8, 8)},
-    4: {"flux": (1, 4, 8), "flux2": (1, 4, 8), "qwenimage": (1, 4, 8), "wan": (1, 8, 8), "ltx": (1, 4, 8)},
+    2: {**IMAGES, "wan": (1, 12, 8), "ltx": (1, 8, 8), "ltx2": (1, 8, 8)},
+    4: {**IMAGES, "wan": (1, 8, 8), "ltx": (1, 4, 8), "ltx2": (1, 4, 8)},
 }
 GRIDS = {  # the whole token grids of those calls
-    2: {"flux": (1, 8, 8), "flux2": (1, 8, 8), "qwenimage": (1, 8, 8), "wan": (3, 8, 8), "ltx": (2, 8, 8)},
-    4: {"flux": (1, 16, 8), "flux2": (1, 16, 8), "qwenimage": (1, 16, 8), "wan": (4, 8, 8), "ltx": (2, 8, 8)},
+    2: {
+        "flux": (1, 8, 8),
+        "flux2": (1, 8, 8),
+        "qwenimage": (1, 8, 8),
+        "wan": (3, 8, 8),
+        "ltx": (2, 8, 8),
+        "ltx2": (2, 8, 8),
+    },
+    4: {
+        "flux": (1, 16, 8),
+        "flux2": (1, 16, 8),
+        "qwenimage": (1, 16, 8),
+        "wan": (4, 8, 8),
+        "ltx": (2, 8, 8),
+        "ltx2": (2, 8, 8),
+    },
 }
 MODES = {2: ("ulysses", "ring"), 4: ("both",)}
 
@@ -158,6 +180,18 @@ def test_two_samples_merge_as_one_process(runs, case, family):
 
 
 @pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
+def test_ltx2_tables_from_the_pipelines_coords_follow_each_shard(runs, world, mode):
+    # LTX-2 with video_coords (its pipelines pass them): diffusers splits the rope's output,
+    # whose rows toma put in each shard's tile order; the audio stream passes whole (the
+    # calls run with isolate_modalities, as diffusers 0.42.1's plan needs: tests/cp_worker.py)
+    recs = records(runs, world, f"coords/ltx2/{mode}")
+    for r in recs:
+        assert r["gap_to_single"] <= REORDERING and r["gap_to_unmerged_cp"] > 1e-3
+        assert r["removed_equals_unmerged_cp"] and r["warnings"] == []
+    check_lengths("ltx2", recs)
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
 def test_unaligned_shards_merge_to_equal_lengths(runs, world, mode):
     # Wan's 6-row frames in 9-row bands: a tile spans a frame boundary
     recs = records(runs, world, f"unaligned/wan/{mode}")
@@ -224,7 +258,7 @@ def test_kontext_references_under_cp_run_unmerged_on_every_rank(runs, world, mod
 
 
 @pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
-@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("family", ["wan", "flux", "ltx2"])
 def test_proportional_attention_under_cp_merges_as_one_process(runs, world, mode, family):
     # Under CP the backend rule folds the bias into the keys (one more channel; the values'
     # extra channel is 0): ring attention's exchanges carry it with the keys and Ulysses'

@@ -31,9 +31,11 @@ per token (image-to-video: the conditioning frame's tokens are clean), a
 sequence) run in raster order; ``attn1`` under a self-attention mask of the model's own
 runs unmerged, as every site with such a mask does. LTX-2.3's options (gated attention,
 prompt modulation, the perturbed processor of spatio-temporal guidance) change nothing here.
-Under context parallelism LTX-2 is refused (see :mod:`toma.adapters.parallel`): diffusers
-0.42.1's own plan fails on it, unpatched, as it leaves ``cross_attn_rope``'s tables whole
-while it splits the video tokens.
+Under context parallelism (see :mod:`toma.adapters.parallel`) the video merges per shard, as
+LTX's: the grid comes from the call's sizes, and ``rope``'s output, which diffusers splits,
+holds every shard's rows, each run in its own tile order. diffusers 0.42.1's plan runs only
+with ``isolate_modalities=True``, merged or not: it splits the video tokens but leaves
+``cross_attn_rope``'s tables whole, so the audio-video attentions fail on their shapes.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ run before diffusers splits the sequence (Qwen-Image's ``img_in``, the rotary mo
 output diffusers splits) see all ``P * n`` tokens and put each shard's run in its tile
 order, so that the split hands every rank its shard in tile order.
 
-Every rank must decide alike whether and how it merges, from what it sees alone. Wan, LTX
-and Qwen-Image read the whole grid from the call's sizes. Flux and FLUX.2 read it from
+Every rank must decide alike whether and how it merges, from what it sees alone. Wan, LTX,
+LTX-2 and Qwen-Image read the whole grid from the call's sizes. Flux and FLUX.2 read it from
 the image ids, which diffusers splits before toma sees them: from the whole ids, through
 the view the split leaves (:func:`unsplit`), else from the shard's own ids, which tell the
 grid where a shard spans two rows or more. A sequence with conditioning images' tokens
@@ -86,7 +86,7 @@ class Shard(NamedTuple):
 
 
 # the families whose token grid and rotary tables toma follows through diffusers' _cp_plan
-SUPPORTED = ("flux", "flux2", "wan", "qwenimage", "ltx")
+SUPPORTED = ("flux", "flux2", "wan", "qwenimage", "ltx", "ltx2")
 
 
 def cp_config(model: torch.nn.Module) -> Any:
