@@ -49,10 +49,12 @@ from tiny_models import (  # noqa: E402
     flux_inputs,
     ltx2_inputs,
     ltx_inputs,
+    minimax_h3_inputs,
     make_flux,
     make_flux2,
     make_ltx,
     make_ltx2,
+    make_minimax_h3,
     make_qwen,
     make_wan,
     qwen_inputs,
@@ -142,6 +144,7 @@ ALL_BLOCKS = {
     "qwenimage": {"blocks": {"transformer_blocks": range(2)}},
     "ltx": {"blocks": {"transformer_blocks": range(2)}},
     "ltx2": {"blocks": {"transformer_blocks": range(2)}},
+    "minimax-h3": {"blocks": {"transformer_blocks": range(2)}},
 }
 MAKERS = {
     "flux": make_flux,
@@ -150,9 +153,10 @@ MAKERS = {
     "qwenimage": lambda: make_qwen(layers=2),
     "ltx": lambda: make_ltx(layers=2),
     "ltx2": lambda: make_ltx2(layers=2),
+    "minimax-h3": lambda: make_minimax_h3(layers=2),
 }
 # merged self-attention calls per forward with ALL_BLOCKS (double and single blocks alike)
-MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2, "ltx2": 2}
+MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2, "ltx2": 2, "minimax-h3": 2}
 
 
 def inputs(family: str, world: int, rows: int | None = None, cols: int = 8, frames: int | None = None) -> dict:
@@ -182,6 +186,13 @@ def inputs(family: str, world: int, rows: int | None = None, cols: int = 8, fram
         frames = 2 if frames is None else frames
         kw = ltx2_inputs(1, frames, 8 if rows == 4 * world else rows, cols, text=4)
         return {**kw, "encoder_attention_mask": None, "audio_encoder_attention_mask": None, "isolate_modalities": True}
+    if family == "minimax-h3":
+        # diffusers splits the packed [text; audio; video] sequence: 4 text rows and 4 audio
+        # rows before 2 frames of 8x8 video, so that with the prefix spread each shard holds
+        # one frame (P=2) or 4 rows (P=4); or rows x cols latents (2x2 patches) of one frame
+        if rows == 4 * world:
+            return minimax_h3_inputs(1, 2, 16, 16, text=4, audio=2)
+        return minimax_h3_inputs(1, 1 if frames is None else frames, 2 * rows, 2 * cols, text=5, audio=2)
     raise KeyError(family)
 
 
@@ -380,6 +391,13 @@ def table(world: int) -> dict[str, Callable[[], dict]]:
         )
         cases[f"proportional/flux/{mode}/compare"] = functools.partial(
             compare, "flux", mode, world, proportional_attention=True
+        )
+        # MiniMax H3: 9 prefix rows before a 9x7 video, spread unevenly over the shards
+        cases[f"unaligned/minimax-h3/{mode}"] = functools.partial(
+            compare, "minimax-h3", mode, world, kw=inputs("minimax-h3", world, rows=9, cols=7)
+        )
+        cases[f"proportional/minimax-h3/{mode}/compare"] = functools.partial(
+            compare, "minimax-h3", mode, world, proportional_attention=True
         )
         cases[f"proportional/ltx2/{mode}/compare"] = functools.partial(
             compare, "ltx2", mode, world, proportional_attention=True

@@ -20,12 +20,14 @@ import pytest
 import torch
 
 import toma
-from toma.adapters.parallel import refusal, shard_grid, unsplit
+from toma.adapters.parallel import refusal, shard_grid, spread_leads, spread_order, unsplit
 from toma.config import ToMAConfig
 from toma.core.plan import build_plan
 from toma.core.tiling import (
     from_tiles,
     layout_index,
+    lead_spans,
+    lead_target,
     make_layout,
     make_span_layout,
     shard_target,
@@ -37,14 +39,8 @@ from toma.core.tiling import (
 WORKER = Path(__file__).parents[1] / "cp_worker.py"
 SPAWN_SECONDS = 240  # about 35 s (2 processes) and 50 s (4) on the 2-core CI machine; the rest is load
 FAMILIES = ("flux", "flux2", "wan", "qwenimage", "ltx", "ltx2")
-MERGED_CALLS = {
-    "flux": 4,
-    "flux2": 4,
-    "wan": 2,
-    "qwenimage": 2,
-    "ltx": 2,
-    "ltx2": 2,
-}  # merged self-attention calls per forward
+# merged self-attention calls per forward
+MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2, "ltx2": 2, "minimax-h3": 2}
 # Tiles are local, so on tile-aligned shards CP + ToMA computes single-process ToMA's
 # maths: only the order of float sums differs (attention split by heads or by key chunks,
 # whose partial results ring attention recombines through their log-sum-exps).
@@ -138,7 +134,7 @@ def check_lengths(family: str, recs: list[dict]) -> None:
     queries = {r["cp_queries"] for r in recs}
     assert len(queries) == 1, f"ranks saw different query counts: {[r['cp_queries'] for r in recs]}"
     assert len({r["kept"] for r in recs}) == 1
-    world, tokens, span, whole = recs[0]["shard"]
+    world, tokens, span, whole, _ = recs[0]["shard"]
     kept = recs[0]["kept"]
     if span is None:  # a grid of its own: its layout's
         assert kept == merged_length(recs[0]["grid"])
@@ -177,6 +173,56 @@ def test_two_samples_merge_as_one_process(runs, case, family):
     for r in recs:
         assert r["gap_to_single"] <= REORDERING and r["gap_to_unmerged_cp"] > 1e-3 and r["removed_equals_unmerged_cp"]
     assert len({r["cp_queries"] for r in recs}) == 1
+
+
+def check_spread_lengths(recs: list[dict]) -> None:
+    """MiniMax H3's shards: each holds its part of the prefix (text, audio), spread over the
+    ranks, then its run of the video; every rank's merged sequence has the same length, and
+    together they keep within P - 1 of what one process keeps of the whole video."""
+    world, _, _, whole, leads = recs[0]["shard"]
+    assert [r["shard"][4] for r in recs] == [leads] * world and max(leads) - min(leads) <= 1
+    assert [r["shard"][2] for r in recs] == [list(span) for span in lead_spans(tuple(leads), math.prod(whole))]
+    assert len({lead + r["kept"] for lead, r in zip(leads, recs)}) == 1, "ranks merged to different lengths"
+    assert len({r["cp_queries"] for r in recs}) == 1
+    assert merged_length(whole) - (world - 1) <= sum(r["kept"] for r in recs) <= merged_length(whole)
+    for r in recs:
+        assert r["cp_queries_unmerged"] - r["cp_queries"] == MERGED_CALLS["minimax-h3"] * (r["shard"][1] - r["kept"])
+
+
+@pytest.mark.parametrize(
+    "world,mode,order",
+    [
+        (2, "ulysses", "cp_first"),
+        (2, "ulysses", "toma_first"),
+        (2, "ring", "cp_first"),
+        (2, "ring", "toma_first"),
+        (4, "both", "cp_first"),
+    ],
+)
+def test_minimax_h3_spread_shards_merge_as_one_process(runs, world, mode, order):
+    # diffusers splits MiniMax H3's packed [text; audio; video] sequence as it is; toma moves
+    # its rows at the call so that each rank gets an equal part of the prefix, then a run
+    # of the video (8 prefix rows and 2 frames of 8x8: one frame, or 4 rows, per rank).
+    # The video runs are tile-aligned, so this is single-process ToMA's maths; outputs come
+    # back in the model's order, as the modality indices were moved with the rows
+    recs = records(runs, world, f"aligned/minimax-h3/{mode}/{order}")
+    for r in recs:
+        assert r["unmerged_cp_gap"] <= REORDERING, "diffusers' own CP differs from one process here"
+        assert r["gap_to_single"] <= REORDERING and r["gap_to_unmerged_cp"] > 1e-3
+        assert r["removed_equals_unmerged_cp"] and r["warnings"] == []
+    assert recs[0]["shard"][4] == [8 // world] * world
+    check_spread_lengths(recs)
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
+def test_minimax_h3_uneven_prefix_merges_to_equal_lengths(runs, world, mode):
+    # 9 prefix rows and a 9x7 video: the ranks hold 5 and 4 prefix rows (3, 2, 2, 2 at P=4),
+    # so their video runs differ in length and each keeps what brings it to the common length
+    recs = records(runs, world, f"unaligned/minimax-h3/{mode}")
+    assert recs[0]["shard"][3] == [1, 9, 7] and recs[0]["shard"][4] == ([5, 4] if world == 2 else [3, 2, 2, 2])
+    for r in recs:
+        assert r["gap_to_unmerged_cp"] > 1e-3 and r["removed_equals_unmerged_cp"] and r["warnings"] == []
+    check_spread_lengths(recs)
 
 
 @pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
@@ -258,7 +304,7 @@ def test_kontext_references_under_cp_run_unmerged_on_every_rank(runs, world, mod
 
 
 @pytest.mark.parametrize("world,mode", [(2, "ulysses"), (2, "ring"), (4, "both")])
-@pytest.mark.parametrize("family", ["wan", "flux", "ltx2"])
+@pytest.mark.parametrize("family", ["wan", "flux", "ltx2", "minimax-h3"])
 def test_proportional_attention_under_cp_merges_as_one_process(runs, world, mode, family):
     # Under CP the backend rule folds the bias into the keys (one more channel; the values'
     # extra channel is 0): ring attention's exchanges carry it with the keys and Ulysses'
@@ -358,6 +404,50 @@ def test_apply_toma_and_forward_refuse_a_family_without_cp_support():
     model._parallel_config = SimpleNamespace(context_parallel_config=_cp(ulysses=2))
     with pytest.raises(ValueError, match="context parallelism"), torch.no_grad():
         model(**sd3_inputs(1, 16, 16))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_spread_prefix_against_enumeration(world):
+    # a packed sequence [prefix; image] cut into equal shards after toma's move: each shard
+    # holds a contiguous part of the prefix (sizes within one), then a contiguous run of the
+    # image, and every row is in exactly one shard
+    for prefix in range(0, 7):
+        for tokens in range(1, 13):
+            leads = spread_leads(prefix, tokens, world)
+            n, fits = (prefix + tokens) // world, (prefix + tokens) % world == 0
+            if not fits or -(-prefix // world) >= n:
+                assert leads is None, (prefix, tokens, world)
+                continue
+            assert sum(leads) == prefix and max(leads) - min(leads) <= 1
+            order = spread_order(leads, tokens)
+            assert sorted(order.tolist()) == list(range(prefix + tokens))
+            spans = lead_spans(leads, tokens)
+            for r, shard in enumerate(order.view(world, n).tolist()):
+                lead, (start, stop) = leads[r], spans[r]
+                assert shard[:lead] == list(range(sum(leads[:r]), sum(leads[: r + 1])))
+                assert shard[lead:] == list(range(prefix + start, prefix + stop))
+
+
+@pytest.mark.parametrize("grid", [(1, 9, 7), (2, 8, 8), (3, 5, 6)])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_lead_target_keeps_equal_lengths_within_the_rule(grid, world):
+    t, h, w = grid
+    for prefix in range(0, 12):
+        leads = spread_leads(prefix, t * h * w, world)
+        if leads is None:
+            continue
+        for ratio in (0.25, 0.5, 0.75):
+            spans, keep = lead_target(h, w, (1, 4, 4), ratio, leads, t=t)
+            layouts = [
+                make_span_layout(h, w, (1, 4, 4), ratio, span, t=t, target=keep - lead)
+                for lead, span in zip(leads, spans)
+            ]
+            assert {lead + lay.num_merged for lead, lay in zip(leads, layouts)} == {keep}
+            whole = make_layout(h, w, (1, 4, 4), ratio, t=t).num_merged
+            if max(lead + lay.num_tiles for lead, lay in zip(leads, layouts)) <= (whole + prefix) // world:
+                assert whole - (world - 1) <= sum(lay.num_merged for lay in layouts) <= whole
+            if prefix == 0:  # no prefix: the equal-shard rule
+                assert keep == shard_target(h, w, (1, 4, 4), ratio, world, t=t)
 
 
 # ---- span layouts (shards cut inside a row), against enumeration ----

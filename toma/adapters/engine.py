@@ -62,6 +62,8 @@ from toma.adapters.parallel import (
     shard_of,
     splits_call,
     splits_output,
+    spread_leads,
+    spread_order,
     unsplit_tokens,
     world_size,
 )
@@ -82,7 +84,7 @@ from toma.adapters.spec import (
 from toma.config import ToMAConfig
 from toma.core.plan import profiled
 from toma.adapters.state import PlanCache
-from toma.core.tiling import TileLayout, slot_raster_index, tile_order
+from toma.core.tiling import TileLayout, lead_spans, slot_raster_index, tile_order
 
 # the names family specs take from here
 __all__ = [
@@ -325,7 +327,10 @@ class StepHook(Hook):
             reason = refusal(self.spec.name, cp, self.cache.config)
             if reason is not None:
                 raise ValueError(reason)
-            grid, shard = self._shard_grid(module, named, x, cp)
+            if self.spec.spread is not None:
+                grid, shard = self._spread_grid(module, named, cp)
+            else:
+                grid, shard = self._shard_grid(module, named, x, cp)
         else:
             grid, shard = self.grid(module, named), None
         if isinstance(grid, str):  # a reason why this call cannot merge: say it, once
@@ -335,7 +340,16 @@ class StepHook(Hook):
             grid if grid is not None else (0, 0, 0), step_timestep(self.cache, self._timestep(named))
         )
         self.cache.forward.shard = shard
+        if shard is not None and shard.leads is not None and self.cache.merging:
+            # a spread packed shard: the call's rows moved so that the split hands it its part
+            # (in forwards that merge nothing the model's order stays: bitwise the unpatched output)
+            moved = self.spec.spread(module, named, spread_order(shard.leads, math.prod(shard.whole)))
+            names = _parameter_names(type(module))
+            for name, value in moved.items():
+                args, kwargs = replace_arg(args, kwargs, name, names.index(name) if name in names else None, value)
         raster = grid is None or any(named.get(k) is not None for k in self.spec.raster_kwargs)
+        # a spread packed shard holds its image run in raster order: its rows were moved at the call
+        raster = raster or (shard is not None and shard.leads is not None)
         if not raster and self.spec.tile_order_ok is not None:
             raster = not self.spec.tile_order_ok(module, named)
         device = x.device if isinstance(x, torch.Tensor) else None  # the Triton path merges from raster order
@@ -398,6 +412,21 @@ class StepHook(Hook):
                 "(conditioning images) is split across ranks regardless of the image's grid"
             ), None
         return found
+
+    def _spread_grid(self, module: torch.nn.Module, named: dict, cp: Any) -> tuple[Grid | str | None, Shard | None]:
+        """Under context parallelism, for a packed family whose sequence diffusers splits
+        (``FamilySpec.spread``): this rank's run of the image, under a ``(1, 1, n)`` stand-in
+        (a span of the whole grid), and its :class:`Shard`, with every shard's prefix rows
+        in ``leads``. Every rank reads the same whole call, so all decide alike."""
+        grid = self.grid(module, named)
+        if grid is None or isinstance(grid, str):
+            return grid, None
+        world, tokens = world_size(cp), math.prod(grid)
+        leads = spread_leads(self.spec.spread_length(named) - tokens, tokens, world)
+        if leads is None:
+            return "under context parallelism, a packed sequence that does not split into shards holding video", None
+        span = lead_spans(leads, tokens)[shard_index(cp)]
+        return (1, 1, span[1] - span[0]), Shard(world, span[1] - span[0], span, tuple(grid), leads)
 
     def _lead_index(
         self, tokens: int, extra: int, layout: TileLayout | None, device: torch.device

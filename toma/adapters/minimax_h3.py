@@ -25,6 +25,16 @@ reaches ``proj_out``, the prefix in place. The per-row inputs follow them at the
 (``position_ids``, so that ``rope`` makes its tables in that order, and ``timestep_indices``
 and ``token_tags``, so that the per-row modulation and ``norm_out`` see each row's own);
 ``audio_proj_out`` reads only the audio rows, which never move.
+
+Under context parallelism diffusers splits the packed sequence where it enters the first
+block, as it stands: the first shard would hold all the prefix. The model is indifferent
+to the order of its packed rows as long as every per-row input follows them, so in
+forwards that merge, the call's rows are moved instead (:func:`spread`,
+``FamilySpec.spread``): each shard then holds an equal part of the prefix (within one
+row), then a run of the video in raster order, and the modality indices point at the rows'
+new places, so that the outputs come back in the model's order. Each shard's video run is
+a span of the whole grid whose keep brings every shard to the same merged length
+(:func:`toma.core.tiling.lead_target`).
 """
 
 from __future__ import annotations
@@ -125,6 +135,20 @@ def target_timestep(call: dict) -> torch.Tensor | None:
     return timestep.index_select(0, index[-1:].to(timestep.device))
 
 
+def spread(model: torch.nn.Module, call: dict, order: torch.Tensor) -> dict:
+    """The call's packed layout with its row ``i`` the model's row ``order[i]`` (under context
+    parallelism, ``FamilySpec.spread``): the per-row tensors are permuted, and the indices
+    that scatter each modality's rows into the sequence (and read the outputs back from it)
+    point at the rows' new places, so that the outputs keep the model's order."""
+    device = call["position_ids"].device
+    order = order.to(device)
+    where = torch.argsort(order)  # each row's new place
+    moved = {name: call[name].index_select(0, order) for name in ("position_ids", "timestep_indices", "token_tags")}
+    for name in ("video_indices", "audio_indices", "text_indices"):
+        moved[name] = where.index_select(0, call[name].to(device))
+    return moved
+
+
 SPEC = FamilySpec(
     name="minimax-h3",
     classes=("MiniMaxH3Transformer3DModel",),
@@ -135,6 +159,8 @@ SPEC = FamilySpec(
     leave="proj_out",  # after norm_out, which reads timestep_indices in the blocks' order
     position_inputs=("position_ids", "timestep_indices", "token_tags"),
     packed=True,
+    spread=spread,
+    spread_length=lambda call: call["position_ids"].shape[0],
     timestep=target_timestep,
     default_blocks=skip_first(5),
     video=True,

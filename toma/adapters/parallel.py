@@ -38,6 +38,13 @@ run before diffusers splits the sequence (Qwen-Image's ``img_in``, the rotary mo
 output diffusers splits) see all ``P * n`` tokens and put each shard's run in its tile
 order, so that the split hands every rank its shard in tile order.
 
+A packed sequence ``[prefix; image]`` that diffusers splits as it stands (MiniMax H3's)
+would leave the prefix on the first ranks: such a family moves its rows at the call
+(``FamilySpec.spread``) so that each shard holds an equal part of the prefix
+(:func:`spread_leads`), then a run of the image (:func:`spread_order`). The runs then
+differ in length by up to one row per shard, and each keeps what brings its shard to the
+common merged length (:func:`toma.core.tiling.lead_target`, the same rule).
+
 Every rank must decide alike whether and how it merges, from what it sees alone. Wan, LTX,
 LTX-2 and Qwen-Image read the whole grid from the call's sizes. Flux and FLUX.2 read it from
 the image ids, which diffusers splits before toma sees them: from the whole ids, through
@@ -64,6 +71,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from toma.core.tiling import lead_spans
+
 Grid = tuple[int, int, int]
 
 
@@ -77,16 +86,43 @@ class Shard(NamedTuple):
             ``[start, stop)`` of ``whole``; the forward's grid is then ``(1, 1, tokens)``,
             a stand-in whose layout is the span layout (:func:`toma.core.tiling.make_span_layout`).
         whole: the whole token grid.
+        leads: in a packed sequence whose prefix rows are spread over the shards (MiniMax
+            H3): every shard's prefix rows (:func:`spread_leads`); ``span`` is then this
+            shard's run of the image, and ``tokens`` its image tokens.
     """
 
     world: int
     tokens: int
     span: tuple[int, int] | None = None
     whole: Grid | None = None
+    leads: tuple[int, ...] | None = None
+
+
+def spread_leads(prefix: int, tokens: int, world: int) -> tuple[int, ...] | None:
+    """How many of a packed sequence's ``prefix`` rows (before its ``tokens`` image tokens) each
+    of ``world`` equal shards holds, spread as evenly as they go (the first shards one more);
+    None where the sequence does not split into ``world`` equal shards that all hold image
+    tokens."""
+    if world < 1 or (prefix + tokens) % world:
+        return None
+    base, extra = divmod(prefix, world)
+    leads = tuple(base + (r < extra) for r in range(world))
+    return leads if leads[0] < (prefix + tokens) // world else None
+
+
+def spread_order(leads: tuple[int, ...], tokens: int) -> torch.Tensor:
+    """The packed sequence ``[prefix; image]`` (``sum(leads)`` prefix rows, ``tokens`` image
+    rows) in the order that hands shard ``r`` its ``leads[r]`` prefix rows, then its run of the
+    image's (:func:`toma.core.tiling.lead_spans`): for each new position, the row it takes."""
+    prefix, parts, lead_at = sum(leads), [], 0
+    for lead, (start, stop) in zip(leads, lead_spans(leads, tokens)):
+        parts += [torch.arange(lead_at, lead_at + lead), torch.arange(prefix + start, prefix + stop)]
+        lead_at += lead
+    return torch.cat(parts)
 
 
 # the families whose token grid and rotary tables toma follows through diffusers' _cp_plan
-SUPPORTED = ("flux", "flux2", "wan", "qwenimage", "ltx", "ltx2")
+SUPPORTED = ("flux", "flux2", "wan", "qwenimage", "ltx", "ltx2", "minimax-h3")
 
 
 def cp_config(model: torch.nn.Module) -> Any:

@@ -225,6 +225,14 @@ class FamilySpec:
             its last ``N`` tokens are the image's and are the ones put in tile order at
             ``enter`` and back at ``leave``; the prefix (text, other modalities) stays where
             it is, and so do its rows of ``position_inputs``.
+        spread: for a ``packed`` family under context parallelism, where diffusers splits the
+            packed sequence itself: ``(model, call, order) -> replacements``, the call's
+            arguments that lay out the packed rows, permuted so that its row ``i`` is the
+            model's row ``order[i]`` (``order`` from
+            :func:`~toma.adapters.parallel.spread_order`: each shard gets an equal part of
+            the prefix, then a run of the image). The packed sequence's length is read off
+            the call by ``spread_length``. None: refused under context parallelism.
+        spread_length: ``(call) -> int``, the packed sequence's rows, for ``spread``.
         raster_kwargs: forward keywords that add raster-ordered residuals between blocks;
             a call that passes one runs in raster order.
         tile_order_ok: optional check of the model and its forward's named arguments; False
@@ -262,6 +270,8 @@ class FamilySpec:
     block_rope: tuple[str, int | None, int] | None = None
     position_inputs: tuple[str, ...] = ()
     packed: bool = False
+    spread: Callable[[torch.nn.Module, dict, torch.Tensor], dict] | None = None
+    spread_length: Callable[[dict], int] | None = None
     raster_kwargs: tuple[str, ...] = ()
     tile_order_ok: Callable[[torch.nn.Module, dict], bool] | None = None
     conditioning_tokens: bool | Callable[[torch.nn.Module, dict], int] = False

@@ -41,6 +41,7 @@ from toma.core.tiling import (
     make_span_layout,
     raster_order,
     scaled_tile_side,
+    lead_target,
     shard_target,
     tile_order,
     to_tiles,
@@ -366,7 +367,11 @@ class PlanCache:
             tile = self.tile_for(grid)
             if where is not grid:  # a context-parallel shard cut inside a row: its span of the whole grid
                 t, h, w = shard.whole
-                target = shard_target(h, w, tile, ratio, shard.world, t=t)
+                if shard.leads is not None:  # a packed shard: prefix rows, then its run of the image
+                    spans, keep = lead_target(h, w, tile, ratio, shard.leads, t=t)
+                    target = keep - shard.leads[spans.index(shard.span)]
+                else:
+                    target = shard_target(h, w, tile, ratio, shard.world, t=t)
                 self._layouts[(where, ratio)] = make_span_layout(h, w, tile, ratio, shard.span, t=t, target=target)
             else:
                 *t, h, w = grid
@@ -390,7 +395,7 @@ class PlanCache:
         span and the whole grid."""
         shard = self.forward.shard
         if shard is not None and shard.span is not None and grid == self.forward.grid:
-            return (grid, shard.span, shard.whole)
+            return (grid, shard.span, shard.whole, shard.leads)
         return grid
 
     @property

@@ -202,6 +202,45 @@ def shard_target(h: int, w: int, tile: tuple[int, ...], ratio: float, world: int
     return min(n, max(touched, whole.num_merged // world))
 
 
+def lead_spans(leads: tuple[int, ...], tokens: int) -> tuple[tuple[int, int], ...]:
+    """The runs ``(start, stop)`` of ``tokens`` image tokens that equal shards of a packed
+    sequence hold after their ``leads[r]`` prefix rows (see :func:`lead_target`)."""
+    world, prefix = len(leads), sum(leads)
+    if world < 1 or min(leads) < 0 or (prefix + tokens) % world:
+        raise ValueError(f"leads must be {world} counts >= 0 whose sum plus {tokens} divides by {world}; got {leads}")
+    n = (prefix + tokens) // world
+    if max(leads) >= n:
+        raise ValueError(f"every shard of {n} rows must hold image tokens; got leads {leads}")
+    spans, start = [], 0
+    for lead in leads:
+        spans.append((start, start + n - lead))
+        start += n - lead
+    return tuple(spans)
+
+
+def lead_target(
+    h: int, w: int, tile: tuple[int, ...], ratio: float, leads: tuple[int, ...], t: int = 1
+) -> tuple[tuple[tuple[int, int], ...], int]:
+    """Equal shards of a packed sequence ``[prefix; t x h x w image]`` whose prefix rows are
+    spread over them: shard ``r`` holds ``leads[r]`` prefix rows, then a run of the image's
+    raster tokens. Returns each shard's run ``(start, stop)`` and the length ``K`` every
+    shard keeps, prefix included (shard ``r``'s image keeps ``K - leads[r]``, the ``target``
+    of :func:`make_span_layout`).
+
+    ``K = floor((K1 + L) / P)`` for the whole image's ``K1`` (:func:`make_layout`) and the
+    ``L`` prefix rows over ``P`` shards, so that the shards' images together keep between
+    ``K1 - P + 1`` and ``K1``; moved into the range every shard can keep (each tile it touches
+    keeps one, at most its tokens) where that falls outside it. With no prefix this is
+    :func:`shard_target`'s rule.
+    """
+    world, prefix, tokens = len(leads), sum(leads), t * h * w
+    spans = lead_spans(leads, tokens)
+    n = (prefix + tokens) // world
+    whole = make_layout(h, w, tile, ratio, t=t)
+    least = max(lead + make_span_layout(h, w, tile, ratio, span, t=t).num_tiles for lead, span in zip(leads, spans))
+    return tuple(spans), min(n, max(least, (whole.num_merged + prefix) // world))
+
+
 def _grid_slot_tokens(layout: TileLayout) -> torch.Tensor:
     """``(T, n)`` raster index of every slot's token over the whole grid of ``layout`` (all
     its tiles), -1 for slots past the grid's edges."""
