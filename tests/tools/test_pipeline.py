@@ -377,10 +377,12 @@ def tiny_wan_vace_folder(tmp_path):
     return tmp_path / "vace"
 
 
-def generate_compare_clip(monkeypatch, tmp_path, folder, ratio, watch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``toma generate --compare`` on the tiny video pipeline in ``folder`` at 64x48 px, 5
-    frames, 2 steps: the unmerged and the merged clip, ``(1, 5, 3, 64, 48)`` each, after
-    ``watch(pipe)`` has hooked the loaded pipeline."""
+def generate_compare_clip(
+    monkeypatch, tmp_path, folder, ratio, watch, height: int = 64, width: int = 48
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``toma generate --compare`` on the tiny video pipeline in ``folder`` at ``height x
+    width`` px, 5 frames, 2 steps: the unmerged and the merged clip, ``(1, 5, 3, height,
+    width)`` each, after ``watch(pipe)`` has hooked the loaded pipeline."""
     from PIL import Image
 
     import toma.tools.generate as generate
@@ -401,12 +403,12 @@ def generate_compare_clip(monkeypatch, tmp_path, folder, ratio, watch) -> tuple[
     monkeypatch.setattr(generate, "load_pipeline", load_and_watch)
     monkeypatch.setattr(generate, "save_video", save_and_keep)
     gif = tmp_path / "clip.gif"
-    args = ["--model", str(folder), "--height", "64", "--width", "48", "--frames", "5", "--steps", "2"]
+    args = ["--model", str(folder), "--height", str(height), "--width", str(width), "--frames", "5", "--steps", "2"]
     assert main(["generate", *args, "--ratio", str(ratio), "--threads", "1", "--compare", "--out", str(gif)]) == 0
     with Image.open(gif) as im:
-        assert im.n_frames == 5 and im.width > 2 * 48  # both clips side by side in every frame
+        assert im.n_frames == 5 and im.width > 2 * width  # both clips side by side in every frame
     baseline, merged = clips
-    assert baseline.shape == merged.shape == (1, 5, 3, 64, 48)
+    assert baseline.shape == merged.shape == (1, 5, 3, height, width)
     return baseline, merged
 
 
@@ -740,6 +742,108 @@ def test_generate_runs_a_lumina2_pipeline(ratio, tmp_path, one_thread, monkeypat
     assert [n for _, n in seen[:6]] == [n for _, n in seen[:2]] * 3
     assert [n for _, n in seen[6:]] == [n - 64 + kept for _, n in seen[:2]] * 3
     baseline, merged = images
+    if ratio == 0:
+        assert torch.equal(merged, baseline)
+    else:
+        assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
+
+
+def tiny_ltx2_folder(tmp_path):
+    """A tiny LTX-2 pipeline saved to a folder: a Gemma 3 model from config (its SigLIP tower
+    unused: the pipeline encodes text only), the byte-level Qwen2 tokenizer, text connectors
+    of one layer per stream, a video VAE of 4x4 patches and no further compression (4x space,
+    1x time), an audio VAE and vocoder of one level each, and the tiny transformer."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
+    from tests.tiny_models import make_ltx2
+
+    tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
+    tokenizer.model_max_length = 64  # the pipeline pads every prompt to this
+    torch.manual_seed(0)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,  # the connectors read all 3 hidden states (embeddings and 2 layers)
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=256,
+        sliding_window=64,
+    )
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=14)
+    streams = dict(num_attention_heads=2, attention_head_dim=8, num_layers=1, num_learnable_registers=None)
+    LTX2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=AutoencoderKLLTX2Video(
+            latent_channels=8,
+            block_out_channels=(8,) * 4,
+            decoder_block_out_channels=(8,) * 3,
+            layers_per_block=(1,) * 5,
+            decoder_layers_per_block=(1,) * 4,
+            spatio_temporal_scaling=(False,) * 4,
+            decoder_spatio_temporal_scaling=(False,) * 3,
+            upsample_factor=(1,) * 3,
+            patch_size=4,
+        ),
+        # 8 channels once packed (4 latent channels x 8 / 4 mel bins): the transformer's audio_in_channels
+        audio_vae=AutoencoderKLLTX2Audio(
+            base_channels=8, ch_mult=(1,), num_res_blocks=1, latent_channels=4, mel_bins=8
+        ),
+        text_encoder=Gemma3ForConditionalGeneration(
+            Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+        ).eval(),
+        tokenizer=tokenizer,
+        connectors=LTX2TextConnectors(
+            caption_channels=16,
+            text_proj_in_factor=3,
+            video_hidden_dim=16,
+            audio_hidden_dim=16,
+            **{f"video_connector_{k}": v for k, v in streams.items()},
+            **{f"audio_connector_{k}": v for k, v in streams.items()},
+        ),
+        transformer=make_ltx2(caption_channels=16),
+        vocoder=LTX2Vocoder(
+            in_channels=16,
+            hidden_channels=8,
+            upsample_kernel_sizes=[4],
+            upsample_factors=[2],
+            resnet_kernel_sizes=[3],
+            resnet_dilations=[[1]],
+        ),
+    ).save_pretrained(tmp_path / "ltx2")
+    return tmp_path / "ltx2"
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+def test_generate_runs_an_ltx2_pipeline(ratio, tmp_path, one_thread, monkeypatch, capsys):
+    # toma generate on LTX2Pipeline (video and audio), loaded back from its folder: every
+    # guidance pass merges the video to the token count the ratio implies, and ratio 0 gives
+    # the unmerged clip bitwise
+    seen: list[tuple[int, int]] = []
+
+    def watch(pipe):
+        # the default merges the last block; its self-attention projects the video tokens in to_q
+        pipe.transformer.transformer_blocks[-1].attn1.to_q.register_forward_hook(
+            lambda m, a, o: seen.append(tuple(a[0].shape[:2]))
+        )
+
+    from toma.tools.common import pipelines
+
+    monkeypatch.setattr(pipelines, "_AUDIO_NOTED", set())
+    folder = tiny_ltx2_folder(tmp_path)
+    baseline, merged = generate_compare_clip(monkeypatch, tmp_path, folder, ratio, watch, width=32)  # 32 px steps
+    # 5 frames x 64x32 px -> 5 x 16x8 tokens = 640; each step runs a CFG batch of 2, then a
+    # spatio-temporal guidance pass and a modality-isolation pass of one sample each; a 1-step
+    # warm-up and 2 steps, unmerged then with ToMA
+    kept = 640 - int(640 * ratio)
+    assert seen == [(2, 640), (1, 640), (1, 640)] * 3 + [(2, kept), (1, kept), (1, kept)] * 3
+    # the audio it also returns is not saved, and toma says so once
+    assert capsys.readouterr().err.count("LTX2Pipeline also returns audio") == 1
     if ratio == 0:
         assert torch.equal(merged, baseline)
     else:

@@ -7,6 +7,7 @@ parser costs nothing.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -111,8 +112,17 @@ def pipeline_call(
                 "pip install ftfy"
             ) from err
         out = result.frames if is_video_pipeline(pipe) else result.images
+        if getattr(result, "audio", None) is not None and type(pipe).__name__ not in _AUDIO_NOTED:
+            _AUDIO_NOTED.add(type(pipe).__name__)
+            print(
+                f"note: {type(pipe).__name__} also returns audio; toma saves and scores the frames only",
+                file=sys.stderr,
+            )
         images.append(torch.as_tensor(out).float().cpu())
     return torch.cat(images)
+
+
+_AUDIO_NOTED: set[str] = set()  # pipelines whose audio output has been mentioned (once per process)
 
 
 def is_video_pipeline(pipe: Any) -> bool:
