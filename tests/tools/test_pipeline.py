@@ -848,3 +848,78 @@ def test_generate_runs_an_ltx2_pipeline(ratio, tmp_path, one_thread, monkeypatch
         assert torch.equal(merged, baseline)
     else:
         assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
+
+
+def tiny_kandinsky5_folder(tmp_path):
+    """A tiny Kandinsky 5 T2V pipeline saved to a folder: a Qwen2.5-VL model from config (its
+    vision tower unused) with the byte-level Qwen2 tokenizer in place of its Qwen2VLProcessor
+    (whose video processor needs torchvision, not installed here; the pipeline calls it
+    with text only, which a processor hands to its tokenizer), a CLIP text model, a
+    4-channel HunyuanVideo VAE (4x space, 4x time) and the tiny transformer."""
+    from diffusers import AutoencoderKLHunyuanVideo, Kandinsky5T2VPipeline
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
+    from tests.tiny_models import TEXT_DIM, make_kandinsky5
+
+    tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_DIM,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+        max_position_embeddings=2048,  # the templated prompt, one token per byte
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    vision = dict(
+        depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM, fullatt_block_indexes=[0]
+    )
+    Kandinsky5T2VPipeline(
+        transformer=make_kandinsky5(),
+        vae=AutoencoderKLHunyuanVideo(
+            latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+            block_out_channels=(8, 8, 8),
+            layers_per_block=1,
+            norm_num_groups=4,
+            spatial_compression_ratio=4,
+            temporal_compression_ratio=4,
+        ),
+        text_encoder=Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+        ).eval(),
+        tokenizer=tokenizer,
+        text_encoder_2=CLIPTextModel(clip_config(max_position_embeddings=77)),  # it pads to 77
+        tokenizer_2=tiny_clip_tokenizer(tmp_path / "clip"),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+    ).save_pretrained(tmp_path / "kandinsky5")
+    return tmp_path / "kandinsky5"
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+def test_generate_runs_a_kandinsky5_pipeline(ratio, tmp_path, one_thread, monkeypatch):
+    # toma generate on Kandinsky5T2VPipeline, loaded back from its folder: the merged visual
+    # block sees the token count the ratio implies, and ratio 0 gives the unmerged clip bitwise
+    seen: list[tuple[int, int]] = []
+
+    def watch(pipe):
+        # the default merges the last visual block; its self-attention projects the video in to_query
+        block = pipe.transformer.visual_transformer_blocks[-1]
+        block.self_attention.to_query.register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape[:2])))
+
+    baseline, merged = generate_compare_clip(monkeypatch, tmp_path, tiny_kandinsky5_folder(tmp_path), ratio, watch)
+    # 5 frames x 64x48 px -> 2 x 16x12 latents -> 2 x 8x6 tokens (2x2 patches) = 96; the
+    # conditional and unconditional passes run apart: a 1-step warm-up and 2 steps,
+    # unmerged then with ToMA
+    kept = 96 - int(96 * ratio)
+    assert seen == [(1, 96)] * 6 + [(1, kept)] * 6
+    if ratio == 0:
+        assert torch.equal(merged, baseline)
+    else:
+        assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
