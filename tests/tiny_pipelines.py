@@ -56,6 +56,45 @@ def tiny_vae() -> AutoencoderKL:
     )
 
 
+def tiny_hunyuan_video_vae():
+    """A 4-channel HunyuanVideo VAE (4x space, 4x time), as HunyuanVideo and Kandinsky 5 take."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    return AutoencoderKLHunyuanVideo(
+        latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=4,
+    )
+
+
+def tiny_qwen25_vl(vocab_size: int, hidden: int, positions: int = 256):
+    """A Qwen2.5-VL model of one text layer (``hidden`` wide, M-RoPE) and a one-layer vision
+    tower, which the text-only pipelines that take it (Qwen-Image, Kandinsky 5) never run."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+        max_position_embeddings=positions,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    vision = dict(
+        depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden, fullatt_block_indexes=[0]
+    )
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).eval()
+
+
 def merged_round_trip(pipe, generate, expected_calls, **options) -> None:
     """Generate unmerged, with ToMA (checking the (batch, tokens) the first merged module
     sees at each call), and after removal (bitwise the unmerged output)."""

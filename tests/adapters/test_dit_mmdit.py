@@ -373,27 +373,11 @@ def tiny_qwen2_tokenizer(folder):
 
 def test_qwenimage_pipeline_round_trip(tmp_path):
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from tests.tiny_pipelines import merged_round_trip
+    from tests.tiny_pipelines import merged_round_trip, tiny_qwen25_vl
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=TEXT_DIM,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
-        max_position_embeddings=256,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    vision = dict(
-        depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM, fullatt_block_indexes=[0]
-    )
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=AutoencoderKLQwenImage(
@@ -405,9 +389,7 @@ def test_qwenimage_pipeline_round_trip(tmp_path):
             latents_mean=[0.0] * 4,
             latents_std=[1.0] * 4,
         ),
-        text_encoder=Qwen2_5_VLForConditionalGeneration(
-            Qwen2_5_VLConfig(text_config=text, vision_config=vision)
-        ).eval(),
+        text_encoder=tiny_qwen25_vl(len(tokenizer), TEXT_DIM),
         tokenizer=tokenizer,
         transformer=make_qwen(),
     )

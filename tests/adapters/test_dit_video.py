@@ -341,22 +341,13 @@ def test_cogvideox_pipeline_round_trip(tmp_path):
 def test_hunyuan_pipeline_round_trip(tmp_path):
     # Llama's tokenizer cannot be built offline: the one-letter CLIP tokenizer stands in,
     # with a template that adds nothing (crop_start 0)
-    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
     from transformers import CLIPTextModel, LlamaConfig, LlamaModel
 
-    from tests.tiny_pipelines import clip_config, merged_round_trip, tiny_clip_tokenizer
+    from tests.tiny_pipelines import clip_config, merged_round_trip, tiny_clip_tokenizer, tiny_hunyuan_video_vae
 
     torch.manual_seed(0)
-    vae = AutoencoderKLHunyuanVideo(
-        latent_channels=4,
-        down_block_types=("HunyuanVideoDownBlock3D",) * 3,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 3,
-        block_out_channels=(8, 8, 8),
-        layers_per_block=1,
-        norm_num_groups=4,
-        spatial_compression_ratio=4,
-        temporal_compression_ratio=4,
-    )
+    vae = tiny_hunyuan_video_vae()
     llama = LlamaModel(
         LlamaConfig(
             vocab_size=60,

@@ -856,44 +856,19 @@ def tiny_kandinsky5_folder(tmp_path):
     (whose video processor needs torchvision, not installed here; the pipeline calls it
     with text only, which a processor hands to its tokenizer), a CLIP text model, a
     4-channel HunyuanVideo VAE (4x space, 4x time) and the tiny transformer."""
-    from diffusers import AutoencoderKLHunyuanVideo, Kandinsky5T2VPipeline
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import Kandinsky5T2VPipeline
 
     from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
     from tests.tiny_models import TEXT_DIM, make_kandinsky5
+    from tests.tiny_pipelines import tiny_hunyuan_video_vae, tiny_qwen25_vl
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=TEXT_DIM,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
-        max_position_embeddings=2048,  # the templated prompt, one token per byte
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    vision = dict(
-        depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM, fullatt_block_indexes=[0]
-    )
     Kandinsky5T2VPipeline(
         transformer=make_kandinsky5(),
-        vae=AutoencoderKLHunyuanVideo(
-            latent_channels=4,
-            down_block_types=("HunyuanVideoDownBlock3D",) * 3,
-            up_block_types=("HunyuanVideoUpBlock3D",) * 3,
-            block_out_channels=(8, 8, 8),
-            layers_per_block=1,
-            norm_num_groups=4,
-            spatial_compression_ratio=4,
-            temporal_compression_ratio=4,
-        ),
-        text_encoder=Qwen2_5_VLForConditionalGeneration(
-            Qwen2_5_VLConfig(text_config=text, vision_config=vision)
-        ).eval(),
+        vae=tiny_hunyuan_video_vae(),
+        # the templated prompt, one token per byte, runs past 1000 positions
+        text_encoder=tiny_qwen25_vl(len(tokenizer), TEXT_DIM, positions=2048),
         tokenizer=tokenizer,
         text_encoder_2=CLIPTextModel(clip_config(max_position_embeddings=77)),  # it pads to 77
         tokenizer_2=tiny_clip_tokenizer(tmp_path / "clip"),
