@@ -196,10 +196,7 @@ def shard_target(h: int, w: int, tile: tuple[int, ...], ratio: float, world: int
     tokens = t * h * w
     if tokens % world:
         raise ValueError(f"world must divide the {tokens} tokens of a {t}x{h}x{w} grid; got {world}")
-    n = tokens // world
-    whole = make_layout(h, w, tile, ratio, t=t)
-    touched = max(make_span_layout(h, w, tile, ratio, (r * n, (r + 1) * n), t=t).num_tiles for r in range(world))
-    return min(n, max(touched, whole.num_merged // world))
+    return lead_target(h, w, tile, ratio, (0,) * world, t=t)[1]  # the packed rule with no prefix
 
 
 def lead_spans(leads: tuple[int, ...], tokens: int) -> tuple[tuple[int, int], ...]:
@@ -231,7 +228,7 @@ def lead_target(
     ``L`` prefix rows over ``P`` shards, so that the shards' images together keep between
     ``K1 - P + 1`` and ``K1``; moved into the range every shard can keep (each tile it touches
     keeps one, at most its tokens) where that falls outside it. With no prefix this is
-    :func:`shard_target`'s rule.
+    :func:`shard_target`.
     """
     world, prefix, tokens = len(leads), sum(leads), t * h * w
     spans = lead_spans(leads, tokens)

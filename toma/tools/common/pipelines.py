@@ -65,6 +65,9 @@ def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
     return pipe.to(device)
 
 
+_AUDIO_NOTED: set[str] = set()  # pipelines whose audio output has been mentioned (once per process)
+
+
 def pipeline_call(
     pipe: Any,
     prompts: Sequence[str],
@@ -120,9 +123,6 @@ def pipeline_call(
             )
         images.append(torch.as_tensor(out).float().cpu())
     return torch.cat(images)
-
-
-_AUDIO_NOTED: set[str] = set()  # pipelines whose audio output has been mentioned (once per process)
 
 
 def is_video_pipeline(pipe: Any) -> bool:
