@@ -20,7 +20,8 @@ import torch
 
 from toma.config import ToMAConfig
 from toma.core.merge import assignment, cosine_similarity, destination_mass, merge, merge_weights, unmerge
-from toma.core.plan import build_plan
+from toma.core import plan as plan_module
+from toma.core.plan import build_plan, finite_or_zero, finite_similarity
 from toma.adapters.state import PlanCache
 from toma.core.selection import facility_location
 from toma.core.tiling import make_layout, to_tiles
@@ -194,3 +195,44 @@ def test_tokens_in_range_give_bitwise_the_unscaled_similarities(dtype):
     x = (x * torch.logspace(-6, 8, 16, dtype=torch.float64)[:, None]).to(dtype)  # a scale per token
     unit = torch.nn.functional.normalize(x.float(), dim=-1)
     assert torch.equal(cosine_similarity(x), unit @ unit.transpose(-1, -2))
+
+
+def full_path_spy(monkeypatch) -> list[torch.Tensor]:
+    """Record each call of the full path (cleaning, then scaling) in finite_similarity."""
+    calls: list[torch.Tensor] = []
+    real = plan_module.finite_or_zero
+    monkeypatch.setattr(plan_module, "finite_or_zero", lambda x: calls.append(x) or real(x))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_cpu_shortcut_gives_bitwise_the_full_paths_similarities(dtype, monkeypatch):
+    # tokens in range are normalised as they are, with no cleaning or scaling pass: a
+    # speed-up only, so every bit must match what the full path gives
+    g = torch.Generator().manual_seed(5)
+    spread = (-3, 4) if dtype == torch.float16 else (-6, 8)  # norms up to 1e4 * sqrt(40): fp16's range
+    x = torch.randn(2, 6, 16, 40, generator=g, dtype=torch.float64)
+    x = (x * torch.logspace(*spread, 16, dtype=torch.float64)[:, None]).to(dtype)
+    full = cosine_similarity(finite_or_zero(x))
+    calls = full_path_spy(monkeypatch)
+    assert torch.equal(finite_similarity(x), full)
+    assert calls == []  # the shortcut ran
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "zero", "tiny", "huge"])
+def test_tokens_out_of_range_take_the_full_path(bad, monkeypatch):
+    # one such token anywhere sends the whole call down the full path, whose cleaning and
+    # scaling it needs: a zero row could be an underflowed tiny one, a huge one's squares
+    # may overflow
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 6, 16, 40, generator=g)
+    if bad in ("nan", "inf"):
+        x[1, 2, 3, 7] = float(bad)
+    else:
+        x[1, 2, 3] *= {"zero": 0.0, "tiny": 1e-12, "huge": 1e12}[bad]
+    full = cosine_similarity(finite_or_zero(x))
+    calls = full_path_spy(monkeypatch)
+    sim = finite_similarity(x)
+    assert len(calls) == 1 and torch.equal(sim, full) and torch.isfinite(sim).all()
+    if bad == "tiny":  # the scaled path keeps its direction: a unit self-similarity
+        assert sim[1, 2, 3, 3].item() == pytest.approx(1.0, abs=1e-6)
