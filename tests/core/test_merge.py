@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from toma.config import ToMAConfig
-from toma.core.merge import assignment, cosine_similarity, merge, merge_weights, unmerge
+from toma.core.merge import NEGLIGIBLE_WEIGHT, assignment, cosine_similarity, merge, merge_weights, unmerge
 from toma.core.plan import build_plan
 from toma.core.selection import facility_location, grid_selection
 from toma.core.tiling import from_tiles, make_layout, raster_order, slot_raster_index, tile_order, to_tiles, token_mask
@@ -153,6 +153,32 @@ def test_soft_assignment_is_softmax_over_destinations():
     assert torch.allclose(a, torch.softmax(logits / 0.1, dim=-2), atol=1e-6)
     assert torch.allclose(merge(tiles, merge_weights(a)).sum(-2), (merge_weights(a) @ tiles).sum(-2))
     assert unmerge(torch.ones(2, 3, 8, 1), a.transpose(-1, -2)).allclose(torch.ones(2, 3, 16, 1), atol=1e-5)
+
+
+def test_cpu_plans_hold_no_subnormal_weights():
+    # at the default temperature (1e-3) a softmax weight of a token 0.087-0.104 less similar
+    # to a destination than to its own is a subnormal float, which slows the CPU's matmuls:
+    # the plan's weights must hold none
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 32 * 48, 64, generator=g)
+    layout = make_layout(32, 48, (4, 4), 0.5)
+    tiles = to_tiles(x, layout)
+    sim = cosine_similarity(tiles)
+    dest = facility_location(sim, layout.slots)
+    logits = sim.gather(-2, dest.unsqueeze(-1).expand(*dest.shape, sim.shape[-1]))
+    raw = torch.softmax(logits / 1e-3, dim=-2)
+    tiny = torch.finfo(torch.float32).tiny
+    assert ((raw > 0) & (raw < tiny)).any()  # the softmax alone does make subnormals here
+    plan = build_plan(tiles, layout, torch.float32, selection="facility", temperature=1e-3)
+    for w in (plan.merge_w, plan.unmerge_w):
+        assert not ((w > 0) & (w < tiny)).any()
+    # what was dropped (weights under 2**-100) moves no merged token by more than 2**-96
+    # of the largest token it absorbs; float32's rounding alone is 2**-24 of it
+    a = assignment(sim, dest, 1e-3)
+    assert torch.equal(a, raw.masked_fill(raw < NEGLIGIBLE_WEIGHT, 0.0))
+    exact = merge(tiles.double(), merge_weights(raw.double()))
+    moved = (merge(tiles.double(), merge_weights(a.double())) - exact).abs().amax(-1)
+    assert (moved <= 2.0**-96 * tiles.double().abs().amax((-2, -1))[..., None]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
