@@ -1236,6 +1236,50 @@ def lumina2_inputs(batch: int, h: int, w: int, text: int = 6, padded: int = 0) -
     }
 
 
+def make_qwenimage21(seed: int = 0, layers: int = 2):
+    """Qwen-Image 2.1: single-stream blocks over [text; target image] (2 heads of 16
+    channels, complex 3-D rotary over (4, 6, 6) channels), 16 latent channels, unpatched."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    torch.manual_seed(seed)
+    return QwenImage21Transformer2DModel(
+        in_channels=16,
+        out_channels=16,
+        num_layers=layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        context_in_dim=TEXT_DIM,
+        mlp_ratio=2,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()
+
+
+def qwenimage21_inputs(batch: int, h: int, w: int, text: int = 7, mode: str = "cached", layers: int = 2) -> dict:
+    """A text-to-image call on an ``h x w`` target (``h * w`` a multiple of 4: the encoder's
+    image slots stand for 2x2 tokens) after ``text`` prompt tokens. ``"cached"``: the
+    pipeline's steps after the first, decoding from a prefix cache, here of random keys and
+    values (``(B, text, heads, 16)`` a layer: what the queries attend to, besides their own,
+    is an input like any other); ``"extract"``: its first step, filling a new cache."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    g = torch.Generator().manual_seed(1)
+    cache = QwenImage21KVCache(layers)
+    if mode == "cached":
+        for layer in cache.layer_caches:
+            layer.store(torch.randn(batch, text, 2, 16, generator=g), torch.randn(batch, text, 2, 16, generator=g))
+    slots = torch.cat([torch.zeros(batch, text, dtype=torch.bool), torch.ones(batch, h * w // 4, dtype=torch.bool)], 1)
+    return {
+        "hidden_states": torch.randn(batch, h * w, 16, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "timestep": torch.full((batch,), 0.5),
+        "img_shapes": [[(1, h, w)]] * batch,
+        "img_mask": slots,
+        "encoder_hidden_states_mask": torch.ones(batch, text, dtype=torch.bool),
+        "kv_cache": cache,
+        "kv_cache_mode": mode,
+    }
+
+
 def make_framepack(seed: int = 0, layers: int = 2, single: int = 2):
     """FramePack: HunyuanVideo's blocks (2 heads of 8, 3-D rotary over (2, 2, 4) channels)
     with the history embedders and the image projection its checkpoints have."""
@@ -1336,6 +1380,9 @@ class Family:
     rising_timestep: bool = False
     # whether diffusers' gradient-checkpointed forward runs at all (HunyuanImage's fails, unpatched too)
     checkpointing: bool = True
+    # whether text runs through the blocks as tokens (Qwen-Image 2.1's cached passes take it
+    # as cached keys and values only, which tests/adapters/test_qwenimage21.py covers)
+    text_in_blocks: bool = True
     # whether the model's own blocks break torch.compile graphs, unpatched (HiDream's
     # mixture-of-experts MLP counts tokens per expert on the host)
     own_breaks: bool = False
@@ -1783,6 +1830,19 @@ FAMILIES: dict[str, Family] = {
             text_mask="encoder_attention_mask",
             tile_order=False,  # the forward keeps raster order (see toma/adapters/lumina2.py)
             rising_timestep=True,
+        ),
+        Family(
+            "qwenimage21",
+            "qwenimage21",
+            make_qwenimage21,
+            # a cached pass (every step of the pipeline's but the first, which runs unmerged)
+            lambda b: qwenimage21_inputs(b, 8, 8),
+            {"blocks": {"transformer_blocks": range(2)}},
+            odd=lambda b: qwenimage21_inputs(b, 5, 12),
+            odd_tokens=60,
+            grid=(1, 8, 8),
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/qwenimage21.py)
+            text_in_blocks=False,
         ),
     )
 }

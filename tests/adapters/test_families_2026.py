@@ -205,7 +205,6 @@ REFUSED = [
     ("StableAudio3DiTModel", "denoises audio"),
     ("LongCatAudioDiTTransformer", "denoises audio"),
     ("MiniMaxMusic3Transformer1DModel", "denoises audio"),
-    ("QwenImage21Transformer2DModel", "block-causal mask"),
     ("HeliosTransformer3DModel", "original_context_length"),
     ("Flux3Transformer2DModel", "one row per token"),
     ("JoyImageEditPlusTransformer3DModel", "packed per sample"),
@@ -215,7 +214,6 @@ REFUSED = [
 @pytest.mark.parametrize(
     "name, needles",
     [
-        ("QwenImage21Transformer2DModel", ("kv_cache_mode", "target_token_mask", "segments")),
         ("HeliosTransformer3DModel", ("original_context_length", "latents_history_short")),
         ("Flux3Transformer2DModel", ("expand(batch_size, image_seq_len", "content_mod")),
         ("JoyImageEditPlusTransformer3DModel", ("max_num_patches", "shape_list[i]", "sample_cos_list")),

@@ -50,8 +50,9 @@ FAMILIES = {
 # and those whose processors cannot carry the bias in their mask argument: SD3 (toma's own
 # joint attention), LTX, LTX-2 and Qwen-Image (the bias waits for the processor's dispatch)
 # Z-Image's and ERNIE-Image's image-first attention (the text's keys after the image's), and
-# Kandinsky 5's (its processor's dispatch, no mask of its own), and FramePack's (its
-# history's keys before the merged ones, the text's after them)
+# Kandinsky 5's (its processor's dispatch, no mask of its own), FramePack's (its
+# history's keys before the merged ones, the text's after them) and Qwen-Image 2.1's (its
+# cached prefix keys before the merged ones, however many)
 for _name in (
     "wan-vace",
     "skyreels-v2",
@@ -66,6 +67,7 @@ for _name in (
     "ernie-image",
     "kandinsky5",
     "framepack",
+    "qwenimage21",
 ):
     _f = TINY[_name]
     FAMILIES[_name] = (_f.make, lambda _f=_f: _f.inputs(2), _f.options)

@@ -43,6 +43,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kandinsky5": ("toma.adapters.kandinsky5", ("Kandinsky5Transformer3DModel",)),
     "ernie-image": ("toma.adapters.ernie_image", ("ErnieImageTransformer2DModel",)),
     "lumina2": ("toma.adapters.lumina2", ("Lumina2Transformer2DModel",)),
+    "qwenimage21": ("toma.adapters.qwenimage21", ("QwenImage21Transformer2DModel",)),
 }
 
 
@@ -66,10 +67,6 @@ UNSUPPORTED: dict[str, str] = {
     "AnyFlowFARTransformer3DModel": _KV_CACHE,
     "WanAnimate2Transformer3DModel": "its generation pass attends to a cache of the reference pass's keys and "
     "values, packed with its own tokens under a flex block mask laid out over the unmerged tokens (out of scope)",
-    "QwenImage21Transformer2DModel": "its one sequence interleaves text with the condition and target images under "
-    "a block-causal mask (a segment list or a flex BlockMask over the unmerged positions), with modulation rows "
-    "chosen per token by target_token_mask and a key-value cache of the prefix (kv_cache_mode); ToMA does not lay "
-    "a merge out within that sequence yet (not supported yet)",
     "HeliosTransformer3DModel": "its attention scales the keys of the history latents that lead the generated tokens, "
     "split off by a token count (original_context_length) over the unmerged sequence, and its rotary tables are "
     "concatenated from several grids (not supported yet)",

@@ -112,6 +112,9 @@ class KeyBias(NamedTuple):
             model masks out), ``Bp`` 1 or the batch.
         pad_after: the call's keys after those ``S`` are unmerged (text after the image
             tokens, as in HunyuanVideo): log mass 0.
+        pad_before: the call's keys before those ``S`` are unmerged, however many there
+            are (Qwen-Image 2.1's cached prefix keys, which the processor puts before the
+            tokens' own): log mass 0.
         model_mask: the model's own mask folded into ``log_mass`` (:meth:`with_model_mask`),
             which a call without the bias still takes.
         auto: the bias was not asked for (``proportional_attention=None``): it runs only in
@@ -126,6 +129,7 @@ class KeyBias(NamedTuple):
     model_mask: torch.Tensor | None = None
     auto: bool = False
     per_query: bool = False
+    pad_before: bool = False
 
     def automatic(self) -> KeyBias:
         """This bias, applied only where its form is one of :data:`AUTO_FORMS`."""
@@ -136,8 +140,10 @@ class KeyBias(NamedTuple):
         have = self.log_mass.shape[1]
         if have == keys:
             return self.log_mass
-        if have > keys or not self.pad_after:
+        if have > keys or not (self.pad_after or self.pad_before):
             raise ValueError(f"ToMA: a key bias over {have} keys met an attention call over {keys} keys")
+        if self.pad_before:
+            return P.with_text_keys(self.log_mass, before=keys - have)
         return P.with_text_keys(self.log_mass, after=keys - have)
 
     def mask(self, dtype: torch.dtype | None = None, keys: int | None = None) -> torch.Tensor:
@@ -160,7 +166,7 @@ class KeyBias(NamedTuple):
         with a row per query stays beside them (``per_query``)."""
         if mask.ndim == 4 and mask.shape[1] == 1 and mask.shape[2] > 1:
             self.over(mask.shape[-1])  # the same keys, or toma's bug: raised
-            return KeyBias(self.log_mass, self.pad_after, mask, self.auto, per_query=True)
+            return self._replace(model_mask=mask, per_query=True)
         if not (mask.ndim == 2 or (mask.ndim in (3, 4) and mask.shape[1:-1] == (1,) * (mask.ndim - 2))):
             raise ValueError(
                 f"ToMA: cannot fold an attention mask of shape {tuple(mask.shape)} into the key bias; "
@@ -177,7 +183,7 @@ class KeyBias(NamedTuple):
         def one(t: torch.Tensor | None) -> torch.Tensor | None:
             return t[b : b + 1] if t is not None and t.shape[0] == batch else t
 
-        return KeyBias(one(self.log_mass), self.pad_after, one(self.model_mask), self.auto, self.per_query)
+        return self._replace(log_mass=one(self.log_mass), model_mask=one(self.model_mask))
 
 
 def key_bias(log_mass: torch.Tensor, batch: int, heads: int) -> KeyBias:
@@ -189,6 +195,12 @@ def key_bias(log_mass: torch.Tensor, batch: int, heads: int) -> KeyBias:
 def key_bias_text_after(log_mass: torch.Tensor, batch: int, heads: int) -> KeyBias:
     """:func:`key_bias` for calls whose text keys follow the image keys (HunyuanVideo)."""
     return KeyBias(log_mass, pad_after=True)
+
+
+def key_bias_prefix(log_mass: torch.Tensor, batch: int, heads: int) -> KeyBias:
+    """:func:`key_bias` for calls whose processor puts unmerged keys of its own before the
+    merged ones, as many as it has (Qwen-Image 2.1's cached prefix)."""
+    return KeyBias(log_mass, pad_before=True)
 
 
 _warned: set[str] = set()
@@ -401,7 +413,7 @@ def uninstall(module_name: str, users: list[torch.nn.Module]) -> None:
         module.dispatch_attention_fn = real
 
 
-_DISPATCHED = (key_bias, key_bias_text_after)
+_DISPATCHED = (key_bias, key_bias_text_after, key_bias_prefix)
 
 
 def dispatch_modules(targets: list) -> dict[str, list[torch.nn.Module]]:

@@ -26,6 +26,8 @@ merged module is then called is up to the hook's call strategies, which combine:
 
 from __future__ import annotations
 
+import copy
+
 import functools
 import math
 import warnings
@@ -417,12 +419,19 @@ class SpanClose(Hook):
 
 
 def _batch_slice(value: Any, b: int, batch: int) -> Any:
-    """Sample ``b`` of a tensor whose first dimension is the batch (or of a key bias);
-    anything else as is."""
+    """Sample ``b`` of a tensor whose first dimension is the batch, of a key bias, or of a
+    key-value cache read in the call (a shallow copy whose per-sample tensors are that
+    sample's: Qwen-Image 2.1's layer cache of prefix keys and values); anything else as is."""
     if hasattr(value, "batch_slice"):  # toma.adapters.attention.KeyBias
         return value.batch_slice(b, batch)
-    if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch:
-        return value[b : b + 1]
+    if isinstance(value, torch.Tensor):
+        return value[b : b + 1] if value.ndim and value.shape[0] == batch else value
+    if type(value).__name__.endswith("Cache") and hasattr(value, "__dict__"):
+        one = copy.copy(value)
+        for name, held in vars(value).items():
+            if isinstance(held, torch.Tensor) and held.ndim and held.shape[0] == batch:
+                setattr(one, name, held[b : b + 1])
+        return one
     return value
 
 

@@ -1,0 +1,134 @@
+"""Qwen-Image 2.1: the passes that decode from the prefix cache merge; the prefill does not.
+
+The conformance suite (tests/adapters/test_conformance.py) runs its cached passes; here is
+what is particular to them: the pipeline's loop (a prefill, then cached steps), the cached
+prefix keys that lead the merged ones, and the padding mask over those keys.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import toma
+from tests.cases import clustered_tokens, force
+from tests.tiny_models import make_qwenimage21, qwenimage21_inputs
+from toma.adapters import attention as A
+
+OPTIONS = {"blocks": {"transformer_blocks": range(2)}}
+
+
+def run(model, kw):
+    with torch.no_grad():
+        return model(**kw).sample
+
+
+def prefill_then_cached(batch: int = 1, h: int = 8, w: int = 8, text: int = 7) -> tuple[dict, dict]:
+    """The pipeline's first call (it fills a new cache) and a later one on that cache."""
+    first = qwenimage21_inputs(batch, h, w, text, mode="extract")
+    later = {**first, "kv_cache_mode": "cached", "timestep": torch.full((batch,), 0.3)}
+    return first, later
+
+
+@pytest.fixture
+def dispatch_calls(monkeypatch):
+    """(queries, keys) of every attention dispatch Qwen-Image 2.1's processor makes."""
+    from diffusers.models.transformers import transformer_qwenimage21 as module
+
+    calls: list[tuple[int, int]] = []
+    real = module.dispatch_attention_fn
+
+    def record(query, key, value, *args, **kwargs):
+        calls.append((query.shape[1], key.shape[1]))
+        return real(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(module, "dispatch_attention_fn", record)
+    return calls
+
+
+def test_the_prefill_runs_unmerged_and_the_cached_steps_merge(dispatch_calls):
+    reference = make_qwenimage21()
+    first, later = prefill_then_cached()
+    ref_first, ref_later = run(reference, first), run(reference, later)
+    ref_cache = first["kv_cache"]
+
+    model = make_qwenimage21()
+    first, later = prefill_then_cached()
+    toma.apply_toma(model, ratio=0.5, **OPTIONS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dispatch_calls.clear()
+        out_first = run(model, first)
+    # the block-causal prefill is bitwise the unpatched one, and so is the cache it writes
+    assert torch.equal(out_first, ref_first)
+    assert all(
+        torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        for a, b in zip(first["kv_cache"].layer_caches, ref_cache.layer_caches)
+    )
+    assert [str(w.message) for w in caught if "ToMA" in str(w.message) and "block-causal" in str(w.message)]
+    assert all(queries <= 7 + 64 for queries, _ in dispatch_calls) and sum(q for q, _ in dispatch_calls) >= 2 * 71
+
+    dispatch_calls.clear()
+    out_later = run(model, later)
+    # each block: the 32 merged target queries attend to the 7 cached prefix keys, then the 32 merged
+    assert dispatch_calls == [(32, 7 + 32)] * 2
+    assert out_later.shape == ref_later.shape and torch.isfinite(out_later).all()
+    assert 1e-3 < (out_later - ref_later).abs().max() < ref_later.abs().max()
+
+    toma.remove_toma(model)
+    assert torch.equal(run(model, later), ref_later)
+
+
+def test_ratio_zero_runs_the_pipeline_loop_bitwise():
+    reference, model = make_qwenimage21(), make_qwenimage21()
+    toma.apply_toma(model, ratio=0.0, **OPTIONS)
+    loops = []
+    for m in (reference, model):
+        first, later = prefill_then_cached(batch=2)
+        loops.append([run(m, first), run(m, later), run(m, {**later, "timestep": torch.full((2,), 0.1)})])
+    assert all(torch.equal(a, b) for a, b in zip(*loops))
+
+
+def test_cached_keys_the_padding_mask_hides_change_nothing_merged():
+    # the prompt's last two tokens of sample 1 are padding: their cached keys and values are
+    # hidden from every query (the mask slices exactly: its target part is all True), so
+    # anything there changes no output; unmasked they do
+    model = make_qwenimage21()
+    toma.apply_toma(model, ratio=0.5, **OPTIONS)
+    kw = qwenimage21_inputs(2, 8, 8)
+    mask = kw["encoder_hidden_states_mask"].clone()
+    mask[1, -2:] = False
+    padded = {**kw, "encoder_hidden_states_mask": mask}
+    out = run(model, padded)
+    changed = qwenimage21_inputs(2, 8, 8)
+    for layer in changed["kv_cache"].layer_caches:
+        layer.k[1, -2:] = 50.0
+        layer.v[1, -2:] = -50.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(run(model, {**changed, "encoder_hidden_states_mask": mask}), out)
+    assert not [w for w in caught if "ToMA" in str(w.message)]  # merged, mask and all
+    assert (run(model, changed)[1] - out[1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("form", A.FORMS)
+def test_proportional_attention_is_exact_on_duplicate_tokens(form, monkeypatch):
+    # a 4x8 target in two 4x4 tiles, each holding one token 9 times and 7 others once, with
+    # rotary tables of ones (no positions): the 8 destinations of ratio 0.5 keep one of
+    # each, and with the log(mass) bias after the cached prefix keys (log mass 0) every
+    # merged attention computes what the unmerged one does, to fp32 rounding
+    force(monkeypatch, form)
+    model = make_qwenimage21()
+    model.pos_embed.register_forward_hook(lambda m, args, out: torch.ones_like(out))
+    kw = qwenimage21_inputs(1, 4, 8)
+    kw["hidden_states"] = clustered_tokens(2)
+    ref = run(model, kw)
+    toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=True, **OPTIONS)
+    exact = run(model, kw)
+    toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=False, **OPTIONS)
+    plain = run(model, kw)
+    toma.remove_toma(model)
+    torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
+    assert (plain - ref).abs().max() > 1e-3  # without the bias the 9-fold token is under-weighted
