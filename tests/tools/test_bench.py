@@ -734,6 +734,28 @@ def test_2026_video_and_image_archs_call_and_merge_at_reduced_depth(name):
     assert patch.cache._plans
 
 
+def test_qwenimage21_arch_calls_a_cached_step_that_merges():
+    # the defaults' layout narrowed so it builds in a second: make_inputs' call is a step
+    # after the first (the prompt's keys and values cached), which the default placement,
+    # scaled to the blocks built, merges; the cache has a layer for every block of the full
+    # model, of which --depth builds fewer
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement, set_timestep
+
+    arch = ARCHS["qwenimage21"]
+    narrow = {"num_attention_heads": 2, "attention_head_dim": 32, "axes_dims_rope": (8, 12, 12), "context_in_dim": 32}
+    tiny = dataclasses.replace(arch, config={**arch.config, **narrow}, text_dim=32, text_tokens=8)
+    model = build_model(tiny, depth=16)
+    kw = make_inputs(tiny, 256, batch=1)
+    assert len(model.transformer_blocks) == 2 and len(kw["kv_cache"].layer_caches) == 32
+    patch = toma.apply_toma(model, ratio=0.5, **default_placement(tiny, model))
+    with torch.no_grad():
+        out = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))[0]
+    assert out.shape == (1, 16 * 16, arch.config["out_channels"]) and patch.cache._plans
+
+
 def test_minimax_h3_arch_calls_merge_its_video_rows_and_take_17k_plus_5_frames():
     # the published width narrowed so it builds in a second: make_inputs packs the modular
     # pipeline's t2va layout ([text; audio; video]), its video VAE's frame rule gives the

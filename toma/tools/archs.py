@@ -570,6 +570,22 @@ ERNIE_IMAGE: dict[str, Any] = {
     "qk_layernorm": True,
 }
 
+# Qwen-Image 2.1: diffusers' QwenImage21Transformer2DModel defaults (32 single-stream blocks
+# of 32 x 128, text width 4096, 2x2-packed latents of 64 channels), which its pipeline's
+# docs describe; the published config.json was not read (no hub access here)
+QWEN_IMAGE_21: dict[str, Any] = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "out_channels": 64,
+    "num_layers": 32,
+    "attention_head_dim": 128,
+    "num_attention_heads": 32,
+    "context_in_dim": 4096,
+    "mlp_ratio": 3,
+    "axes_dims_rope": (16, 56, 56),
+    "causal_condition": True,
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -595,6 +611,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "kandinsky5": ("num_visual_blocks",),  # its 2 text blocks run on the text alone
     "ernie-image": ("num_layers",),
     "lumina2": ("num_layers",),  # its 2 + 2 refiner blocks run on the caption or the image alone
+    "qwenimage21": ("num_layers",),
 }
 
 
@@ -777,6 +794,10 @@ ARCHS: dict[str, Arch] = {
     # Qwen-Image's prompt embeddings are as long as the prompt (its pipeline trims the
     # padding); 128 tokens stands for a prompt of a few sentences. FLUX.2 pads to 512.
     "qwenimage": Arch("qwenimage", "qwenimage", QWEN_IMAGE, 1024, 128, 3584, 0, 8, "Qwen-Image transformer"),
+    # a step after the first: the target's tokens, decoding from a cache of a 128-token prompt
+    "qwenimage21": Arch(
+        "qwenimage21", "qwenimage21", QWEN_IMAGE_21, 1024, 128, 4096, 0, 8, "Qwen-Image 2.1 transformer, a cached step"
+    ),
     "flux2": Arch("flux2", "flux2", FLUX2_DEV, 1024, 512, 15360, 0, 8, "FLUX.2-dev transformer"),
     "tiny-qwenimage": Arch(
         "tiny-qwenimage", "qwenimage", TINY_QWEN_IMAGE, 64, 8, 32, 0, 8, "tiny Qwen-Image-like transformer (tests)"
@@ -1215,6 +1236,26 @@ def make_inputs(
             "img_shapes": [[(1, th, tw)]] * batch,
             "return_dict": False,
         }
+    if arch.family == "qwenimage21":  # a cached step: the prompt's keys and values from the prefill
+        from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+        cfg = arch.config
+        cache = QwenImage21KVCache(cfg["num_layers"])  # as many as the full model: --depth builds fewer
+        heads, width = cfg["num_attention_heads"], cfg["attention_head_dim"]
+        for layer in cache.layer_caches:
+            layer.store(rand(batch, arch.text_tokens, heads, width), rand(batch, arch.text_tokens, heads, width))
+        slots = torch.ones(batch, arch.text_tokens + th * tw // 4, dtype=torch.bool, device=device)
+        slots[:, : arch.text_tokens] = False  # the encoder's text, then the target's slots of 2x2 tokens
+        return {
+            "hidden_states": rand(batch, th * tw, channels),
+            "encoder_hidden_states": text,
+            "timestep": timestep / 1000,
+            "img_shapes": [[(1, th, tw)]] * batch,
+            "img_mask": slots,
+            "kv_cache": cache,
+            "kv_cache_mode": "cached",
+            "return_dict": False,
+        }
     if arch.family == "flux2":
         one = torch.arange(1)
         img_ids = torch.cartesian_prod(one, torch.arange(th), torch.arange(tw), one)
@@ -1357,7 +1398,7 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
         return {**inputs, "timestep": torch.full_like(inputs["timestep"], 1.0 - frac)}
     t = inputs["timestep"]
     # the flow-matching transformers take the timestep in [0, 1]
-    flow = ("flux", "flux2", "qwenimage", "krea2", "chroma", "cosmos", "minimax-h3")  # the timestep in [0, 1]
+    flow = ("flux", "flux2", "qwenimage", "qwenimage21", "krea2", "chroma", "cosmos", "minimax-h3")  # in [0, 1]
     value = max(frac, 1e-3) if arch.family in flow else 999.0 * frac
     return {**inputs, "timestep": torch.full_like(t, value)}
 
