@@ -346,6 +346,47 @@ def flux2_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> di
     }
 
 
+def make_flux3(seed: int = 0, layers: int = 2, single: int = 2):
+    """FLUX.3: per-mode blocks (the image's, references', text's), then single-stream blocks
+    on [text; image]; 2 heads of 16 channels, 4-axis rotary over (4, 4, 4, 4) channels."""
+    from diffusers import Flux3Transformer2DModel
+
+    torch.manual_seed(seed)
+    return Flux3Transformer2DModel(
+        in_channels=16,
+        cond_in_channels=16,
+        num_layers=layers,
+        num_single_layers=single,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        timestep_channels=32,
+        mlp_ratio=2.0,
+        axes_dims_rope=(4, 4, 4, 4),
+    ).eval()
+
+
+def flux3_inputs(batch: int, h: int, w: int, text: int = 5, references: int = 0) -> dict:
+    """Packed latents of ``h x w`` tokens with FLUX.3's (t, h, w, l) ids, one set for the
+    batch; with ``references``, that many reference images of the same size after it (their
+    ids' first column 1, 2, ...)."""
+    g = torch.Generator().manual_seed(1)
+    one = torch.arange(1)
+    img_ids = torch.cartesian_prod(one, torch.arange(h), torch.arange(w), one)
+    kw = {
+        "hidden_states": torch.randn(batch, h * w, 16, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=g),
+        "timestep": torch.full((batch,), 0.5),
+        "img_ids": img_ids,
+        "txt_ids": torch.cartesian_prod(one, one, one, torch.arange(text)),
+    }
+    if references:
+        ids = [img_ids + torch.tensor([r, 0, 0, 0]) for r in range(1, references + 1)]
+        kw["image_cond_hidden_states"] = torch.randn(batch, references * h * w, 16, generator=g)
+        kw["image_cond_ids"] = torch.cat(ids)
+    return kw
+
+
 def make_hunyuan(seed: int = 0, layers: int = 2, single: int = 2, in_channels: int = 4, **config):
     """Dual-stream then single-stream blocks, 2 heads of 8 channels, 3-D rotary over (2, 2, 4) channels."""
     from diffusers import HunyuanVideoTransformer3DModel
@@ -1843,6 +1884,16 @@ FAMILIES: dict[str, Family] = {
             grid=(1, 8, 8),
             tile_order=False,  # the forward keeps raster order (see toma/adapters/qwenimage21.py)
             text_in_blocks=False,
+        ),
+        Family(
+            "flux3",
+            "flux3",
+            make_flux3,
+            lambda b: flux3_inputs(b, 8, 8),
+            {"blocks": {"mode_blocks.image": range(2), "single_transformer_blocks": range(2)}},
+            odd=lambda b: flux3_inputs(b, 5, 7),
+            odd_tokens=35,
+            grid=(1, 8, 8),
         ),
     )
 }

@@ -206,7 +206,6 @@ REFUSED = [
     ("LongCatAudioDiTTransformer", "denoises audio"),
     ("MiniMaxMusic3Transformer1DModel", "denoises audio"),
     ("HeliosTransformer3DModel", "original_context_length"),
-    ("Flux3Transformer2DModel", "one row per token"),
     ("JoyImageEditPlusTransformer3DModel", "packed per sample"),
 ]
 
@@ -215,7 +214,6 @@ REFUSED = [
     "name, needles",
     [
         ("HeliosTransformer3DModel", ("original_context_length", "latents_history_short")),
-        ("Flux3Transformer2DModel", ("expand(batch_size, image_seq_len", "content_mod")),
         ("JoyImageEditPlusTransformer3DModel", ("max_num_patches", "shape_list[i]", "sample_cos_list")),
     ],
 )

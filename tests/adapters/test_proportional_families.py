@@ -52,7 +52,8 @@ FAMILIES = {
 # Z-Image's and ERNIE-Image's image-first attention (the text's keys after the image's), and
 # Kandinsky 5's (its processor's dispatch, no mask of its own), FramePack's (its
 # history's keys before the merged ones, the text's after them) and Qwen-Image 2.1's (its
-# cached prefix keys before the merged ones, however many)
+# cached prefix keys before the merged ones, however many) and FLUX.3's (the image alone in
+# its own blocks, the text first in its single-stream ones)
 for _name in (
     "wan-vace",
     "skyreels-v2",
@@ -68,6 +69,7 @@ for _name in (
     "kandinsky5",
     "framepack",
     "qwenimage21",
+    "flux3",
 ):
     _f = TINY[_name]
     FAMILIES[_name] = (_f.make, lambda _f=_f: _f.inputs(2), _f.options)

@@ -44,6 +44,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ernie-image": ("toma.adapters.ernie_image", ("ErnieImageTransformer2DModel",)),
     "lumina2": ("toma.adapters.lumina2", ("Lumina2Transformer2DModel",)),
     "qwenimage21": ("toma.adapters.qwenimage21", ("QwenImage21Transformer2DModel",)),
+    "flux3": ("toma.adapters.flux3", ("Flux3Transformer2DModel",)),
 }
 
 
@@ -70,8 +71,6 @@ UNSUPPORTED: dict[str, str] = {
     "HeliosTransformer3DModel": "its attention scales the keys of the history latents that lead the generated tokens, "
     "split off by a token count (original_context_length) over the unmerged sequence, and its rotary tables are "
     "concatenated from several grids (not supported yet)",
-    "Flux3Transformer2DModel": "its blocks take their modulation as one row per token (timestep embeddings expanded "
-    "over the image and reference tokens), laid out over the unmerged sequence (not supported yet)",
     "JoyImageEditPlusTransformer3DModel": "its latents come as patches packed per sample up to max_num_patches, "
     "the target and reference items each of their own size (shape_list) with per-sample rotary tables, so the "
     "target's token grid is not the input's shape and differs from sample to sample (not supported yet; "

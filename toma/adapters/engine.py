@@ -126,7 +126,7 @@ def chosen_blocks(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) 
         )
     out = {}
     for stack in spec.stacks:
-        count = len(getattr(model, stack))
+        count = len(model.get_submodule(stack))
         indices = chosen.get(stack, spec.default_blocks(stack, count) if config.blocks is None else ())
         bad = [i for i in indices if i >= count]
         if bad:
@@ -138,7 +138,9 @@ def chosen_blocks(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) 
 def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
     """The sub-modules to merge and the blocks left alone, with why. Touches nothing."""
     wanted = {"attn": config.merge_attn, "cross": config.merge_crossattn, "mlp": config.merge_mlp}
-    sites_of = {(stack, i): spec.sites(stack, b) for stack in spec.stacks for i, b in enumerate(getattr(model, stack))}
+    sites_of = {
+        (stack, i): spec.sites(stack, b) for stack in spec.stacks for i, b in enumerate(model.get_submodule(stack))
+    }
     has = {s.part for sites in sites_of.values() for s in sites}
     for part, option in (("cross", "merge_crossattn"), ("mlp", "merge_mlp")):
         if wanted[part] and part not in has:  # accepted but merging nothing: say so
@@ -151,7 +153,7 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
     targets: list[Patched] = []
     skipped: list[Skipped] = []
     for stack, indices in chosen_blocks(spec, model, config).items():
-        for i, block in enumerate(getattr(model, stack)):
+        for i, block in enumerate(model.get_submodule(stack)):
             name = f"{stack}.{i}"
             if i not in indices:
                 skipped.append(Skipped(name, "not among the merged blocks"))
@@ -186,7 +188,7 @@ def order_hooks(
     order = TileState(cache)
     kind, path = spec.enter
     if kind == "block":
-        entry = next(getattr(model, s) for s in spec.stacks if len(getattr(model, s)))[0]
+        entry = next(model.get_submodule(s) for s in spec.stacks if len(model.get_submodule(s)))[0]
     else:
         entry = model.get_submodule(path)
     grid = "first" if kind == "grid" else spec.grid_tokens
@@ -209,7 +211,7 @@ def block_rope_hooks(
     if spec.block_rope is None:
         return []
     memo: dict = {}  # one reordering per forward, shared by the blocks
-    blocks = [block for stack in spec.stacks for block in getattr(model, stack)]
+    blocks = [block for stack in spec.stacks for block in model.get_submodule(stack)]
     for block in blocks:
         hook = BlockRotaryToOrder(cache, order, spec.block_rope, spec.rope_items, memo)
         register_innermost(block, hook, ROPE_HOOK_NAME)

@@ -236,11 +236,11 @@ class FluxAdapter(EngineAdapter):
             if config.blocks is not None:
                 raise ValueError("give blocks or flux_double_blocks/flux_single_blocks, not both (they say the same)")
             for stack, option in STACKS.items():
-                count = len(getattr(model, stack))
+                count = len(model.get_submodule(stack))
                 bad = [i for i in aliases[stack] or () if i >= count]
                 if bad:
                     raise ValueError(f"{option} must hold indices in [0, {count - 1}]; got {bad}")
-            blocks = {s: default_blocks(len(getattr(model, s))) if v is None else v for s, v in aliases.items()}
+            blocks = {s: default_blocks(len(model.get_submodule(s))) if v is None else v for s, v in aliases.items()}
             config = replace(config, blocks=blocks, flux_double_blocks=None, flux_single_blocks=None)
         return super().find_targets(model, config)
 

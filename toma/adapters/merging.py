@@ -487,12 +487,24 @@ def _gather_rotary(
             return [pick(None, dest)]
         return [pick(b, dest) for b in range(dest.shape[0])]
 
-    # every block of a forward passes the same tables to a site: gather once per plan and
-    # site path, as two sites of a block may take other tables under one keyword (LTX-2's
-    # self-attention and audio-to-video attention, both query_rotary_emb)
-    gathered = plan.memo(f"rotary_{site}_{rotary.name}_{tiled}", make)
+    # every block of a forward passes the same tables to a site: gather once per plan, site
+    # path and table size, as two sites of a block may take other tables under one keyword
+    # (LTX-2's self-attention and audio-to-video attention, both query_rotary_emb), and so may
+    # two stacks' sites of one path (FLUX.3's image blocks, (N, D), and its single-stream
+    # blocks, (text + N, D))
+    shape = next((tuple(t.shape) for t in _tensors_in(items)), ())
+    gathered = plan.memo(f"rotary_{site}_{rotary.name}_{tiled}_{shape}", make)
     args, kwargs = replace_arg(args, kwargs, rotary.name, rotary.index, gathered[0])
     return args, kwargs, (gathered if len(gathered) > 1 else None)
+
+
+def _tensors_in(items: Any) -> list[torch.Tensor]:
+    """The tensors of a call's rotary tables, nested tuples flattened, in order."""
+    if isinstance(items, torch.Tensor):
+        return [items]
+    if isinstance(items, (tuple, list)):
+        return [t for item in items for t in _tensors_in(item)]
+    return []
 
 
 def _image_first_rows(rotary: Rotary, table: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -1437,7 +1437,7 @@ def default_placement(arch: Arch, model: torch.nn.Module) -> dict[str, Any]:
     if arch.family not in STACKS:
         return {}
     full = dict(zip(STACKS[arch.family], (block_count(arch.config, k) for k in DEPTH_KEYS[arch.family])))
-    return {"blocks": {s: merged_blocks(len(getattr(model, s)), full[s]) for s in STACKS[arch.family]}}
+    return {"blocks": {s: merged_blocks(len(model.get_submodule(s)), full[s]) for s in STACKS[arch.family]}}
 
 
 def call_denoiser(arch: Arch, model: torch.nn.Module, inputs: dict[str, Any]) -> Any:

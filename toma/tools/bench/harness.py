@@ -283,7 +283,7 @@ def benchmark(
     )
     model = build_model(arch, depth=depth, model_path=model_path, dtype=dtype, device=device, seed=seed)
     if depth != 1:
-        built = " and ".join(f"{len(getattr(model, s))} {s}" for s in STACKS[arch.family])
+        built = " and ".join(f"{len(model.get_submodule(s))} {s}" for s in STACKS[arch.family])
         notes.append(f"{arch.description} at full width but reduced depth: {built} (--depth {depth} of the full model)")
     if arch.frames:
         notes.append(f"video of {frames or arch.frames} frames, {latent_frames(arch, frames)} latent frames")
@@ -439,7 +439,7 @@ def _blocks(model: torch.nn.Module, arch: Arch) -> dict[str, int]:
     if arch.family == "flux":
         return {"double": len(model.transformer_blocks), "single": len(model.single_transformer_blocks)}
     if arch.family in STACKS:
-        return {stack: len(getattr(model, stack)) for stack in STACKS[arch.family]}
+        return {stack: len(model.get_submodule(stack)) for stack in STACKS[arch.family]}
     from diffusers.models.attention import BasicTransformerBlock
 
     return {"transformer_blocks": sum(isinstance(m, BasicTransformerBlock) for m in model.modules())}

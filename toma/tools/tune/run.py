@@ -205,7 +205,7 @@ def candidates(setup: Setup, model: torch.nn.Module) -> list[Variant]:
         if family == "unet":
             return (("levels", place),)
         if place == "all":
-            return (("blocks", tuple((s, tuple(range(len(getattr(model, s))))) for s in STACKS[family])),)
+            return (("blocks", tuple((s, tuple(range(len(model.get_submodule(s))))) for s in STACKS[family])),)
         return ()  # the harness's default blocks
 
     def add(ratio: float, place: Any, parts: frozenset[str], mlp_ratio: float | None) -> None:
