@@ -627,7 +627,7 @@ def test_every_arch_builds_its_spec_class_with_the_stacks_its_depth_keys_count()
         model = build_model(arch, device="meta")
         assert adapter_for(model)[0] == arch.family
         if arch.family in STACKS:
-            counts = [len(getattr(model, stack)) for stack in STACKS[arch.family]]
+            counts = [len(model.get_submodule(stack)) for stack in STACKS[arch.family]]
             assert counts == [block_count(arch.config, key) for key in DEPTH_KEYS[arch.family]], arch.name
 
 
@@ -754,6 +754,28 @@ def test_qwenimage21_arch_calls_a_cached_step_that_merges():
     with torch.no_grad():
         out = call_denoiser(tiny, model, set_timestep(tiny, kw, 1, 4))[0]
     assert out.shape == (1, 16 * 16, arch.config["out_channels"]) and patch.cache._plans
+
+
+def test_flux3_arch_calls_merge_at_reduced_depth():
+    # the defaults' layout narrowed so it builds in a second: the image's own blocks and the
+    # single-stream blocks scale with --depth, and the default placement merges some of each
+    import dataclasses
+
+    import toma
+    from toma.tools.archs import default_placement, set_timestep
+
+    arch = ARCHS["flux3"]
+    narrow = {"num_attention_heads": 2, "attention_head_dim": 32, "joint_attention_dim": 32, "timestep_channels": 32}
+    narrow["axes_dims_rope"] = (8, 8, 8, 8)
+    tiny = dataclasses.replace(arch, config={**arch.config, **narrow}, text_dim=32, text_tokens=8)
+    model = build_model(tiny, depth=2)
+    placement = default_placement(tiny, model)
+    assert len(model.get_submodule("mode_blocks.image")) == 2 and len(model.single_transformer_blocks) == 14
+    assert placement["blocks"] == {"mode_blocks.image": (1,), "single_transformer_blocks": tuple(range(3, 14))}
+    patch = toma.apply_toma(model, ratio=0.5, **placement)
+    with torch.no_grad():
+        out = call_denoiser(tiny, model, set_timestep(tiny, make_inputs(tiny, 256, batch=1), 1, 4))[0]
+    assert out.shape == (1, 16 * 16, arch.config["in_channels"]) and patch.cache._plans
 
 
 def test_minimax_h3_arch_calls_merge_its_video_rows_and_take_17k_plus_5_frames():

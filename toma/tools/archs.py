@@ -586,6 +586,22 @@ QWEN_IMAGE_21: dict[str, Any] = {
     "causal_condition": True,
 }
 
+# FLUX.3: diffusers' Flux3Transformer2DModel defaults (5 blocks per mode and 28 single-stream
+# blocks of 24 x 128; text width 20480, stacked Qwen3-VL hidden states; 2x2-packed latents of
+# 128 channels); the published config.json was not read (no hub access here)
+FLUX3: dict[str, Any] = {
+    "in_channels": 128,
+    "cond_in_channels": 128,
+    "num_layers": 5,
+    "num_single_layers": 28,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 20480,
+    "timestep_channels": 256,
+    "mlp_ratio": 3.0,
+    "axes_dims_rope": (32, 32, 32, 32),
+}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -612,6 +628,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "ernie-image": ("num_layers",),
     "lumina2": ("num_layers",),  # its 2 + 2 refiner blocks run on the caption or the image alone
     "qwenimage21": ("num_layers",),
+    "flux3": ("num_layers", "num_single_layers"),  # the image's own blocks (each mode has as many)
 }
 
 
@@ -794,6 +811,7 @@ ARCHS: dict[str, Arch] = {
     # Qwen-Image's prompt embeddings are as long as the prompt (its pipeline trims the
     # padding); 128 tokens stands for a prompt of a few sentences. FLUX.2 pads to 512.
     "qwenimage": Arch("qwenimage", "qwenimage", QWEN_IMAGE, 1024, 128, 3584, 0, 8, "Qwen-Image transformer"),
+    "flux3": Arch("flux3", "flux3", FLUX3, 1024, 512, 20480, 0, 8, "FLUX.3 transformer"),
     # a step after the first: the target's tokens, decoding from a cache of a 128-token prompt
     "qwenimage21": Arch(
         "qwenimage21", "qwenimage21", QWEN_IMAGE_21, 1024, 128, 4096, 0, 8, "Qwen-Image 2.1 transformer, a cached step"
@@ -1256,6 +1274,16 @@ def make_inputs(
             "kv_cache_mode": "cached",
             "return_dict": False,
         }
+    if arch.family == "flux3":  # one set of (t, h, w, l) ids for the batch
+        one = torch.arange(1, device=device)
+        return {
+            "hidden_states": rand(batch, th * tw, channels),
+            "encoder_hidden_states": text,
+            "timestep": timestep / 1000,
+            "img_ids": torch.cartesian_prod(one, torch.arange(th, device=device), torch.arange(tw, device=device), one),
+            "txt_ids": torch.cartesian_prod(one, one, one, torch.arange(arch.text_tokens, device=device)),
+            "return_dict": False,
+        }
     if arch.family == "flux2":
         one = torch.arange(1)
         img_ids = torch.cartesian_prod(one, torch.arange(th), torch.arange(tw), one)
@@ -1398,7 +1426,7 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
         return {**inputs, "timestep": torch.full_like(inputs["timestep"], 1.0 - frac)}
     t = inputs["timestep"]
     # the flow-matching transformers take the timestep in [0, 1]
-    flow = ("flux", "flux2", "qwenimage", "qwenimage21", "krea2", "chroma", "cosmos", "minimax-h3")  # in [0, 1]
+    flow = ("flux", "flux2", "flux3", "qwenimage", "qwenimage21", "krea2", "chroma", "cosmos", "minimax-h3")  # [0, 1]
     value = max(frac, 1e-3) if arch.family in flow else 999.0 * frac
     return {**inputs, "timestep": torch.full_like(t, value)}
 
