@@ -174,6 +174,22 @@ def clustered_tokens(tiles: int, channels: int = 16, repeats: int = 9, seed: int
     return grid.reshape(1, h * w, channels)
 
 
+def check_exact_on_duplicates(model: torch.nn.Module, kw: dict, run, **options) -> None:
+    """On ``kw``'s clustered tokens (:func:`clustered_tokens`, no rotation), merged attention
+    with the log(mass) bias gives the unmerged output to fp32 rounding, and without the bias
+    it does not (the 9-fold token is under-weighted); ``run(model, kw)`` is one forward."""
+    import toma
+
+    ref = run(model, kw)
+    toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=True, **options)
+    exact = run(model, kw)
+    toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=False, **options)
+    plain = run(model, kw)
+    toma.remove_toma(model)
+    torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
+    assert (plain - ref).abs().max() > 1e-3
+
+
 def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 

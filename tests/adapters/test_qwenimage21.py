@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import toma
-from tests.cases import clustered_tokens, force
+from tests.cases import check_exact_on_duplicates, clustered_tokens, force
 from tests.tiny_models import make_qwenimage21, qwenimage21_inputs
 from toma.adapters import attention as A
 
@@ -124,11 +124,4 @@ def test_proportional_attention_is_exact_on_duplicate_tokens(form, monkeypatch):
     model.pos_embed.register_forward_hook(lambda m, args, out: torch.ones_like(out))
     kw = qwenimage21_inputs(1, 4, 8)
     kw["hidden_states"] = clustered_tokens(2)
-    ref = run(model, kw)
-    toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=True, **OPTIONS)
-    exact = run(model, kw)
-    toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=False, **OPTIONS)
-    plain = run(model, kw)
-    toma.remove_toma(model)
-    torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-5)
-    assert (plain - ref).abs().max() > 1e-3  # without the bias the 9-fold token is under-weighted
+    check_exact_on_duplicates(model, kw, run, **OPTIONS)
