@@ -51,6 +51,7 @@ from toma.adapters.merging import (
     TileState,
     bias_setting,
     hidden_states_of,
+    nested_tensors,
     replace_arg,
     with_hidden_states,
 )
@@ -577,7 +578,7 @@ class BlockRotaryToOrder(Hook):
         items = (tables,) if single else tuple(tables)
         wanted = range(len(items)) if self.items is None else self.items
         sources = tuple(items[i] for i in wanted)
-        tensors = _tensors(sources)  # what identifies the tables (Dynamo compares tensors, not tuples)
+        tensors = nested_tensors(sources)  # what identifies the tables (Dynamo compares tensors, not tuples)
         reorder = order.layout is not None or bool(order.extra)
         if not reorder and all(t.device == x.device for t in tensors):
             return args, kwargs
@@ -607,15 +608,6 @@ class BlockRotaryToOrder(Hook):
             return table
         rows = block_order_rows(self.order, table.shape[self.seq_dim], device, self._rows)
         return table.index_select(self.seq_dim, rows)
-
-
-def _tensors(tables: Any) -> list[torch.Tensor]:
-    """The tensors nested in ``tables`` (tuples, lists, None), in order."""
-    if isinstance(tables, torch.Tensor):
-        return [tables]
-    if isinstance(tables, (tuple, list)):
-        return [t for part in tables for t in _tensors(part)]
-    return []
 
 
 def block_order_rows(

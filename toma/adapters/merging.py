@@ -27,7 +27,6 @@ merged module is then called is up to the hook's call strategies, which combine:
 from __future__ import annotations
 
 import copy
-
 import functools
 import math
 import warnings
@@ -492,18 +491,18 @@ def _gather_rotary(
     # (LTX-2's self-attention and audio-to-video attention, both query_rotary_emb), and so may
     # two stacks' sites of one path (FLUX.3's image blocks, (N, D), and its single-stream
     # blocks, (text + N, D))
-    shape = next((tuple(t.shape) for t in _tensors_in(items)), ())
+    shape = next((tuple(t.shape) for t in nested_tensors(items)), ())
     gathered = plan.memo(f"rotary_{site}_{rotary.name}_{tiled}_{shape}", make)
     args, kwargs = replace_arg(args, kwargs, rotary.name, rotary.index, gathered[0])
     return args, kwargs, (gathered if len(gathered) > 1 else None)
 
 
-def _tensors_in(items: Any) -> list[torch.Tensor]:
-    """The tensors of a call's rotary tables, nested tuples flattened, in order."""
-    if isinstance(items, torch.Tensor):
-        return [items]
-    if isinstance(items, (tuple, list)):
-        return [t for item in items for t in _tensors_in(item)]
+def nested_tensors(tables: Any) -> list[torch.Tensor]:
+    """The tensors nested in ``tables`` (tuples, lists, None), in order."""
+    if isinstance(tables, torch.Tensor):
+        return [tables]
+    if isinstance(tables, (tuple, list)):
+        return [t for part in tables for t in nested_tensors(part)]
     return []
 
 
