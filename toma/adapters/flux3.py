@@ -73,6 +73,6 @@ SPEC = FamilySpec(
     leave="norm_out",
     position_inputs=("img_ids",),
     default_blocks=skip_first(5),
-    reference=(64, 64),  # 1024px: 16x latents packed 2x2... one token per 16x16 pixels
+    reference=(64, 64),  # 1024px: one token per 16x16 pixels (8x latents packed 2x2)
 )
 ADAPTER = EngineAdapter(SPEC)
