@@ -1882,7 +1882,6 @@ FAMILIES: dict[str, Family] = {
             odd=lambda b: qwenimage21_inputs(b, 5, 12),
             odd_tokens=60,
             grid=(1, 8, 8),
-            tile_order=False,  # the forward keeps raster order (see toma/adapters/qwenimage21.py)
             text_in_blocks=False,
         ),
         Family(

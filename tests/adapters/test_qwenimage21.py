@@ -113,6 +113,55 @@ def test_cached_keys_the_padding_mask_hides_change_nothing_merged():
     assert (run(model, changed)[1] - out[1]).abs().max() > 1e-2
 
 
+def editing_inputs(mode: str) -> dict:
+    """An editing call: 3 prompt tokens, a 4x4 condition image (4 encoder slots), 4 more
+    tokens, then the 8x8 target (16 slots); latents are the condition's, then the target's.
+    The encoder's sequence holds the condition's slots (11 rows), not the target's."""
+    kw = qwenimage21_inputs(1, 8, 8, text=7, mode=mode)
+    g = torch.Generator().manual_seed(3)
+    kw["encoder_hidden_states"] = torch.randn(1, 11, kw["encoder_hidden_states"].shape[2], generator=g)
+    kw["encoder_hidden_states_mask"] = torch.ones(1, 11, dtype=torch.bool)
+    slot = [False] * 3 + [True] * 4 + [False] * 4 + [True] * 16
+    kw["img_mask"] = torch.tensor([slot])
+    kw["img_shapes"] = [[(1, 4, 4), (1, 8, 8)]]
+    kw["hidden_states"] = torch.cat([torch.randn(1, 16, 16, generator=g), kw["hidden_states"]], 1)
+    return kw
+
+
+def test_editing_merges_the_target_after_its_condition_image(dispatch_calls, monkeypatch):
+    # the condition image's 16 tokens sit in the cached prefix with the prompt's 7: the
+    # cached passes merge only the target's 64, whose rows are the last of img_in's output
+    # and of the rotary table (the packed order's reordering); the prefill runs unmerged
+    from toma.adapters.state import PlanCache
+
+    reference, model = make_qwenimage21(), make_qwenimage21()
+    first = editing_inputs("extract")
+    ref_first = run(reference, first)
+    later = {**first, "kv_cache_mode": "cached", "timestep": torch.full((1,), 0.3)}
+    ref_later = run(reference, later)
+
+    toma.apply_toma(model, ratio=0.5, **OPTIONS)
+    first = editing_inputs("extract")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(run(model, first), ref_first)
+    later = {**first, "kv_cache_mode": "cached", "timestep": torch.full((1,), 0.3)}
+    real, used = PlanCache.tile_order_layout, []
+    monkeypatch.setattr(
+        PlanCache, "tile_order_layout", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1]
+    )
+    dispatch_calls.clear()
+    tiled = run(model, later)
+    assert dispatch_calls == [(32, 23 + 32)] * 2 and any(layout is not None for layout in used)
+    assert 1e-3 < (tiled - ref_later).abs().max() < ref_later.abs().max()
+    # the same merges from raster order (gathers at every site): attention sums its keys in
+    # another order, a few float32 ulps per op, under 1e-5 through two blocks
+    monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)
+    torch.testing.assert_close(run(model, later), tiled, rtol=1e-4, atol=1e-5)
+    toma.remove_toma(model)
+    assert torch.equal(run(model, later), ref_later)
+
+
 @pytest.mark.parametrize("form", A.FORMS)
 def test_proportional_attention_is_exact_on_duplicate_tokens(form, monkeypatch):
     # a 4x8 target in two 4x4 tiles, each holding one token 9 times and 7 others once, with

@@ -12,8 +12,10 @@ their own, with a padding mask over those keys at most. Those passes merge:
   batch, gathered to the destinations); the cached prefix keys pass whole, before the
   merged ones, so proportional attention gives them log mass 0 (:func:`key_bias_prefix`);
 - the model's padding mask is ``True`` over every target key, so slicing it is exact;
-- the tokens stay in raster order: the forward scatters the image tokens into the joint
-  sequence by the encoder's slots, and its rotary table is laid out from ``img_shapes``.
+- between the blocks the target's tokens run in tile order (``packed``): ``img_in``'s
+  output is ``[condition images; target]``, and the forward drops it into the joint
+  sequence's image slots in that order, so the target's rows stay last and only they are
+  reordered; so are the last rows of the rotary table, the target's.
 
 The prefill pass (``"extract"``) and passes without a cache run the whole block-causal
 sequence, which merged tokens cannot lay out: they run unmerged, with one warning. At the
@@ -74,8 +76,9 @@ SPEC = FamilySpec(
     sites=_sites,
     grid=qwenimage21_grid,
     enter=("output", "img_in"),
-    leave="norm_out",
-    tile_order_ok=lambda model, call: False,
+    leave="norm_out",  # its modulation mask is True over every target token: order-free
+    rope=("pos_embed", 0),  # one (prefix + target, D/2) table: the target's rows last
+    packed=True,
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: the VAE's 16x latents, one token each
 )
