@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import AutoencoderKL
-from transformers import CLIPTextConfig, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTokenizer, Qwen3VLProcessor
 
 import toma
 
@@ -149,3 +149,97 @@ def eval_on_two_processes(args: list[str], out: Path, timeout: float) -> subproc
     # fmt: on
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).parents[1])
+
+
+def tiny_qwenimage21_pipeline(folder, transformer):
+    """Qwen-Image 2.1's pipeline from config: a byte-level tokenizer with Qwen3-VL's vision
+    tokens, a one-layer Qwen3-VL (one vision layer, 16-pixel patches merged 2x2: one encoder
+    slot per 2x2 latent tokens, as the transformer reads them) and a one-level VAE of 16
+    latent channels. Its processor is text and image only (:class:`Qwen3VLProcessorNoVideo`)."""
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
+    from tests.tiny_models import TEXT_DIM
+
+    tokenizer = tiny_qwen2_tokenizer(folder)
+    vision_tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": vision_tokens})
+    # the pipeline counts the system turn's tokens through apply_chat_template's content lists
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% for c in m['content'] %}{{ c['text'] }}{% endfor %}<|im_end|>\n{% endfor %}"
+    )
+    # the pipeline resizes a condition image to output_resolution^2 pixels for both the VAE
+    # and the encoder: 64 px (the tests' output_resolution) is 4 slots of 32x32 px
+    pixels = Qwen2VLImageProcessorPil(
+        patch_size=16, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}
+    )
+    processor = Qwen3VLProcessorNoVideo(tokenizer, pixels)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_DIM,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e4,
+            "mrope_section": [2, 2, 4],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=16,
+        num_heads=2,
+        out_hidden_size=TEXT_DIM,
+        deepstack_visual_indexes=[],
+        num_position_embeddings=16,
+        patch_size=16,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+    )
+    torch.manual_seed(0)
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=processor.image_token_id,
+        video_token_id=processor.video_token_id,
+    )
+    vae = AutoencoderKLQwenImage21(
+        base_dim=4,
+        decoder_base_dim=4,
+        z_dim=16,
+        dim_mult=[1] * 5,
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True, True],
+        latents_mean=[0.0] * 16,
+        latents_std=[1.0] * 16,
+    )
+    return QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=Qwen3VLForConditionalGeneration(config).eval(),
+        processor=processor,
+        transformer=transformer,
+    )
+
+
+class Qwen3VLProcessorNoVideo(Qwen3VLProcessor):
+    """Qwen3-VL's processor without its video processor, which needs torchvision (no CPU
+    build in the registry); Qwen-Image 2.1's pipeline never passes videos."""
+
+    def __init__(self, tokenizer, image_processor) -> None:  # the parent checks every part's class
+        self.tokenizer, self.image_processor, self.video_processor = tokenizer, image_processor, None
+        self.chat_template = tokenizer.chat_template
+        for kind in ("image", "video"):
+            setattr(self, f"{kind}_token", f"<|{kind}_pad|>")
+            setattr(self, f"{kind}_token_id", tokenizer.convert_tokens_to_ids(f"<|{kind}_pad|>"))
+        for end in ("start", "end"):
+            setattr(self, f"vision_{end}_token", f"<|vision_{end}|>")
+            setattr(self, f"vision_{end}_token_id", tokenizer.convert_tokens_to_ids(f"<|vision_{end}|>"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -174,3 +175,60 @@ def test_proportional_attention_is_exact_on_duplicate_tokens(form, monkeypatch):
     kw = qwenimage21_inputs(1, 4, 8)
     kw["hidden_states"] = clustered_tokens(2)
     check_exact_on_duplicates(model, kw, run, **OPTIONS)
+
+
+@pytest.mark.parametrize("editing", [False, True], ids=["text-to-image", "editing"])
+def test_the_pipeline_merges_its_cached_steps(editing, tmp_path, dispatch_calls):
+    # the pipeline's own input preparation and loop: its encoder's slots, the prefill that
+    # fills the cache (and, editing, the condition image's 16 latent tokens in the prefix),
+    # then the cached steps, for the prompt and the negative prompt each (true CFG)
+    from PIL import Image
+
+    from tests.tiny_pipelines import tiny_qwenimage21_pipeline
+
+    pipe = tiny_qwenimage21_pipeline(tmp_path / "tok", make_qwenimage21())
+    pixels = (torch.rand(64, 64, 3, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8)
+    image = [Image.fromarray(pixels.numpy())] if editing else None
+    kw = dict(image=image, negative_prompt="blurry", true_cfg_scale=2.0, height=128, width=128, output_resolution=64)
+
+    def generate():
+        return pipe(
+            "a red fox", num_inference_steps=3, output_type="np", generator=torch.Generator().manual_seed(0), **kw
+        ).images
+
+    # each pass's mode ("extract": the prefill; "cached"), then its dispatches' (queries, keys)
+    pipe.transformer.register_forward_pre_hook(
+        lambda m, a, k: dispatch_calls.append(k["kv_cache_mode"]) or None, with_kwargs=True, prepend=True
+    )
+
+    def passes():
+        out = []
+        for item in dispatch_calls:
+            if isinstance(item, str):
+                out.append((item, []))
+            else:
+                out[-1][1].append(item)
+        dispatch_calls.clear()
+        return out
+
+    ref = generate()
+    unmerged = passes()
+    toma.apply_toma(pipe, ratio=0.5, **OPTIONS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merged = generate()
+    assert [w for w in caught if "block-causal" in str(w.message)]
+    got = passes()
+    # (prompt, negative prompt) x 3 steps; the prefills run the whole joint sequence unmerged
+    assert [mode for mode, _ in got] == ["extract"] * 2 + ["cached"] * 4
+    assert got[:2] == unmerged[:2]
+    # 128 px: 8x8 target tokens, 32 merged queries at each of the 2 blocks, after the cached
+    # prefix: the prompt's tokens (and, editing, the condition image's 16)
+    condition = 16 if editing else 0
+    for (_, calls), (_, before) in zip(got[2:], unmerged[2:]):
+        prefix = before[0][1] - 64
+        assert before == [(64, prefix + 64)] * 2 and prefix > condition
+        assert calls == [(32, prefix + 32)] * 2
+    assert merged.shape == ref.shape and np.isfinite(merged).all() and not np.array_equal(merged, ref)
+    toma.remove_toma(pipe)
+    assert np.array_equal(generate(), ref)
