@@ -689,3 +689,75 @@ def test_a_new_padded_grid_compiles_without_graph_breaks():
         explained = torch._dynamo.explain(model.transformer_blocks[0])(*calls[0][0], **calls[0][1])
     torch._dynamo.reset()
     assert [r.reason.splitlines()[0] for r in explained.break_reasons] == []
+
+
+# the attention projections of every row's model, by the names its diffusers class gives them
+PROJECTIONS = ["to_q", "to_k", "to_v", "to_query", "to_key", "to_value", "img_attn_qkv"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_lora_added_before_or_after_apply_gives_the_same_output(name):
+    # LoRA wraps the projections inside the modules ToMA hooks around, so adding it before
+    # or after apply_toma runs the same computation (bitwise), and removal leaves the LoRA
+    peft = pytest.importorskip("peft")
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(1)
+    if not hasattr(model, "add_adapter"):
+        pytest.skip(f"diffusers' {type(model).__name__} takes no adapter (no PeftAdapterMixin)")
+
+    def add_lora(m) -> None:
+        torch.manual_seed(7)  # random, non-zero up-projections: the adapter changes the output
+        m.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=PROJECTIONS, init_lora_weights=False))
+
+    base = fam.output(model, kw)
+    add_lora(model)
+    lora = fam.output(model, kw)
+    assert not torch.equal(lora, base)
+    toma.apply_toma(model, ratio=0.5, **fam.options)
+    lora_then_toma = fam.output(model, kw)
+    assert torch.isfinite(lora_then_toma).all() and not torch.equal(lora_then_toma, lora)
+
+    other = fam.make()
+    toma.apply_toma(other, ratio=0.5, **fam.options)
+    add_lora(other)
+    assert torch.equal(fam.output(other, kw), lora_then_toma)
+    toma.remove_toma(other)
+    assert torch.equal(fam.output(other, kw), lora)
+
+
+def fused_calls(model) -> list:
+    """Fuses ``model``'s projections; one entry per call of a fused projection, from then on."""
+    model.fuse_qkv_projections()
+    calls = []
+    for n, m in model.named_modules():
+        if n.endswith((".to_qkv", ".to_kv", ".to_added_qkv")):
+            m.register_forward_hook(lambda m, a, o: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fused_projections_keep_merging(name):
+    # fused projections compute q, k and v from one matmul of the merged tokens: the same
+    # values to float32 rounding (one matmul's sums blocked another way, ~1e-7 per op,
+    # under 1e-5 through the tiny models; merging moves outputs by ~1e-2)
+    fam = FAMILIES[name]
+    plain, kw = fam.make(), fam.inputs(1)
+    if not hasattr(plain, "fuse_qkv_projections"):
+        pytest.skip(f"diffusers' {type(plain).__name__} has no fuse_qkv_projections")
+    try:
+        calls = fused_calls(plain)
+        fam.output(plain, kw)
+    except Exception as error:  # noqa: BLE001 - the reason is the skip's message
+        pytest.skip(f"{type(plain).__name__} fails to fuse or run fused, unpatched: {error!r}"[:300])
+    if not calls:
+        pytest.skip(f"{type(plain).__name__}'s processors never run the fused projections, unpatched")
+    options = fam.options
+    if name == "cogvideox":  # its fused processor takes no mask: test_compat's test_fused_cogvideox_drops_the_bias
+        options = {**options, "proportional_attention": False}
+    model = fam.make()
+    toma.apply_toma(model, ratio=0.5, **options)
+    merged = fam.output(model, kw)
+    assert not torch.equal(merged, fam.output(fam.make(), kw))
+    calls = fused_calls(model)
+    torch.testing.assert_close(fam.output(model, kw), merged, rtol=1e-4, atol=1e-5)
+    assert calls  # the fused projections did run, merged
