@@ -151,12 +151,12 @@ def eval_on_two_processes(args: list[str], out: Path, timeout: float) -> subproc
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).parents[1])
 
 
-def tiny_qwenimage21_pipeline(folder, transformer):
-    """Qwen-Image 2.1's pipeline from config: a byte-level tokenizer with Qwen3-VL's vision
-    tokens, a one-layer Qwen3-VL (one vision layer, 16-pixel patches merged 2x2: one encoder
-    slot per 2x2 latent tokens, as the transformer reads them) and a one-level VAE of 16
-    latent channels. Its processor is text and image only (:class:`Qwen3VLProcessorNoVideo`)."""
-    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+def tiny_qwen3_vl(folder):
+    """A Qwen3-VL encoder and its processor from config: a byte-level tokenizer with the
+    vision tokens, one text layer ``TEXT_DIM`` wide and one vision layer whose 16-pixel
+    patches merge 2x2 (one encoder slot per 32x32 pixels, which Qwen-Image 2.1's latents
+    cover with 2x2 tokens). The processor is text and image only
+    (:class:`Qwen3VLProcessorNoVideo`). Returns ``(processor, text_encoder)``."""
     from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
@@ -165,13 +165,16 @@ def tiny_qwenimage21_pipeline(folder, transformer):
     tokenizer = tiny_qwen2_tokenizer(folder)
     vision_tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": vision_tokens})
-    # the pipeline counts the system turn's tokens through apply_chat_template's content lists
+    # turns whose content is a string (FLUX.3's) or a list of text parts (Qwen-Image 2.1's
+    # count of its system turn's tokens)
     tokenizer.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-        "{% for c in m['content'] %}{{ c['text'] }}{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if m['content'] is string %}{{ m['content'] }}"
+        "{% else %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    # the pipeline resizes a condition image to output_resolution^2 pixels for both the VAE
-    # and the encoder: 64 px (the tests' output_resolution) is 4 slots of 32x32 px
+    # a condition image is resized to output_resolution^2 pixels for both the VAE and the
+    # encoder: 64 px (the tests' output_resolution) is 4 slots
     pixels = Qwen2VLImageProcessorPil(
         patch_size=16, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}
     )
@@ -211,6 +214,15 @@ def tiny_qwenimage21_pipeline(folder, transformer):
         image_token_id=processor.image_token_id,
         video_token_id=processor.video_token_id,
     )
+    return processor, Qwen3VLForConditionalGeneration(config).eval()
+
+
+def tiny_qwenimage21_pipeline(folder, transformer):
+    """Qwen-Image 2.1's pipeline from config: :func:`tiny_qwen3_vl` and a one-level VAE of
+    16 latent channels."""
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+
+    processor, text_encoder = tiny_qwen3_vl(folder)
     vae = AutoencoderKLQwenImage21(
         base_dim=4,
         decoder_base_dim=4,
@@ -224,7 +236,7 @@ def tiny_qwenimage21_pipeline(folder, transformer):
     return QwenImage21Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
-        text_encoder=Qwen3VLForConditionalGeneration(config).eval(),
+        text_encoder=text_encoder,
         processor=processor,
         transformer=transformer,
     )

@@ -35,6 +35,13 @@ def test_each_merged_attention_sees_the_merged_image_and_the_whole_text(monkeypa
     toma.apply_toma(model, ratio=0.5, **OPTIONS)
     run(model, flux3_inputs(1, 8, 8))
     assert queries == [5, 5, 32, 32, 5 + 32, 5 + 32]
+    # FLUX.3's pipeline scales the image's row and column ids by 0.5 (image_rope_scale): the
+    # same 8x8 grid (read by the span, it was 4x4 and merged a quarter of the tokens' worth)
+    queries.clear()
+    kw = flux3_inputs(1, 8, 8)
+    kw["img_ids"] = kw["img_ids"] * torch.tensor([1.0, 0.5, 0.5, 1.0])
+    run(model, kw)
+    assert queries == [5, 5, 32, 32, 5 + 32, 5 + 32]
 
 
 def test_a_call_with_references_runs_unmerged_and_says_why():
@@ -63,3 +70,73 @@ def test_proportional_attention_is_exact_on_duplicate_tokens(form, monkeypatch):
     kw = flux3_inputs(1, 4, 8)
     kw["hidden_states"] = clustered_tokens(2)
     check_exact_on_duplicates(model, kw, run, **OPTIONS)
+
+
+def test_the_modular_pipeline_merges_and_removal_is_exact(tmp_path, monkeypatch):
+    # FLUX.3 has a modular pipeline only: apply_toma takes it as it takes a pipeline (its
+    # transformer component), through the blocks' own text encoding (a tiny Qwen3-VL, one
+    # layer's states for the text_encoder_out_layers stack), latents and guidance passes
+    import numpy as np
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+    from diffusers.guiders import ClassifierFreeGuidance
+    from diffusers.modular_pipelines import Flux3AutoBlocks
+    from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
+    from diffusers.models.transformers import transformer_flux3 as module
+
+    from tests.tiny_pipelines import tiny_qwen3_vl
+
+    processor, text_encoder = tiny_qwen3_vl(tmp_path / "tok")
+    blocks = Flux3AutoBlocks()
+    blocks.sub_blocks.pop("prompt_upsampler")  # a Qwen3.5 fine-tune that rewrites the prompt
+    pipe = blocks.init_pipeline()
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=8,
+        layers_per_block=1,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # guiders are experimental; components not from specs
+        pipe.update_components(
+            text_encoder=text_encoder,
+            tokenizer=processor,
+            vae=vae,
+            transformer=make_flux3(),
+            scheduler=FlowMatchEulerDiscreteScheduler(),
+            guider=ClassifierFreeGuidance(guidance_scale=2.0),
+            image_processor=Flux3ImageProcessor(vae_scale_factor=4),
+        )
+
+    def generate():
+        images = pipe(
+            prompt="a red fox",
+            height=64,
+            width=64,
+            num_inference_steps=2,
+            text_encoder_out_layers=(1,),
+            generator=torch.Generator().manual_seed(0),
+            output="images",
+        )
+        return np.stack([np.asarray(image) for image in images])
+
+    queries: list[int] = []
+    real = module.dispatch_attention_fn
+    monkeypatch.setattr(
+        module, "dispatch_attention_fn", lambda q, *a, **k: queries.append(q.shape[1]) or real(q, *a, **k)
+    )
+    ref = generate()
+    unmerged, queries[:] = list(queries), []
+    patch = toma.apply_toma(pipe, ratio=0.5, **OPTIONS)
+    assert patch is toma.get_toma(pipe.transformer)
+    merged = generate()
+    # 64 px: 16x16 packed tokens; 2 steps x (prompt, negative prompt) passes, each: the
+    # text's 2 blocks, the image's 2 (256 -> 128), the 2 single-stream ones ([text; image])
+    text = unmerged[0]
+    assert unmerged == ([text] * 2 + [256] * 2 + [text + 256] * 2) * 4
+    assert queries == ([text] * 2 + [128] * 2 + [text + 128] * 2) * 4
+    assert merged.shape == ref.shape and not np.array_equal(merged, ref)
+    toma.remove_toma(pipe)
+    assert np.array_equal(generate(), ref)

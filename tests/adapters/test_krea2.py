@@ -72,7 +72,7 @@ def test_merged_attention_takes_the_masks_slice_and_ratio_zero_is_bitwise():
 def test_position_ids_that_do_not_span_the_tokens_run_unmerged_with_one_warning():
     model, kw = FAM.make(), FAM.inputs(2)
     ids = kw["position_ids"].clone()
-    ids[TEXT:, 1:] *= 2  # rows and columns 0, 2, 4, ...: a 15x19 span for 80 tokens
+    ids[TEXT + 7 :, 1] += 1  # the first row ends after 7 tokens: 12 rows of 7 for 80 tokens
     kw["position_ids"] = ids
     reference = FAM.output(model, kw)
     toma.apply_toma(model, ratio=0.5, **FAM.every_part())
@@ -81,5 +81,21 @@ def test_position_ids_that_do_not_span_the_tokens_run_unmerged_with_one_warning(
         out = FAM.output(model, kw)
         FAM.output(model, kw)
     messages = [str(w.message) for w in caught if "ToMA" in str(w.message)]
-    assert len(messages) == 1 and "15x19 grid" in messages[0] and "80 image tokens" in messages[0]
+    assert len(messages) == 1 and "12x7 grid" in messages[0] and "80 image tokens" in messages[0]
     assert torch.equal(out, reference)
+
+
+def test_positions_that_step_by_two_read_the_same_grid():
+    # rows and columns 0, 2, 4, ...: still the 8x10 raster grid of the 80 tokens, which
+    # merges as the unit-step one does (the old reader took the span, 15x19, and refused)
+    model, kw = FAM.make(), FAM.inputs(2)
+    toma.apply_toma(model, ratio=0.5, **FAM.every_part())
+    FAM.output(model, kw)
+    unit = [p.dest for _, p in toma.get_toma(model).cache._plans.values()]
+    ids = kw["position_ids"].clone()
+    ids[TEXT:, 1:] *= 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        FAM.output(model, {**kw, "position_ids": ids})
+    scaled = [p.dest for _, p in toma.get_toma(model).cache._plans.values()]
+    assert unit and [d.shape for d in scaled] == [d.shape for d in unit]

@@ -84,15 +84,16 @@ def image_grid(img_ids: torch.Tensor) -> tuple[int, int]:
 
     Ids may go on with conditioning images' (Flux Kontext's reference, with a first column
     of 1; FLUX.2's, 10, 20, ...): the grid is that of the leading rows that share the first
-    row's first column, the generated image's.
+    row's first column, the generated image's. Its width is the run of them that shares the
+    first row's row: positions need not step by 1 (FLUX.3's pipeline scales them by 0.5).
     """
     ids = img_ids[0] if img_ids.ndim == 3 else img_ids
     # one read of the ids: one host sync, and one graph break under torch.compile
     rows = ids[:, :3].tolist()
-    first = rows[0][0]
+    first, line = rows[0][0], rows[0][1]
     count = next((i for i, row in enumerate(rows) if row[0] != first), len(rows))
-    (r0, c0), (r1, c1) = rows[0][1:3], rows[count - 1][1:3]
-    return int(r1 - r0) + 1, int(c1 - c0) + 1
+    width = next((i for i, row in enumerate(rows[:count]) if row[1] != line), count)
+    return -(-count // width), width  # rows that are not whole: more tokens than the call's
 
 
 class IdsGrid:
