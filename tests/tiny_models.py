@@ -1321,6 +1321,47 @@ def qwenimage21_inputs(batch: int, h: int, w: int, text: int = 7, mode: str = "c
     }
 
 
+def make_helios(seed: int = 0, layers: int = 2):
+    """Helios: Wan's blocks (2 heads of 16, 3-D rotary over (4, 6, 6) channels) with the
+    three history embedders and the history keys' scaling (``is_amplify_history``) on."""
+    from diffusers import HeliosTransformer3DModel
+
+    torch.manual_seed(seed)
+    return HeliosTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=layers,
+        rope_dim=(4, 6, 6),
+        is_amplify_history=True,
+    ).eval()
+
+
+def helios_inputs(batch: int, frames: int, h: int, w: int, history: bool = True) -> dict:
+    """A call generating ``frames`` latent frames of ``h x w`` (``(h/2) x (w/2)`` tokens a
+    frame) after its pipeline's three histories of the same size: 2 short frames, 2 mid
+    (embedded 2x2x2 coarser) and 3 long (4x4x4, padded), each with its frame indices."""
+    g = torch.Generator().manual_seed(1)
+    latents = lambda f: torch.randn(batch, 4, f, h, w, generator=g)  # noqa: E731
+    index = lambda a, b: torch.arange(a, b)[None].expand(batch, -1)  # noqa: E731
+    kw = {
+        "hidden_states": latents(frames),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, 5, TEXT_DIM, generator=g),
+        "indices_hidden_states": index(7, 7 + frames),
+    }
+    if history:
+        for name, f, first in (("long", 3, 0), ("mid", 2, 3), ("short", 2, 5)):
+            kw[f"latents_history_{name}"] = latents(f)
+            kw[f"indices_latents_history_{name}"] = index(first, first + f)
+    return kw
+
+
 def make_framepack(seed: int = 0, layers: int = 2, single: int = 2):
     """FramePack: HunyuanVideo's blocks (2 heads of 8, 3-D rotary over (2, 2, 4) channels)
     with the history embedders and the image projection its checkpoints have."""
@@ -1794,6 +1835,18 @@ FAMILIES: dict[str, Family] = {
             grid=(3, 8, 8),
             text_mask="encoder_attention_mask",
             tile_order=False,  # the forward keeps raster order (see toma/adapters/framepack.py)
+        ),
+        Family(
+            "helios",
+            "helios",
+            make_helios,
+            lambda b: helios_inputs(b, 2, 16, 16),
+            {"blocks": {"blocks": range(2)}},
+            cross=True,
+            odd=lambda b: helios_inputs(b, 1, 10, 14),  # one frame of 5x7 tokens
+            odd_tokens=35,
+            grid=(2, 8, 8),
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/helios.py)
         ),
         Family(
             "hidream",

@@ -205,7 +205,6 @@ REFUSED = [
     ("StableAudio3DiTModel", "denoises audio"),
     ("LongCatAudioDiTTransformer", "denoises audio"),
     ("MiniMaxMusic3Transformer1DModel", "denoises audio"),
-    ("HeliosTransformer3DModel", "original_context_length"),
     ("JoyImageEditPlusTransformer3DModel", "packed per sample"),
 ]
 
@@ -213,7 +212,6 @@ REFUSED = [
 @pytest.mark.parametrize(
     "name, needles",
     [
-        ("HeliosTransformer3DModel", ("original_context_length", "latents_history_short")),
         ("JoyImageEditPlusTransformer3DModel", ("max_num_patches", "shape_list[i]", "sample_cos_list")),
     ],
 )

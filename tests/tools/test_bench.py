@@ -702,6 +702,13 @@ NARROW = {  # the published configs narrowed to build in a second: (config, arch
         5,
     ),
     "cosmos": ({"num_attention_heads": 2, "attention_head_dim": 24, "adaln_lora_dim": 8}, 14, 256, None),
+    # a chunk after the pipeline's three histories (16 long frames, 2 mid, 2 short)
+    "helios": (
+        {"num_attention_heads": 2, "attention_head_dim": 32, "ffn_dim": 64, "rope_dim": (8, 12, 12)},
+        20,
+        128,
+        5,
+    ),
 }
 
 
@@ -717,7 +724,7 @@ def test_2026_video_and_image_archs_call_and_merge_at_reduced_depth(name):
 
     config, depth, resolution, frames = NARROW[name]
     arch = ARCHS[name]
-    text = {"chroma": "joint_attention_dim", "wan-vace": "text_dim"}.get(name, "text_embed_dim")
+    text = {"chroma": "joint_attention_dim", "wan-vace": "text_dim", "helios": "text_dim"}.get(name, "text_embed_dim")
     tiny = dataclasses.replace(arch, config={**arch.config, **config, text: 32}, text_dim=32, text_tokens=8)
     model = build_model(tiny, depth=depth)
     kw = make_inputs(tiny, resolution, batch=1, frames=frames)

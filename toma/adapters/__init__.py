@@ -38,6 +38,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "zimage": ("toma.adapters.zimage", ("ZImageTransformer2DModel",)),
     "hidream": ("toma.adapters.hidream", ("HiDreamImageTransformer2DModel",)),
     "framepack": ("toma.adapters.framepack", ("HunyuanVideoFramepackTransformer3DModel",)),
+    "helios": ("toma.adapters.helios", ("HeliosTransformer3DModel",)),
     "minimax-h3": ("toma.adapters.minimax_h3", ("MiniMaxH3Transformer3DModel",)),
     "ideogram4": ("toma.adapters.ideogram4", ("Ideogram4Transformer2DModel",)),
     "kandinsky5": ("toma.adapters.kandinsky5", ("Kandinsky5Transformer3DModel",)),
@@ -68,9 +69,6 @@ UNSUPPORTED: dict[str, str] = {
     "AnyFlowFARTransformer3DModel": _KV_CACHE,
     "WanAnimate2Transformer3DModel": "its generation pass attends to a cache of the reference pass's keys and "
     "values, packed with its own tokens under a flex block mask laid out over the unmerged tokens (out of scope)",
-    "HeliosTransformer3DModel": "its attention scales the keys of the history latents that lead the generated tokens, "
-    "split off by a token count (original_context_length) over the unmerged sequence, and its rotary tables are "
-    "concatenated from several grids (not supported yet)",
     "JoyImageEditPlusTransformer3DModel": "its latents come as patches packed per sample up to max_num_patches, "
     "the target and reference items each of their own size (shape_list) with per-sample rotary tables, so the "
     "target's token grid is not the input's shape and differs from sample to sample (not supported yet; "

@@ -221,6 +221,8 @@ class MergeHook(Hook):
                 site.rotary, merged, args, kwargs, site=site.path, text_first=site.text_first
             )
         x = hidden_states_of(args, kwargs)
+        if site.image_count is not None:  # what the module splits off as the image's is the merged tokens
+            args, kwargs = replace_arg(args, kwargs, *site.image_count, x.shape[1] - merged.text)
         if self._biased(module, x):
             named = kwargs.get(site.text_keys) if site.text_keys else None
             # the text keys lead the merged image keys, but for image-first sites, whose

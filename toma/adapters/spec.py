@@ -129,6 +129,10 @@ class Site:
             call's keyword :data:`toma.adapters.attention.BIAS_KWARG` and brings it to the
             attention itself (:func:`toma.adapters.attention.through_dispatch`). With it,
             ``mask`` is None and ``mask_layout`` still shapes the bias.
+        image_count: ``(keyword, position)`` of an argument that counts the call's image
+            tokens, which the module splits its sequence by (Helios' ``original_context_length``:
+            the history before them is the rest): the merged call gets the merged count.
+            With ``text_first``.
     """
 
     path: str
@@ -148,6 +152,7 @@ class Site:
     group: str | None = None
     mask_ok: Callable[[torch.nn.Module], str | None] | None = None
     bias_call: Callable[..., Any] | None = None
+    image_count: tuple[str, int | None] | None = None
 
     @property
     def takes_bias(self) -> bool:

@@ -602,6 +602,24 @@ FLUX3: dict[str, Any] = {
     "axes_dims_rope": (32, 32, 32, 32),
 }
 
+# Helios: diffusers' class defaults (Wan 2.1 14B's blocks, 40 x 128, and the three history
+# embedders); the published config.json was not read (no hub access here)
+HELIOS: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "rope_dim": (44, 42, 42),
+}
+
+# its pipeline's chunk: 9 latent frames after histories of 16 (long), 2 (mid) and 1 + 1 (short)
+HELIOS_HISTORY = {"long": 16, "mid": 2, "short": 2}
+
 # the config keys that count blocks, per family (what --depth divides)
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "flux": ("num_layers", "num_single_layers"),
@@ -629,6 +647,7 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "lumina2": ("num_layers",),  # its 2 + 2 refiner blocks run on the caption or the image alone
     "qwenimage21": ("num_layers",),
     "flux3": ("num_layers", "num_single_layers"),  # the image's own blocks (each mode has as many)
+    "helios": ("num_layers",),
 }
 
 
@@ -832,6 +851,8 @@ ARCHS: dict[str, Arch] = {
     "lumina2": Arch("lumina2", "lumina2", LUMINA2, 1024, 256, 2304, 0, 8, "Lumina-Image 2.0 transformer (2.6B)"),
     # Chroma's pipeline pads the T5 prompt to 512 tokens, as Flux's
     "chroma": Arch("chroma", "chroma", CHROMA, 1024, 512, 4096, 0, 8, "Chroma1-HD transformer (8.9B)"),
+    # the pipeline's 384x640 and chunks of 9 latent frames (33 frames), after its histories
+    "helios": Arch("helios", "helios", HELIOS, 384, 512, 4096, 0, 8, "Helios transformer, a chunk", 640 / 384, 33),
     "wan-vace": Arch(
         "wan-vace", "wan-vace", WAN_VACE_14B, 480, 512, 4096, 0, 8, "Wan 2.1 VACE 14B transformer", 832 / 480, 81
     ),
@@ -1153,6 +1174,24 @@ def make_inputs(
             "timestep": torch.zeros(batch, device=device, dtype=dtype),
             "encoder_hidden_states": text,
             "encoder_attention_mask": torch.ones(batch, arch.text_tokens, dtype=torch.bool, device=device),
+            "return_dict": False,
+        }
+    if arch.family == "helios":  # a chunk after its pipeline's three histories, frame indices in order
+        count, call = latent_frames(arch, frames), {}
+        first = 0
+        for name in ("long", "mid", "short"):
+            size = HELIOS_HISTORY[name]
+            call[f"latents_history_{name}"] = rand(batch, channels, size, lh, lw)
+            call[f"indices_latents_history_{name}"] = torch.arange(first, first + size, device=device)[None].expand(
+                batch, -1
+            )
+            first += size
+        return {
+            "hidden_states": rand(batch, channels, count, lh, lw),
+            "timestep": timestep,
+            "encoder_hidden_states": text,
+            "indices_hidden_states": torch.arange(first, first + count, device=device)[None].expand(batch, -1),
+            **call,
             "return_dict": False,
         }
     if arch.family == "wan-vace":  # Wan's call and a control input (VACE's 96 channels) over the same latents
