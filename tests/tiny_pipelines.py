@@ -151,6 +151,21 @@ def eval_on_two_processes(args: list[str], out: Path, timeout: float) -> subproc
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).parents[1])
 
 
+def tiny_flux2_vae():
+    """FLUX.2's VAE (also FLUX.3's and ERNIE-Image's) from config: two levels of 8 and 16
+    channels, 4 latent channels."""
+    from diffusers import AutoencoderKLFlux2
+
+    return AutoencoderKLFlux2(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=8,
+        layers_per_block=1,
+    )
+
+
 def tiny_qwen3_vl(folder):
     """A Qwen3-VL encoder and its processor from config: a byte-level tokenizer with the
     vision tokens, one text layer ``TEXT_DIM`` wide and one vision layer whose 16-pixel

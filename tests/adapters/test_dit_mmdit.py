@@ -416,10 +416,10 @@ def test_qwenimage_pipeline_round_trip(tmp_path):
 def test_flux2_klein_pipeline_round_trip(tmp_path):
     # Flux2Pipeline's text encoder (Mistral 3 with a Pixtral processor) cannot be built
     # offline; FLUX.2 [klein]'s pipeline runs the same transformer with a Qwen3 encoder
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tests.tiny_pipelines import merged_round_trip
+    from tests.tiny_pipelines import merged_round_trip, tiny_flux2_vae
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
@@ -438,14 +438,7 @@ def test_flux2_klein_pipeline_round_trip(tmp_path):
             eos_token_id=None,
         )
     ).eval()
-    vae = AutoencoderKLFlux2(
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4,
-        norm_num_groups=8,
-        layers_per_block=1,
-    )
+    vae = tiny_flux2_vae()
     # the pipeline stacks 3 of the encoder's hidden states: text width 3 x 16
     pipe = Flux2KleinPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),

@@ -617,11 +617,12 @@ def tiny_ernie_image_folder(tmp_path):
     Pixtral tower unused: the pipeline encodes text only), the byte-level Qwen2 tokenizer, a
     4-channel FLUX.2 VAE (2x space: with the pipeline's 2x2 patchify, 4x) and the tiny
     transformer (16 channels: 4 patchified)."""
-    from diffusers import AutoencoderKLFlux2, ErnieImagePipeline
+    from diffusers import ErnieImagePipeline
     from transformers import Mistral3Config, Mistral3Model
 
     from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
     from tests.tiny_models import make_ernie_image
+    from tests.tiny_pipelines import tiny_flux2_vae
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
@@ -640,14 +641,7 @@ def tiny_ernie_image_folder(tmp_path):
         model_type="pixtral", hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
     )
     ErnieImagePipeline(
-        vae=AutoencoderKLFlux2(
-            block_out_channels=(8, 16),
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            latent_channels=4,
-            norm_num_groups=8,
-            layers_per_block=1,
-        ),
+        vae=tiny_flux2_vae(),
         text_encoder=Mistral3Model(Mistral3Config(text_config=text, vision_config=vision)).eval(),
         tokenizer=tokenizer,
         transformer=make_ernie_image(),
