@@ -25,21 +25,11 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
-
-
-def _gather(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """A per-batch ``(Bt, N, D)`` table's rows of ``dest`` ``(Bp, K)``: ``(max(Bt, Bp), K, D)``."""
-    if table.shape[0] == 1:
-        return table[0][dest]
-    index = dest[..., None].expand(-1, -1, table.shape[-1])
-    if index.shape[0] != table.shape[0]:  # one plan for the batch
-        index = index.expand(table.shape[0], -1, -1)
-    return table.gather(1, index)
+from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, gather_rows, skip_first, video_grid
 
 
 # rotary_emb: (B, history + N, D), cos then sin; the processor broadcasts it over heads
-_ROTARY = Rotary("rotary_emb", 3, _gather)
+_ROTARY = Rotary("rotary_emb", 3, gather_rows)
 _COUNT = ("original_context_length", 4)
 
 
