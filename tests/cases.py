@@ -300,3 +300,13 @@ def tiled_and_raster(model, kw: dict, monkeypatch) -> tuple[torch.Tensor, torch.
     with torch.no_grad():
         raster = model(**kw).sample
     return tiled, raster
+
+
+def fused_calls(model) -> list:
+    """Fuses ``model``'s projections; one entry per call of a fused projection, from then on."""
+    model.fuse_qkv_projections()
+    calls = []
+    for n, m in model.named_modules():
+        if n.endswith((".to_qkv", ".to_kv", ".to_added_qkv")):
+            m.register_forward_hook(lambda m, a, o: calls.append(1))
+    return calls

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import toma
-from tests.cases import sdpa_keys
+from tests.cases import fused_calls, sdpa_keys
 from tests.tiny_models import FAMILIES
 from toma.adapters.base import Hook, register_innermost, remove_hook
 from toma.adapters.merging import plan_group
@@ -723,16 +723,6 @@ def test_a_lora_added_before_or_after_apply_gives_the_same_output(name):
     assert torch.equal(fam.output(other, kw), lora_then_toma)
     toma.remove_toma(other)
     assert torch.equal(fam.output(other, kw), lora)
-
-
-def fused_calls(model) -> list:
-    """Fuses ``model``'s projections; one entry per call of a fused projection, from then on."""
-    model.fuse_qkv_projections()
-    calls = []
-    for n, m in model.named_modules():
-        if n.endswith((".to_qkv", ".to_kv", ".to_added_qkv")):
-            m.register_forward_hook(lambda m, a, o: calls.append(1))
-    return calls
 
 
 @pytest.mark.parametrize("name", NAMES)
