@@ -788,7 +788,8 @@ def test_first_block_cache_composes_in_either_order(name):
             linear.register_forward_hook(lambda m, a, o, c=calls[n]: c.append(1))
         return calls
 
-    names = [p.name for p in toma.apply_toma(fam.make(), ratio=0.5, **fam.options).patched]
+    merged = fam.make()
+    names = [p.name for p in toma.apply_toma(merged, ratio=0.5, **fam.options).patched]
     plain = fam.make()
     try:
         plain.enable_cache(FirstBlockCacheConfig(threshold=0.5))
@@ -799,8 +800,6 @@ def test_first_block_cache_composes_in_either_order(name):
     # a merged module the cache skips on some steps, unpatched (not in the first block, nor
     # in a stack the cache leaves alone, as Wan VACE's control blocks)
     probe = next(n for n in names if 0 < len(calls[n]) < 6)
-    merged = fam.make()
-    toma.apply_toma(merged, ratio=0.5, **fam.options)
     toma_only = denoise(merged)
     outputs = []
     for toma_first in (True, False):
