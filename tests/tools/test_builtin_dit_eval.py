@@ -156,6 +156,8 @@ def test_generate_dit_bad_settings(tmp_path, capsys):
 
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate is not installed")
 def test_eval_dit_data_parallel_two_cpu_processes(tmp_path):
+    # the processes' split of the images is the eval harness's, whichever model it runs
+    # (toma/tools/eval/harness.py); this one test of it compares the scores exactly
     single, double = tmp_path / "one", tmp_path / "two"
     common = [
         "eval",

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 
 import pytest
 
-from tests.tiny_pipelines import eval_on_two_processes, read_results
+from tests.tiny_pipelines import read_results
 from toma.tools.cli import main
 
 
@@ -136,23 +135,6 @@ def test_eval_metric_weights_missing_fail_before_generating(tiny_sd_folder, tmp_
     assert code == 2 and "hf download toma-tests/no-such-clip" in err and "Traceback" not in err
     code = main(["eval", "--model", "toma-tests/no-such-pipeline", "--out-dir", str(tmp_path / "ev")])
     assert code == 2 and "hf download toma-tests/no-such-pipeline" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate is not installed")
-def test_eval_data_parallel_two_cpu_processes(tmp_path):
-    single, double = tmp_path / "one", tmp_path / "two"
-    common = ["eval", "--num-images", "4", "--steps", "2", "--batch-size", "2", "--methods", "toma"]
-    assert main([*common, "--threads", "1", "--out-dir", str(single)]) == 0
-    proc = eval_on_two_processes(common, double, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    one, two = read_results(single), read_results(double)
-    assert two["machine"]["processes"] == 2
-    for a, b in zip(one["results"], two["results"]):
-        assert (a["method"], b["n_images"]) == (b["method"], 4)
-        # same seeds per image, so the merged results agree across the split
-        if a["psnr"] is not None:
-            assert b["psnr"] == pytest.approx(a["psnr"], abs=0.05)
-        assert b["accuracy"] == a["accuracy"]
 
 
 @pytest.fixture(scope="module")
