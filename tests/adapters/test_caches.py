@@ -3,8 +3,8 @@
 Both hook the attention modules and, on some steps, return an output made from earlier
 steps' instead of computing it. toma's hooks sit inside any cache hook on the same module
 (``register_innermost``), so either order of enabling computes the same, and the cache
-reuses attention outputs as ToMA makes them. (FirstBlockCache, MagCache and TaylorSeer:
-``test_compat``; SD3 and PixArt take no cache in diffusers 0.42.)
+reuses attention outputs as ToMA makes them. (FirstBlockCache, MagCache and TaylorSeer on
+every family: ``test_conformance``; SD3 and PixArt take no cache in diffusers 0.42.)
 """
 
 from __future__ import annotations

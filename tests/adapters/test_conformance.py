@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import re
 import warnings
 
 import pytest
@@ -753,22 +754,40 @@ def test_fused_projections_keep_merging(name):
     assert calls  # the fused projections did run, merged
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_first_block_cache_composes_in_either_order(name):
-    # diffusers' FirstBlockCache runs the first block at every step and skips the rest while
-    # its residual barely changes; ToMA merges inside the steps that do run. Enabling either
-    # first gives the same outputs (bitwise), the cache does skip merged steps, and removing
-    # both gives back the unpatched model. A falling timestep and slowly shrinking latents
-    # stand in for a run.
-    from diffusers.hooks import FirstBlockCacheConfig
+def block_cache(cache: str, steps: int, merged: list[str]):
+    """diffusers' cache ``cache`` as it acts within a ``steps``-step run: FirstBlockCache and
+    MagCache skip the blocks after the first while the residual barely changes (MagCache by
+    the magnitude ratios it is given: here 1, so it skips from step 2 on), TaylorSeer
+    predicts the ``merged`` modules' outputs between the steps it computes."""
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
+    if cache == "fbcache":
+        return FirstBlockCacheConfig(threshold=0.5)
+    if cache == "magcache":
+        return MagCacheConfig(threshold=1.0, num_inference_steps=steps, mag_ratios=[1.0] * steps, retention_ratio=0.2)
+    # its default patterns name Flux's block layout; each family's merged modules by name
+    return TaylorSeerCacheConfig(
+        cache_interval=3,
+        disable_cache_before_step=2,
+        taylor_factors_dtype=torch.float32,
+        cache_identifiers=[re.escape(n) for n in merged],
+    )
+
+
+@pytest.mark.parametrize("cache", ["fbcache", "magcache", "taylorseer"])
+@pytest.mark.parametrize("name", NAMES)
+def test_diffusers_caches_compose_in_either_order(name, cache):
+    # diffusers' caches skip blocks or modules on some steps; ToMA merges inside the steps
+    # that do run. Enabling either first gives the same outputs (bitwise), the cache does skip
+    # merged modules on some steps, and removing both gives back the unpatched model. A
+    # falling timestep and slowly shrinking latents stand in for a run.
     fam = FAMILIES[name]
     kw = fam.inputs(1)
     if not isinstance(kw.get("hidden_states"), torch.Tensor):
         pytest.skip(f"{name}'s forward takes no hidden_states")
-    t = kw[fam.timestep]
+    t, steps = kw[fam.timestep], 6
 
-    def denoise(model, steps: int = 6) -> torch.Tensor:
+    def denoise(model, steps: int = steps) -> torch.Tensor:
         outs = []
         for i in range(steps):
             f = 1 - 0.02 * i
@@ -779,8 +798,8 @@ def test_first_block_cache_composes_in_either_order(name):
         return torch.stack(outs)
 
     def layer_calls(model, names) -> dict:
-        """Calls of the first linear layer inside each named module: a skipped block's own
-        call hooks still fire, its layers' do not."""
+        """Calls of the first linear layer inside each named module: a skipped module's own
+        call hooks may still fire, its layers' do not."""
         calls = {}
         for n in names:
             linear = next(m for m in model.get_submodule(n).modules() if isinstance(m, torch.nn.Linear))
@@ -790,28 +809,29 @@ def test_first_block_cache_composes_in_either_order(name):
 
     merged = fam.make()
     names = [p.name for p in toma.apply_toma(merged, ratio=0.5, **fam.options).patched]
+    config = block_cache(cache, steps, names)
     plain = fam.make()
     try:
-        plain.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+        plain.enable_cache(config)
         calls = layer_calls(plain, names)
         denoise(plain)
     except Exception as error:  # noqa: BLE001 - the reason is the skip's message
-        pytest.skip(f"FirstBlockCache fails on {type(plain).__name__}, unpatched: {error!r}"[:300])
+        pytest.skip(f"{cache} fails on {type(plain).__name__}, unpatched: {error!r}"[:300])
     # a merged module the cache skips on some steps, unpatched (not in the first block, nor
     # in a stack the cache leaves alone, as Wan VACE's control blocks)
-    probe = next(n for n in names if 0 < len(calls[n]) < 6)
+    probe = next(n for n in names if 0 < len(calls[n]) < steps)
     toma_only = denoise(merged)
     outputs = []
     for toma_first in (True, False):
         model = fam.make()
         if toma_first:
             toma.apply_toma(model, ratio=0.5, **fam.options)
-        model.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+        model.enable_cache(block_cache(cache, steps, names))
         if not toma_first:
             toma.apply_toma(model, ratio=0.5, **fam.options)
         calls = layer_calls(model, [probe])[probe]
         outputs.append(denoise(model))
-        assert 0 < len(calls) < 6  # the later blocks ran merged on some steps, skipped on others
+        assert 0 < len(calls) < steps  # the probe ran merged on some steps, skipped on others
         toma.remove_toma(model)
         model.disable_cache()
         assert torch.equal(denoise(model, 2), denoise(fam.make(), 2))
