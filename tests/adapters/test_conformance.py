@@ -758,11 +758,24 @@ def block_cache(cache: str, steps: int, merged: list[str]):
     """diffusers' cache ``cache`` as it acts within a ``steps``-step run: FirstBlockCache and
     MagCache skip the blocks after the first while the residual barely changes (MagCache by
     the magnitude ratios it is given: here 1, so it skips from step 2 on), TaylorSeer
-    predicts the ``merged`` modules' outputs between the steps it computes."""
-    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+    predicts the ``merged`` modules' outputs between the steps it computes, and Pyramid
+    Attention Broadcast reuses the merged attention modules' outputs every other step."""
+    from diffusers.hooks import (
+        FirstBlockCacheConfig,
+        MagCacheConfig,
+        PyramidAttentionBroadcastConfig,
+        TaylorSeerCacheConfig,
+    )
 
     if cache == "fbcache":
         return FirstBlockCacheConfig(threshold=0.5)
+    if cache == "pab":  # its identifiers are searched for in module names: each merged one, whole
+        return PyramidAttentionBroadcastConfig(
+            spatial_attention_block_identifiers=tuple(f"^{re.escape(n)}$" for n in merged),
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: 500.0,  # inside that range at every step
+        )
     if cache == "magcache":
         return MagCacheConfig(threshold=1.0, num_inference_steps=steps, mag_ratios=[1.0] * steps, retention_ratio=0.2)
     # its default patterns name Flux's block layout; each family's merged modules by name
@@ -774,7 +787,7 @@ def block_cache(cache: str, steps: int, merged: list[str]):
     )
 
 
-@pytest.mark.parametrize("cache", ["fbcache", "magcache", "taylorseer"])
+@pytest.mark.parametrize("cache", ["fbcache", "magcache", "taylorseer", "pab"])
 @pytest.mark.parametrize("name", NAMES)
 def test_diffusers_caches_compose_in_either_order(name, cache):
     # diffusers' caches skip blocks or modules on some steps; ToMA merges inside the steps
