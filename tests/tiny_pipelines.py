@@ -270,3 +270,34 @@ class Qwen3VLProcessorNoVideo(Qwen3VLProcessor):
         for end in ("start", "end"):
             setattr(self, f"vision_{end}_token", f"<|vision_{end}|>")
             setattr(self, f"vision_{end}_token_id", tokenizer.convert_tokens_to_ids(f"<|vision_{end}|>"))
+
+
+def tiny_flux3_modular_pipeline(folder, transformer):
+    """FLUX.3's modular pipeline (``Flux3AutoBlocks`` without its prompt upsampler, a Qwen3.5
+    fine-tune that rewrites the prompt) around ``transformer``, with a tiny Qwen3-VL encoder
+    (its tokenizer files in ``folder``), FLUX.2's tiny VAE and true CFG at scale 2."""
+    import warnings
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.guiders import ClassifierFreeGuidance
+    from diffusers.modular_pipelines import Flux3AutoBlocks
+    from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
+
+    processor, text_encoder = tiny_qwen3_vl(folder)
+    blocks = Flux3AutoBlocks()
+    blocks.sub_blocks.pop("prompt_upsampler")
+    pipe = blocks.init_pipeline()
+    torch.manual_seed(0)
+    vae = tiny_flux2_vae()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # guiders are experimental; components not from specs
+        pipe.update_components(
+            text_encoder=text_encoder,
+            tokenizer=processor,
+            vae=vae,
+            transformer=transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(),
+            guider=ClassifierFreeGuidance(guidance_scale=2.0),
+            image_processor=Flux3ImageProcessor(vae_scale_factor=4),
+        )
+    return pipe

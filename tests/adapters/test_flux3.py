@@ -77,31 +77,11 @@ def test_the_modular_pipeline_merges_and_removal_is_exact(tmp_path, monkeypatch)
     # transformer component), through the blocks' own text encoding (a tiny Qwen3-VL, one
     # layer's states for the text_encoder_out_layers stack), latents and guidance passes
     import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.guiders import ClassifierFreeGuidance
-    from diffusers.modular_pipelines import Flux3AutoBlocks
-    from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
     from diffusers.models.transformers import transformer_flux3 as module
 
-    from tests.tiny_pipelines import tiny_flux2_vae, tiny_qwen3_vl
+    from tests.tiny_pipelines import tiny_flux3_modular_pipeline
 
-    processor, text_encoder = tiny_qwen3_vl(tmp_path / "tok")
-    blocks = Flux3AutoBlocks()
-    blocks.sub_blocks.pop("prompt_upsampler")  # a Qwen3.5 fine-tune that rewrites the prompt
-    pipe = blocks.init_pipeline()
-    torch.manual_seed(0)
-    vae = tiny_flux2_vae()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # guiders are experimental; components not from specs
-        pipe.update_components(
-            text_encoder=text_encoder,
-            tokenizer=processor,
-            vae=vae,
-            transformer=make_flux3(),
-            scheduler=FlowMatchEulerDiscreteScheduler(),
-            guider=ClassifierFreeGuidance(guidance_scale=2.0),
-            image_processor=Flux3ImageProcessor(vae_scale_factor=4),
-        )
+    pipe = tiny_flux3_modular_pipeline(tmp_path / "tok", make_flux3())
 
     def generate():
         images = pipe(

@@ -892,3 +892,24 @@ def test_generate_runs_a_kandinsky5_pipeline(ratio, tmp_path, one_thread, monkey
         assert torch.equal(merged, baseline)
     else:
         assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
+
+
+def test_a_modular_pipeline_folder_is_a_clear_error(tmp_path, capsys):
+    # FLUX.3 ships a modular pipeline only: DiffusionPipeline cannot load its folder, and the
+    # commands said it was not a pipeline folder at all; they now say what it is and how to
+    # patch it instead
+    import warnings
+
+    from tests.tiny_models import make_flux3
+    from tests.tiny_pipelines import tiny_flux3_modular_pipeline
+    from toma.tools.cli import main
+
+    pipe = tiny_flux3_modular_pipeline(tmp_path / "tok", make_flux3())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the save's notice that its index now points at the folder
+        pipe.save_pretrained(str(tmp_path / "flux3"))
+    for command in (["generate", "--out", str(tmp_path / "x.png")], ["eval", "--out-dir", str(tmp_path / "ev")]):
+        assert main([command[0], "--model", str(tmp_path / "flux3"), *command[1:]]) == 2
+        err = capsys.readouterr().err
+        assert "is a modular diffusers pipeline" in err and "toma.apply_toma(pipe" in err and "Traceback" not in err
+    assert not (tmp_path / "x.png").exists()

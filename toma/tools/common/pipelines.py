@@ -48,6 +48,13 @@ def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
     try:
         pipe = DiffusionPipeline.from_pretrained(model_id, local_files_only=True, **dtype_kwargs(dtype))
     except (OSError, ValueError) as err:  # hub "not cached" errors subclass these
+        if is_modular(model_id):
+            raise PipelineUnavailableError(
+                f"{model_id!r} is a modular diffusers pipeline (it has modular_model_index.json, as FLUX.3 "
+                "does), which toma's commands do not load yet. Patch it in Python instead:\n"
+                "    pipe = ModularPipeline.from_pretrained(...); pipe.load_components(...)\n"
+                "    toma.apply_toma(pipe, ratio=0.5)"
+            ) from err
         reason = f"{type(err).__name__}: {first_sentence(err)}"
         if Path(model_id).exists():
             raise PipelineUnavailableError(
@@ -63,6 +70,22 @@ def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
             "licence on the model page first. Or pass --model /path/to/a/save_pretrained/folder."
         ) from err
     return pipe.to(device)
+
+
+def is_modular(model_id: str) -> bool:
+    """Whether ``model_id`` (a folder, or a hub id in the local cache) holds a modular pipeline:
+    a ``modular_model_index.json`` and no ``model_index.json``."""
+    folder = Path(model_id)
+    if folder.is_dir():
+        return (folder / "modular_model_index.json").is_file() and not (folder / "model_index.json").is_file()
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(model_id, "modular_model_index.json")
+        classic = try_to_load_from_cache(model_id, "model_index.json")
+    except ValueError:  # not a valid repo id
+        return False
+    return isinstance(found, str) and not isinstance(classic, str)
 
 
 _AUDIO_NOTED: set[str] = set()  # pipelines whose audio output has been mentioned (once per process)
