@@ -572,7 +572,8 @@ ERNIE_IMAGE: dict[str, Any] = {
 
 # Qwen-Image 2.1: diffusers' QwenImage21Transformer2DModel defaults (32 single-stream blocks
 # of 32 x 128, text width 4096, 2x2-packed latents of 64 channels), which its pipeline's
-# docs describe; the published config.json was not read (no hub access here)
+# docs describe and which third-party loaders check as the published transformer config;
+# the config.json itself was not read (no hub access here)
 QWEN_IMAGE_21: dict[str, Any] = {
     "patch_size": 1,
     "in_channels": 64,
