@@ -894,10 +894,43 @@ def test_generate_runs_a_kandinsky5_pipeline(ratio, tmp_path, one_thread, monkey
         assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
 
 
-def test_a_modular_pipeline_folder_is_a_clear_error(tmp_path, capsys):
-    # FLUX.3 ships a modular pipeline only: DiffusionPipeline cannot load its folder, and the
-    # commands said it was not a pipeline folder at all; they now say what it is and how to
-    # patch it instead
+def test_generate_runs_a_modular_pipeline_as_its_classic_one(tmp_path, one_thread, capsys):
+    # a folder with modular_model_index.json only (FLUX.3 ships no other) loads as a modular
+    # pipeline with its components; diffusers' Flux blocks compute what FluxPipeline does, so
+    # the same tiny Flux saved both ways gives the same images, unmerged and merged, bitwise
+    from diffusers.modular_pipelines import ModularPipeline
+
+    from toma.tools.cli import main
+    from toma.tools.common.pipelines import is_modular_pipeline, load_pipeline, pipeline_call
+
+    build_flux(tmp_path).save_pretrained(tmp_path / "classic")
+    modular = ModularPipeline.from_pretrained(str(tmp_path / "classic"), local_files_only=True)
+    modular.load_components(dtype=torch.float32)
+    modular.save_pretrained(str(tmp_path / "modular"), overwrite_modular_index=True)
+    assert not (tmp_path / "modular" / "model_index.json").exists()
+    args = SimpleNamespace(frames=None, guidance_scale=2.0, height=32, width=48)
+    pipes = [load_pipeline(str(tmp_path / f), "cpu", torch.float32) for f in ("classic", "modular")]
+    assert [is_modular_pipeline(p) for p in pipes] == [False, True]
+    runs = []
+    for pipe in pipes:
+        run = [pipeline_call(pipe, ["a red fox"], [3], 2, args, "cpu", progress=False)]
+        toma.apply_toma(pipe, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
+        run.append(pipeline_call(pipe, ["a red fox"], [3], 2, args, "cpu", progress=False))
+        toma.remove_toma(pipe)
+        runs.append(run)
+    assert runs[0][0].shape == (1, 3, 32, 48) and not torch.equal(runs[0][0], runs[0][1])
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    common = ["--model", str(tmp_path / "modular"), "--height", "32", "--width", "32", "--steps", "2"]
+    assert main(["generate", *common, "--threads", "1", "--out", str(tmp_path / "m.png")]) == 0
+    assert (tmp_path / "m.png").exists()
+    # its blocks draw images: --frames is refused as on a classic image pipeline
+    assert main(["generate", *common, "--frames", "5", "--out", str(tmp_path / "x.png")]) == 2
+    assert "--frames applies to video pipelines" in capsys.readouterr().err
+
+
+def test_a_modular_pipeline_missing_a_component_is_a_clear_error(tmp_path, capsys):
+    # FLUX.3's blocks reload with the prompt upsampler its saved pipeline had popped: a
+    # folder without the upsampler's weights must say so, not fail inside the call
     import warnings
 
     from tests.tiny_models import make_flux3
@@ -911,5 +944,22 @@ def test_a_modular_pipeline_folder_is_a_clear_error(tmp_path, capsys):
     for command in (["generate", "--out", str(tmp_path / "x.png")], ["eval", "--out-dir", str(tmp_path / "ev")]):
         assert main([command[0], "--model", str(tmp_path / "flux3"), *command[1:]]) == 2
         err = capsys.readouterr().err
-        assert "is a modular diffusers pipeline" in err and "toma.apply_toma(pipe" in err and "Traceback" not in err
+        assert "is not a loadable diffusers pipeline folder" in err and "prompt_upsampler" in err
+        assert "Traceback" not in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_modular_pipeline_takes_the_guidance_scale_on_its_guider(tmp_path):
+    # FLUX.3's blocks take no guidance_scale: its guider holds the scale, so --guidance-scale
+    # sets the guider; an input its blocks do not take is refused by its flag
+    from tests.tiny_models import make_flux3
+    from tests.tiny_pipelines import tiny_flux3_modular_pipeline
+    from toma.tools.common.pipelines import modular_kwargs
+
+    pipe = tiny_flux3_modular_pipeline(tmp_path / "tok", make_flux3())
+    assert "guidance_scale" not in pipe.blocks.input_names and pipe.guider.guidance_scale == 2.0
+    kwargs = modular_kwargs(pipe, {"num_inference_steps": 2, "output_type": "pt", "guidance_scale": 3.5}, False)
+    assert kwargs == {"num_inference_steps": 2, "output_type": "pt", "output": "images"}
+    assert pipe.guider.guidance_scale == 3.5
+    with pytest.raises(ValueError, match="--video is not an input of Flux3ModularPipeline's blocks"):
+        modular_kwargs(pipe, {"video": [None]}, False)

@@ -26,6 +26,7 @@ from toma.tools.common.options import (
 )
 from toma.tools.common.pipelines import (
     PipelineUnavailableError,
+    call_inputs,
     check_frames,
     load_pipeline,
     pipeline_call,
@@ -247,13 +248,11 @@ def read_video(pipe: Any, path: Path | None, frames: int | None) -> list | None:
     """The frames of ``--video`` (RGB PIL images) for a pipeline whose call takes ``video``;
     ``None`` without ``--video``. Raises ``ValueError`` naming ``--video`` when the pipeline
     takes no video, the file is no readable GIF, or ``--frames`` asks for another length."""
-    import inspect
-
     from PIL import Image, ImageSequence, UnidentifiedImageError
 
     if path is None:
         return None
-    if "video" not in inspect.signature(pipe.__call__).parameters:
+    if "video" not in call_inputs(pipe):
         raise ValueError(f"--video applies to pipelines whose call takes a video; {type(pipe).__name__} takes none")
     try:
         with Image.open(path) as im:

@@ -40,27 +40,27 @@ def first_sentence(err: BaseException, limit: int = 200) -> str:
 def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
     """Load a diffusers pipeline from the local cache or a folder, never downloading.
 
+    A folder or cached repo with ``modular_model_index.json`` and no ``model_index.json``
+    (FLUX.3 ships only that) loads as a modular pipeline, its components with it.
+
     Raises:
         PipelineUnavailableError: the weights are not available offline, with how to get them.
     """
     from diffusers import DiffusionPipeline
 
     try:
-        pipe = DiffusionPipeline.from_pretrained(model_id, local_files_only=True, **dtype_kwargs(dtype))
-    except (OSError, ValueError) as err:  # hub "not cached" errors subclass these
         if is_modular(model_id):
-            raise PipelineUnavailableError(
-                f"{model_id!r} is a modular diffusers pipeline (it has modular_model_index.json, as FLUX.3 "
-                "does), which toma's commands do not load yet. Patch it in Python instead:\n"
-                "    pipe = ModularPipeline.from_pretrained(...); pipe.load_components(...)\n"
-                "    toma.apply_toma(pipe, ratio=0.5)"
-            ) from err
+            pipe = load_modular(model_id, dtype)
+        else:
+            pipe = DiffusionPipeline.from_pretrained(model_id, local_files_only=True, **dtype_kwargs(dtype))
+    except (OSError, ValueError) as err:  # hub "not cached" errors subclass these
         reason = f"{type(err).__name__}: {first_sentence(err)}"
         if Path(model_id).exists():
             raise PipelineUnavailableError(
                 f"{model_id!r} is not a loadable diffusers pipeline folder ({reason}). "
-                "Pass a folder written by `pipe.save_pretrained(...)` (it contains model_index.json) "
-                "or a Hugging Face model id that is in the local cache."
+                "Pass a folder written by `pipe.save_pretrained(...)` (it contains model_index.json, or "
+                "modular_model_index.json for a modular pipeline) or a Hugging Face model id that is in the "
+                "local cache."
             ) from err
         raise PipelineUnavailableError(
             f"the weights of {model_id!r} are not in the local Hugging Face cache ({reason}).\n"
@@ -70,6 +70,34 @@ def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
             "licence on the model page first. Or pass --model /path/to/a/save_pretrained/folder."
         ) from err
     return pipe.to(device)
+
+
+def load_modular(model_id: str, dtype: torch.dtype) -> Any:
+    """A modular pipeline and every component its blocks use, from the folder or the local cache."""
+    from diffusers.modular_pipelines import ModularPipeline
+
+    pipe = ModularPipeline.from_pretrained(model_id, local_files_only=True)
+    pipe.load_components(local_files_only=True, **dtype_kwargs(dtype))
+    missing = [name for name in pipe.pretrained_component_names if getattr(pipe, name, None) is None]
+    if missing:
+        raise ValueError(f"its components {', '.join(missing)} did not load")
+    return pipe
+
+
+def is_modular_pipeline(pipe: Any) -> bool:
+    """Whether ``pipe`` is a modular pipeline (called with ``output=``, inputs named by its blocks)."""
+    from diffusers.modular_pipelines import ModularPipeline
+
+    return isinstance(pipe, ModularPipeline)
+
+
+def call_inputs(pipe: Any) -> set[str]:
+    """The keyword inputs a pipeline's call takes: a modular pipeline's blocks' input names."""
+    import inspect
+
+    if is_modular_pipeline(pipe):
+        return set(pipe.blocks.input_names)
+    return set(inspect.signature(pipe.__call__).parameters)
 
 
 def is_modular(model_id: str) -> bool:
@@ -122,6 +150,9 @@ def pipeline_call(
         kwargs["height"] = args.height
     if args.width is not None:
         kwargs["width"] = args.width
+    video = is_video_pipeline(pipe)
+    if is_modular_pipeline(pipe):
+        kwargs = modular_kwargs(pipe, kwargs, video)
     gen_device = device if device.startswith("cuda") else "cpu"
     images = []
     for prompt, seed in zip(prompts, seeds):
@@ -137,7 +168,10 @@ def pipeline_call(
                 f"{type(pipe).__name__} needs the ftfy package to clean its prompts, which is not installed: "
                 "pip install ftfy"
             ) from err
-        out = result.frames if is_video_pipeline(pipe) else result.images
+        if is_modular_pipeline(pipe):
+            out = result  # the output named by ``output=``
+        else:
+            out = result.frames if video else result.images
         if getattr(result, "audio", None) is not None and type(pipe).__name__ not in _AUDIO_NOTED:
             _AUDIO_NOTED.add(type(pipe).__name__)
             print(
@@ -148,11 +182,31 @@ def pipeline_call(
     return torch.cat(images)
 
 
+# the command-line flag of each pipeline input the commands may set, for errors
+_FLAGS = {"num_frames": "--frames", "video": "--video", "guidance_scale": "--guidance-scale"}
+
+
+def modular_kwargs(pipe: Any, kwargs: dict[str, Any], video: bool) -> dict[str, Any]:
+    """``kwargs`` for a modular pipeline's call: the output by name, and a guidance scale its
+    blocks do not take set on its guider instead (FLUX.3 guides through its guider component).
+    Raises ``ValueError`` naming the flag the pipeline takes no input for."""
+    names = call_inputs(pipe)
+    kwargs = {**kwargs, "output": "videos" if video else "images"}
+    scale = kwargs.get("guidance_scale")
+    if scale is not None and "guidance_scale" not in names and getattr(pipe, "guider", None) is not None:
+        del kwargs["guidance_scale"]
+        if getattr(pipe.guider, "guidance_scale", None) != scale:
+            pipe.update_components(guider=pipe.guider.new(guidance_scale=scale))
+    for key in kwargs:
+        if key not in names and key not in ("output", "num_inference_steps", "output_type"):
+            flag = _FLAGS.get(key, f"--{key}")
+            raise ValueError(f"{flag} is not an input of {type(pipe).__name__}'s blocks")
+    return kwargs
+
+
 def is_video_pipeline(pipe: Any) -> bool:
     """Whether ``pipe`` draws videos: its call takes ``num_frames`` (Wan, LTX, CogVideoX, HunyuanVideo)."""
-    import inspect
-
-    return "num_frames" in inspect.signature(pipe.__call__).parameters
+    return "num_frames" in call_inputs(pipe)
 
 
 def check_frames(pipe: Any, frames: int | None) -> None:
