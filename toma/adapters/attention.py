@@ -153,8 +153,8 @@ class KeyBias(NamedTuple):
         if not self.per_query:
             return bias
         own = self.model_mask
-        if own.dtype == torch.bool:  # True keeps a key
-            own = torch.zeros(own.shape, dtype=bias.dtype, device=own.device).masked_fill(~own, float("-inf"))
+        if own.dtype == torch.bool:  # True keeps a key: one pass over the (B, 1, Sq, Sk) mask, not four
+            return torch.where(own, bias, float("-inf"))
         return bias + own.to(bias.dtype)
 
     def with_model_mask(self, mask: torch.Tensor) -> KeyBias:
