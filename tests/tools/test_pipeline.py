@@ -923,6 +923,11 @@ def test_generate_runs_a_modular_pipeline_as_its_classic_one(tmp_path, one_threa
     common = ["--model", str(tmp_path / "modular"), "--height", "32", "--width", "32", "--steps", "2"]
     assert main(["generate", *common, "--threads", "1", "--out", str(tmp_path / "m.png")]) == 0
     assert (tmp_path / "m.png").exists()
+    out = tmp_path / "ev"
+    evaluated = ["eval", *common, "--num-images", "1", "--methods", "toma", "--blocks", "transformer_blocks=0-1"]
+    assert main([*evaluated, "--threads", "1", "--out-dir", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert [r["method"] for r in rows] == ["none", "toma"] and 0 < rows[1]["psnr"] < 99
     # its blocks draw images: --frames is refused as on a classic image pipeline
     assert main(["generate", *common, "--frames", "5", "--out", str(tmp_path / "x.png")]) == 2
     assert "--frames applies to video pipelines" in capsys.readouterr().err
