@@ -169,7 +169,8 @@ def denoise(model, kw, steps: int, scale: float):
     return torch.stack(outs)
 
 
-# FirstBlockCache, MagCache and TaylorSeer on every family they run on: tests/adapters/test_conformance.py
+# diffusers' caches (FirstBlockCache, MagCache, TaylorSeer, PAB, FasterCache) on every family they
+# run on: tests/adapters/test_conformance.py
 @pytest.mark.parametrize("family", ["flux", "wan"])
 def test_remove_toma_under_a_cache_leaves_nothing_behind(family):
     # diffusers rewired the cache hook registered after toma's to a stale reference: after

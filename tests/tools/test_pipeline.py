@@ -963,8 +963,8 @@ def test_a_modular_pipeline_takes_the_guidance_scale_on_its_guider(tmp_path):
 
     pipe = tiny_flux3_modular_pipeline(tmp_path / "tok", make_flux3())
     assert "guidance_scale" not in pipe.blocks.input_names and pipe.guider.guidance_scale == 2.0
-    kwargs = modular_kwargs(pipe, {"num_inference_steps": 2, "output_type": "pt", "guidance_scale": 3.5}, False)
+    kwargs = modular_kwargs(pipe, {"num_inference_steps": 2, "output_type": "pt", "guidance_scale": 3.5})
     assert kwargs == {"num_inference_steps": 2, "output_type": "pt", "output": "images"}
     assert pipe.guider.guidance_scale == 3.5
     with pytest.raises(ValueError, match="--video is not an input of Flux3ModularPipeline's blocks"):
-        modular_kwargs(pipe, {"video": [None]}, False)
+        modular_kwargs(pipe, {"video": [None]})

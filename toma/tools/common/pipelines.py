@@ -150,9 +150,9 @@ def pipeline_call(
         kwargs["height"] = args.height
     if args.width is not None:
         kwargs["width"] = args.width
-    video = is_video_pipeline(pipe)
-    if is_modular_pipeline(pipe):
-        kwargs = modular_kwargs(pipe, kwargs, video)
+    video, modular = is_video_pipeline(pipe), is_modular_pipeline(pipe)
+    if modular:
+        kwargs = modular_kwargs(pipe, kwargs)
     gen_device = device if device.startswith("cuda") else "cpu"
     images = []
     for prompt, seed in zip(prompts, seeds):
@@ -168,10 +168,8 @@ def pipeline_call(
                 f"{type(pipe).__name__} needs the ftfy package to clean its prompts, which is not installed: "
                 "pip install ftfy"
             ) from err
-        if is_modular_pipeline(pipe):
-            out = result  # the output named by ``output=``
-        else:
-            out = result.frames if video else result.images
+        # a modular pipeline returns the output named by ``output=``
+        out = result if modular else result.frames if video else result.images
         if getattr(result, "audio", None) is not None and type(pipe).__name__ not in _AUDIO_NOTED:
             _AUDIO_NOTED.add(type(pipe).__name__)
             print(
@@ -186,12 +184,13 @@ def pipeline_call(
 _FLAGS = {"num_frames": "--frames", "video": "--video", "guidance_scale": "--guidance-scale"}
 
 
-def modular_kwargs(pipe: Any, kwargs: dict[str, Any], video: bool) -> dict[str, Any]:
-    """``kwargs`` for a modular pipeline's call: the output by name, and a guidance scale its
-    blocks do not take set on its guider instead (FLUX.3 guides through its guider component).
-    Raises ``ValueError`` naming the flag the pipeline takes no input for."""
+def modular_kwargs(pipe: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for a modular pipeline's call: the output by name (``videos`` where its blocks
+    take ``num_frames``), and a guidance scale its blocks do not take set on its guider instead
+    (FLUX.3 guides through its guider component). Raises ``ValueError`` naming the flag the
+    pipeline takes no input for."""
     names = call_inputs(pipe)
-    kwargs = {**kwargs, "output": "videos" if video else "images"}
+    kwargs = {**kwargs, "output": "videos" if "num_frames" in names else "images"}
     scale = kwargs.get("guidance_scale")
     if scale is not None and "guidance_scale" not in names and getattr(pipe, "guider", None) is not None:
         del kwargs["guidance_scale"]
