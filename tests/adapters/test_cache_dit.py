@@ -1,10 +1,10 @@
-"""ToMA stacked with cache-dit's caches (DBCache, its TaylorSeer calibrator, DBPrune).
+"""ToMA stacked with cache-dit's DBCache: the regressions particular to it.
 
 cache-dit replaces Flux's forward with a copy of its own when it enables a cache; enabled
 after ``apply_toma``, that dropped toma's hook on the model, and the model ran unmerged,
-silently (toma.adapters.caches). Each test here runs both orders on a tiny model and checks
-the tokens attention sees, that the two orders compute the same, and that ``remove_toma``
-leaves the cache working exactly as on a model ToMA never touched.
+silently (toma.adapters.caches). Both orders on every family, for DBCache, its TaylorSeer
+calibrator and DBPrune, are the conformance suite's
+(``test_conformance.test_cache_dit_composes_in_either_order``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from tests.cases import CACHED
 cache_dit = pytest.importorskip("cache_dit")  # CI installs it (.ci/run)
 logging.getLogger("cache_dit").setLevel(logging.WARNING)
 
-# the families cache-dit caches as bare transformers, each a different way: Flux through its
-# own copy of the forward, Wan through a wrapper around the model's forward
-FAMILIES = ["flux", "wan"]
 STEPS = 6
 
 
@@ -52,62 +49,6 @@ def denoise(model, kw, scale: float) -> torch.Tensor:
             t = torch.full((kw["hidden_states"].shape[0],), scale * (1 - i / STEPS))
             outs.append(model(**{**kw, "hidden_states": kw["hidden_states"] * (1 - i / STEPS), "timestep": t})[0])
     return torch.stack(outs)
-
-
-def attention_tokens(model) -> list[int]:
-    """Records the token count every attention's query projection sees."""
-    seen: list[int] = []
-    for _, m in model.named_modules():
-        if isinstance(getattr(m, "to_q", None), torch.nn.Linear):
-            m.to_q.register_forward_hook(lambda mod, a, o: seen.append(a[0].shape[1]))
-    return seen
-
-
-def cached(make, kind: str):
-    model = make()
-    cache_dit.enable_cache(model, **config(kind))
-    return model
-
-
-@pytest.mark.parametrize("kind", ["dbcache", "taylorseer", "dbprune"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_cache_dit_in_either_order_merges(family, kind):
-    make, inputs, scale, opts, probe = CACHED[family]
-    kw = inputs()
-    plain_tokens = attention_tokens(plain := make())
-    plain_out = denoise(plain, kw, scale)
-    cache_only = denoise(cached(make, kind), kw, scale)
-    assert not torch.equal(cache_only, plain_out)  # the cache acts
-
-    merged_tokens = attention_tokens(merged := make())
-    toma.apply_toma(merged, ratio=0.5, **opts)
-    denoise(merged, kw, scale)
-
-    outputs = []
-    for toma_first in (True, False):
-        model = make()
-        if toma_first:
-            toma.apply_toma(model, ratio=0.5, **opts)
-        cache_dit.enable_cache(model, **config(kind))
-        if not toma_first:
-            toma.apply_toma(model, ratio=0.5, **opts)
-        tokens = attention_tokens(model)
-        calls = []
-        model.get_submodule(probe).register_forward_hook(lambda m, a, o: calls.append(1))
-        outputs.append(denoise(model, kw, scale))
-        assert 0 < len(calls) < STEPS  # the cache skipped the last block on some steps
-        # attention saw the merged token counts on every step it ran: the first block on
-        # every step, as ToMA alone sees them
-        per_step = len(merged_tokens) // STEPS
-        assert tokens[:per_step] == merged_tokens[:per_step] and sum(merged_tokens) < sum(plain_tokens)
-
-        toma.remove_toma(model)
-        cache_dit.refresh_context(model, **config(kind))  # a new run on a bare transformer
-        assert torch.equal(denoise(model, kw, scale), cache_only)  # the cache alone, working, as on a fresh model
-        cache_dit.disable_cache(model)
-        assert torch.equal(denoise(model, kw, scale), plain_out)
-    assert torch.equal(outputs[0], outputs[1])
-    assert not torch.equal(outputs[0], cache_only)  # merged
 
 
 def test_flux_tokens_after_cache_dit_replaced_the_forward():

@@ -754,6 +754,14 @@ def test_fused_projections_keep_merging(name):
     assert calls  # the fused projections did run, merged
 
 
+def shrunk_latents(kw: dict, f: float) -> dict:
+    """The call ``kw`` with its latents scaled by ``f``: ``hidden_states``, or Z-Image's list
+    ``x`` of one latent per sample."""
+    if "x" in kw:
+        return {**kw, "x": [x * f for x in kw["x"]]}
+    return {**kw, "hidden_states": kw["hidden_states"] * f}
+
+
 def block_cache(cache: str, steps: int, merged: list[str], clock: list[float]):
     """diffusers' cache ``cache`` as it acts within a ``steps``-step run: FirstBlockCache and
     MagCache skip the blocks after the first while the residual barely changes (MagCache by
@@ -812,8 +820,8 @@ def test_diffusers_caches_compose_in_either_order(name, cache):
     # falling timestep and slowly shrinking latents stand in for a run.
     fam = FAMILIES[name]
     kw = fam.inputs(1)
-    if not isinstance(kw.get("hidden_states"), torch.Tensor):
-        pytest.skip(f"{name}'s forward takes no hidden_states")
+    if "sample" in kw:
+        pytest.skip(f"{name} is a UNet: neither diffusers nor cache-dit caches its blocks")
     t, steps, clock = kw[fam.timestep], 6, [1000.0]
 
     def denoise(model, steps: int = steps) -> torch.Tensor:
@@ -821,7 +829,7 @@ def test_diffusers_caches_compose_in_either_order(name, cache):
         for i in range(steps):
             clock[0] = 1000.0 if i < 2 else 500.0  # the timestep on diffusers' 0-1000 scale
             f = 1 - 0.02 * i
-            step = {**kw, "hidden_states": kw["hidden_states"] * f}
+            step = shrunk_latents(kw, f)
             step[fam.timestep] = 1 - (1 - t) * f if fam.rising_timestep else t * f
             with model.cache_context("cond"):
                 outs.append(fam.output(model, step))
@@ -869,3 +877,98 @@ def test_diffusers_caches_compose_in_either_order(name, cache):
         assert torch.equal(denoise(model, 2), denoise(fam.make(), 2))
     assert torch.equal(outputs[0], outputs[1])
     assert not torch.equal(outputs[0], toma_only)  # the cache acted
+
+
+@pytest.mark.parametrize("kind", ["dbcache", "taylorseer", "dbprune"])
+@pytest.mark.parametrize("name", NAMES)
+def test_cache_dit_composes_in_either_order(name, kind):
+    # cache-dit on the bare transformer, through its own block adapter for the class: DBCache
+    # (its first block computing, the rest skipped while the residual barely changes), the
+    # same with its TaylorSeer calibrator (which predicts the skipped residual), or DBPrune
+    # (each block after the first skipped on its own).
+    # Enabled before or after ToMA it gives the same outputs (bitwise), it skips merged
+    # modules on some steps, and removing ToMA leaves the cache alone working as on a model
+    # ToMA never touched; disabling it too gives back the unpatched model.
+    cache_dit = pytest.importorskip("cache_dit")  # CI installs it (.ci/run)
+    from toma.tools.eval.caches import quiet_cache_dit
+
+    quiet_cache_dit()
+    fam = FAMILIES[name]
+    kw = fam.inputs(1)
+    if "sample" in kw:
+        pytest.skip(f"{name} is a UNet: neither diffusers nor cache-dit caches its blocks")
+    t, steps = kw[fam.timestep], 6
+
+    def settings(threshold: float) -> dict:
+        # every call a step of its own (no separate classifier-free guidance batches), and two
+        # warm-up steps
+        common = dict(
+            Fn_compute_blocks=1,
+            Bn_compute_blocks=0,
+            residual_diff_threshold=threshold,
+            max_warmup_steps=2,
+            num_inference_steps=steps,
+            enable_separate_cfg=False,
+        )
+        if kind == "dbprune":
+            return {"cache_config": cache_dit.DBPruneConfig(**common)}
+        out = {"cache_config": cache_dit.DBCacheConfig(**common)}
+        if kind == "taylorseer":
+            out["calibrator_config"] = cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=1)
+        return out
+
+    def denoise(model) -> torch.Tensor:
+        outs = []
+        for i in range(steps):
+            f = 1 - 0.02 * i
+            step = shrunk_latents(kw, f)
+            step[fam.timestep] = 1 - (1 - t) * f if fam.rising_timestep else t * f
+            outs.append(fam.output(model, step))
+        return torch.stack(outs)
+
+    def layer_calls(model, names) -> dict:
+        calls = {}
+        for n in names:
+            linear = next(m for m in model.get_submodule(n).modules() if isinstance(m, torch.nn.Linear))
+            calls[n] = []
+            linear.register_forward_hook(lambda m, a, o, c=calls[n]: c.append(1))
+        return calls
+
+    merged = fam.make()
+    names = [p.name for p in toma.apply_toma(merged, ratio=0.5, **fam.options).patched]
+    plain_out = denoise(fam.make())
+    # the lowest threshold at which the cache skips a merged module on some steps, unpatched:
+    # the first block's residual changes by 0.5 of itself between steps on most tiny rows, by
+    # up to 0.78 on FLUX.2's
+    for threshold in (0.5, 1.0):
+        cached = fam.make()
+        calls = layer_calls(cached, names)
+        try:
+            cache_dit.enable_cache(cached, **settings(threshold))
+            cache_only = denoise(cached)
+        except Exception as error:  # noqa: BLE001 - the reason is the skip's message
+            pytest.skip(f"cache-dit {kind} fails on {type(cached).__name__}, unpatched: {error!r}"[:300])
+        probe = next((n for n in names if 0 < len(calls[n]) < steps), None)
+        if probe is not None:
+            break
+    assert probe is not None, "cache-dit skipped no merged module, unpatched"
+    toma_only = denoise(merged)
+    outputs = []
+    for toma_first in (True, False):
+        model = fam.make()
+        if toma_first:
+            toma.apply_toma(model, ratio=0.5, **fam.options)
+        cache_dit.enable_cache(model, **settings(threshold))
+        if not toma_first:
+            toma.apply_toma(model, ratio=0.5, **fam.options)
+        calls = layer_calls(model, [probe])[probe]
+        outputs.append(denoise(model))
+        assert 0 < len(calls) < steps  # the probe ran merged on some steps, skipped on others
+        toma.remove_toma(model)
+        cache_dit.refresh_context(model, **settings(threshold))  # a new run on a bare transformer
+        assert torch.equal(denoise(model), cache_only)
+        cache_dit.disable_cache(model)
+        assert torch.equal(denoise(model), plain_out)
+    assert torch.equal(outputs[0], outputs[1])
+    assert not torch.equal(outputs[0], toma_only)  # the cache acted
+    assert not torch.equal(outputs[0], cache_only)  # merged
