@@ -22,6 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", required=True)
     parser.add_argument("--depth", type=int, default=1)
+    parser.add_argument("--resolution", type=int, default=None, help="the arch's default if not given")
     parser.add_argument("--frames", type=int, default=None)
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--shapes", action="store_true", help="one row per op and input shapes")
@@ -30,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(1)
     arch = get_arch(args.arch)
     model = build_model(arch, depth=args.depth)
-    inputs = make_inputs(arch, arch.resolution, 1, frames=args.frames)
+    inputs = make_inputs(arch, args.resolution or arch.resolution, 1, frames=args.frames)
     patcher = MethodPatcher(model, arch, default_placement(arch, model), {}, None)
     tables: dict[str, dict[str, tuple[float, int]]] = {}
     for method in ("toma", "ideal"):

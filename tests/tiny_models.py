@@ -346,9 +346,10 @@ def flux2_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> di
     }
 
 
-def make_flux3(seed: int = 0, layers: int = 2, single: int = 2):
+def make_flux3(seed: int = 0, layers: int = 2, single: int = 2, flow_map: bool = False):
     """FLUX.3: per-mode blocks (the image's, references', text's), then single-stream blocks
-    on [text; image]; 2 heads of 16 channels, 4-axis rotary over (4, 4, 4, 4) channels."""
+    on [text; image]; 2 heads of 16 channels, 4-axis rotary over (4, 4, 4, 4) channels.
+    ``flow_map``: the step-distilled model's, which also embeds the step's target timestep."""
     from diffusers import Flux3Transformer2DModel
 
     torch.manual_seed(seed)
@@ -363,6 +364,7 @@ def make_flux3(seed: int = 0, layers: int = 2, single: int = 2):
         timestep_channels=32,
         mlp_ratio=2.0,
         axes_dims_rope=(4, 4, 4, 4),
+        flow_map=flow_map,
     ).eval()
 
 

@@ -44,6 +44,28 @@ def test_each_merged_attention_sees_the_merged_image_and_the_whole_text(monkeypa
     assert queries == [5, 5, 32, 32, 5 + 32, 5 + 32]
 
 
+def test_the_step_distilled_flow_map_model_merges_alike(monkeypatch):
+    # flux-3-image-klein (16 steps, no guidance) is a flow map: its forward also takes the
+    # timestep each step jumps to, embedded beside the timestep's; the tokens merge alike
+    from diffusers.models.transformers import transformer_flux3 as module
+
+    queries: list[int] = []
+    real = module.dispatch_attention_fn
+    monkeypatch.setattr(
+        module, "dispatch_attention_fn", lambda q, *a, **k: queries.append(q.shape[1]) or real(q, *a, **k)
+    )
+    model = make_flux3(flow_map=True)
+    kw = {**flux3_inputs(1, 8, 8), "target_timestep": torch.full((1,), 0.25)}
+    ref = run(model, kw)
+    toma.apply_toma(model, ratio=0.5, **OPTIONS)
+    queries.clear()
+    out = run(model, kw)
+    assert queries == [5, 5, 32, 32, 5 + 32, 5 + 32]
+    assert out.shape == ref.shape and torch.isfinite(out).all() and not torch.equal(out, ref)
+    toma.remove_toma(model)
+    assert torch.equal(run(model, kw), ref)
+
+
 def test_a_call_with_references_runs_unmerged_and_says_why():
     model = make_flux3()
     kw = flux3_inputs(2, 8, 8, references=1)

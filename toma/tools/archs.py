@@ -589,7 +589,10 @@ QWEN_IMAGE_21: dict[str, Any] = {
 
 # FLUX.3: diffusers' Flux3Transformer2DModel defaults (5 blocks per mode and 28 single-stream
 # blocks of 24 x 128; text width 20480, stacked Qwen3-VL hidden states; 2x2-packed latents of
-# 128 channels); the published config.json was not read (no hub access here)
+# 128 channels). diffusers names two repos, flux-3-image-klein-base and flux-3-image-klein
+# (step-distilled: flow_map=True, which adds only a timestep embedder); no published
+# config.json was found (no hub access here, none quoted in the public code searched), so
+# whether klein has these widths and depths is not known
 FLUX3: dict[str, Any] = {
     "in_channels": 128,
     "cond_in_channels": 128,
@@ -604,7 +607,9 @@ FLUX3: dict[str, Any] = {
 }
 
 # Helios: diffusers' class defaults (Wan 2.1 14B's blocks, 40 x 128, and the three history
-# embedders); the published config.json was not read (no hub access here)
+# embedders). Three third-party ports of Helios-Distilled (FastVideo's and sglang's DiT
+# configs, mlx-video's) hard-code the same values; the published config.json itself was not
+# read (no hub access here)
 HELIOS: dict[str, Any] = {
     "patch_size": (1, 2, 2),
     "num_attention_heads": 40,
