@@ -754,12 +754,26 @@ def test_fused_projections_keep_merging(name):
     assert calls  # the fused projections did run, merged
 
 
-def shrunk_latents(kw: dict, f: float) -> dict:
-    """The call ``kw`` with its latents scaled by ``f``: ``hidden_states``, or Z-Image's list
-    ``x`` of one latent per sample."""
-    if "x" in kw:
-        return {**kw, "x": [x * f for x in kw["x"]]}
-    return {**kw, "hidden_states": kw["hidden_states"] * f}
+def run_step(fam, kw: dict, i: int) -> dict:
+    """Step ``i`` of a stand-in run from the call ``kw``: latents (``hidden_states``, or
+    Z-Image's list ``x`` of one per sample) shrunk by 2% a step, the timestep moving with
+    them (falling, or rising where the family's rises)."""
+    f = 1 - 0.02 * i
+    step = {**kw, "x": [x * f for x in kw["x"]]} if "x" in kw else {**kw, "hidden_states": kw["hidden_states"] * f}
+    t = kw[fam.timestep]
+    step[fam.timestep] = 1 - (1 - t) * f if fam.rising_timestep else t * f
+    return step
+
+
+def layer_calls(model, names) -> dict:
+    """Calls of the first linear layer inside each named module: a skipped module's own
+    call hooks may still fire, its layers' do not."""
+    calls = {}
+    for n in names:
+        linear = next(m for m in model.get_submodule(n).modules() if isinstance(m, torch.nn.Linear))
+        calls[n] = []
+        linear.register_forward_hook(lambda m, a, o, c=calls[n]: c.append(1))
+    return calls
 
 
 def block_cache(cache: str, steps: int, merged: list[str], clock: list[float]):
@@ -822,28 +836,15 @@ def test_diffusers_caches_compose_in_either_order(name, cache):
     kw = fam.inputs(1)
     if "sample" in kw:
         pytest.skip(f"{name} is a UNet: neither diffusers nor cache-dit caches its blocks")
-    t, steps, clock = kw[fam.timestep], 6, [1000.0]
+    steps, clock = 6, [1000.0]
 
     def denoise(model, steps: int = steps) -> torch.Tensor:
         outs = []
         for i in range(steps):
             clock[0] = 1000.0 if i < 2 else 500.0  # the timestep on diffusers' 0-1000 scale
-            f = 1 - 0.02 * i
-            step = shrunk_latents(kw, f)
-            step[fam.timestep] = 1 - (1 - t) * f if fam.rising_timestep else t * f
             with model.cache_context("cond"):
-                outs.append(fam.output(model, step))
+                outs.append(fam.output(model, run_step(fam, kw, i)))
         return torch.stack(outs)
-
-    def layer_calls(model, names) -> dict:
-        """Calls of the first linear layer inside each named module: a skipped module's own
-        call hooks may still fire, its layers' do not."""
-        calls = {}
-        for n in names:
-            linear = next(m for m in model.get_submodule(n).modules() if isinstance(m, torch.nn.Linear))
-            calls[n] = []
-            linear.register_forward_hook(lambda m, a, o, c=calls[n]: c.append(1))
-        return calls
 
     merged = fam.make()
     names = [p.name for p in toma.apply_toma(merged, ratio=0.5, **fam.options).patched]
@@ -897,7 +898,7 @@ def test_cache_dit_composes_in_either_order(name, kind):
     kw = fam.inputs(1)
     if "sample" in kw:
         pytest.skip(f"{name} is a UNet: neither diffusers nor cache-dit caches its blocks")
-    t, steps = kw[fam.timestep], 6
+    steps = 6
 
     def settings(threshold: float) -> dict:
         # every call a step of its own (no separate classifier-free guidance batches), and two
@@ -918,21 +919,7 @@ def test_cache_dit_composes_in_either_order(name, kind):
         return out
 
     def denoise(model) -> torch.Tensor:
-        outs = []
-        for i in range(steps):
-            f = 1 - 0.02 * i
-            step = shrunk_latents(kw, f)
-            step[fam.timestep] = 1 - (1 - t) * f if fam.rising_timestep else t * f
-            outs.append(fam.output(model, step))
-        return torch.stack(outs)
-
-    def layer_calls(model, names) -> dict:
-        calls = {}
-        for n in names:
-            linear = next(m for m in model.get_submodule(n).modules() if isinstance(m, torch.nn.Linear))
-            calls[n] = []
-            linear.register_forward_hook(lambda m, a, o, c=calls[n]: c.append(1))
-        return calls
+        return torch.stack([fam.output(model, run_step(fam, kw, i)) for i in range(steps)])
 
     merged = fam.make()
     names = [p.name for p in toma.apply_toma(merged, ratio=0.5, **fam.options).patched]
