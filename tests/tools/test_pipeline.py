@@ -672,6 +672,72 @@ def test_generate_runs_an_ernie_image_pipeline(ratio, tmp_path, one_thread, monk
         assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
 
 
+def tiny_zimage_folder(tmp_path):
+    """A tiny Z-Image pipeline saved to a folder: a Qwen3 model from config, the byte-level
+    Qwen2 tokenizer (the pipeline pads to 512 tokens, then keeps each prompt's own), an 8x
+    VAE of 16 latent channels with Flux's scaling and shift, and the tiny transformer."""
+    from diffusers import AutoencoderKL, ZImagePipeline
+    from transformers import Qwen3Config, Qwen3Model
+
+    from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
+    from tests.tiny_models import TEXT_DIM, make_zimage
+
+    tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    text = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_DIM,  # the transformer's cap_feat_dim
+        intermediate_size=32,
+        num_hidden_layers=2,  # the pipeline reads the second hidden state from the end
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=512,
+    )
+    ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=AutoencoderKL(
+            block_out_channels=(8,) * 4,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            latent_channels=16,
+            norm_num_groups=4,
+            layers_per_block=1,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+        ),
+        text_encoder=Qwen3Model(text).eval(),
+        tokenizer=tokenizer,
+        transformer=make_zimage(),
+    ).save_pretrained(tmp_path / "zimage")
+    return tmp_path / "zimage"
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+def test_generate_runs_a_zimage_pipeline(ratio, tmp_path, one_thread, monkeypatch):
+    # toma generate on ZImagePipeline, loaded back from its folder: its CFG batch holds the
+    # prompt's caption and the empty negative prompt's, of different lengths; the merged
+    # layer sees the image tokens the ratio implies and each caption whole, and ratio 0 gives
+    # the unmerged image bitwise
+    # the default merges the last layer; its attention projects [image; caption] in to_q
+    folder = tiny_zimage_folder(tmp_path)
+    seen, images = generate_watching(
+        monkeypatch, tmp_path, folder, 128, ratio, lambda pipe: pipe.transformer.layers[-1].attention.to_q
+    )
+    # 128x128 px -> 16x16 latents -> 8x8 tokens (2x2 patches), in 2x2 tiles (auto, far below
+    # 1024px); a 1-step warm-up and 2 steps, unmerged then with ToMA, each one CFG batch of 2
+    # whose captions the model pads to a multiple of 32 tokens, and the shorter to the longer
+    kept = 64 - int(64 * ratio)
+    padded = seen[0][1] - 64
+    assert padded > 0 and [b for b, _ in seen] == [2] * 6
+    assert [n for _, n in seen] == [64 + padded] * 3 + [kept + padded] * 3
+    baseline, merged = images
+    if ratio == 0:
+        assert torch.equal(merged, baseline)
+    else:
+        assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
+
+
 def tiny_lumina2_folder(tmp_path):
     """A tiny Lumina 2 pipeline saved to a folder: a Gemma 2 model from config, the
     byte-level Qwen2 tokenizer (the pipeline pads every prompt, its system prompt before it,
