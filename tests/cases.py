@@ -262,6 +262,31 @@ CACHED = {
 }
 
 
+def cache_dit_settings(kind: str, steps: int, threshold: float = 0.5, separate_cfg: bool | None = None) -> dict:
+    """``cache_dit.enable_cache``'s settings for a ``steps``-step run: its first block
+    computing and no last ones, the rest cached (``"dbcache"``; ``"taylorseer"``: with its
+    TaylorSeer calibrator predicting them) or pruned one by one (``"dbprune"``) below a
+    residual change of ``threshold`` (random weights change little between steps), after 2
+    warm-up steps. ``separate_cfg``: whether calls alternate conditional and unconditional
+    (None: the adapter's default for the class)."""
+    import cache_dit
+
+    common = dict(
+        Fn_compute_blocks=1,
+        Bn_compute_blocks=0,
+        residual_diff_threshold=threshold,
+        max_warmup_steps=2,
+        num_inference_steps=steps,
+        enable_separate_cfg=separate_cfg,
+    )
+    if kind == "dbprune":
+        return {"cache_config": cache_dit.DBPruneConfig(**common)}
+    out = {"cache_config": cache_dit.DBCacheConfig(**common)}
+    if kind == "taylorseer":
+        out["calibrator_config"] = cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=1)
+    return out
+
+
 def force(monkeypatch, form: str) -> None:
     """Make the rule pick ``form`` on the CPU's default backend (``native``); flex eager."""
     from torch.nn.attention.flex_attention import flex_attention

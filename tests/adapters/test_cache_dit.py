@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import toma
-from tests.cases import CACHED
+from tests.cases import CACHED, cache_dit_settings
 
 cache_dit = pytest.importorskip("cache_dit")  # CI installs it (.ci/run)
 logging.getLogger("cache_dit").setLevel(logging.WARNING)
@@ -24,21 +24,8 @@ STEPS = 6
 
 
 def config(kind: str) -> dict:
-    """cache-dit's settings: the first block computes, the rest are cached below a residual
-    change of 0.5 (random weights change little between steps), after 2 warm-up steps."""
-    common = dict(
-        Fn_compute_blocks=1,
-        Bn_compute_blocks=0,
-        residual_diff_threshold=0.5,
-        max_warmup_steps=2,
-        num_inference_steps=STEPS,
-    )
-    if kind == "dbprune":
-        return {"cache_config": cache_dit.DBPruneConfig(**common)}
-    out = {"cache_config": cache_dit.DBCacheConfig(**common)}
-    if kind == "taylorseer":
-        out["calibrator_config"] = cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=1)
-    return out
+    """cache-dit's settings for a run of ``STEPS`` (tests.cases.cache_dit_settings)."""
+    return cache_dit_settings(kind, STEPS)
 
 
 def denoise(model, kw, scale: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import toma
-from tests.cases import fused_calls, sdpa_keys
+from tests.cases import cache_dit_settings, fused_calls, sdpa_keys
 from tests.tiny_models import FAMILIES
 from toma.adapters.base import Hook, register_innermost, remove_hook
 from toma.adapters.merging import plan_group
@@ -776,6 +776,27 @@ def layer_calls(model, names) -> dict:
     return calls
 
 
+def either_order(fam, enable, probe: str, denoise, removed) -> list[torch.Tensor]:
+    """A cache (``enable(model)``) and ToMA on a fresh model of ``fam``, ToMA first, then the
+    cache first: each run's outputs (``denoise(model)``). In each, the merged module
+    ``probe`` must run on some steps and be skipped on others; ``removed(model)`` then checks
+    the model after ``remove_toma``."""
+    outputs = []
+    for toma_first in (True, False):
+        model = fam.make()
+        if toma_first:
+            toma.apply_toma(model, ratio=0.5, **fam.options)
+        enable(model)
+        if not toma_first:
+            toma.apply_toma(model, ratio=0.5, **fam.options)
+        calls = layer_calls(model, [probe])[probe]
+        outputs.append(denoise(model))
+        assert 0 < len(calls) < len(outputs[-1])  # the probe ran merged on some steps, skipped on others
+        toma.remove_toma(model)
+        removed(model)
+    return outputs
+
+
 def block_cache(cache: str, steps: int, merged: list[str], clock: list[float]):
     """diffusers' cache ``cache`` as it acts within a ``steps``-step run: FirstBlockCache and
     MagCache skip the blocks after the first while the residual barely changes (MagCache by
@@ -862,20 +883,14 @@ def test_diffusers_caches_compose_in_either_order(name, cache):
     if probe is None:
         pytest.skip(f"{cache} skips no merged module of {type(plain).__name__}, unpatched")
     toma_only = denoise(merged)
-    outputs = []
-    for toma_first in (True, False):
-        model = fam.make()
-        if toma_first:
-            toma.apply_toma(model, ratio=0.5, **fam.options)
-        model.enable_cache(block_cache(cache, steps, names, clock))
-        if not toma_first:
-            toma.apply_toma(model, ratio=0.5, **fam.options)
-        calls = layer_calls(model, [probe])[probe]
-        outputs.append(denoise(model))
-        assert 0 < len(calls) < steps  # the probe ran merged on some steps, skipped on others
-        toma.remove_toma(model)
+
+    def removed(model):
         model.disable_cache()
         assert torch.equal(denoise(model, 2), denoise(fam.make(), 2))
+
+    outputs = either_order(
+        fam, lambda m: m.enable_cache(block_cache(cache, steps, names, clock)), probe, denoise, removed
+    )
     assert torch.equal(outputs[0], outputs[1])
     assert not torch.equal(outputs[0], toma_only)  # the cache acted
 
@@ -901,22 +916,8 @@ def test_cache_dit_composes_in_either_order(name, kind):
     steps = 6
 
     def settings(threshold: float) -> dict:
-        # every call a step of its own (no separate classifier-free guidance batches), and two
-        # warm-up steps
-        common = dict(
-            Fn_compute_blocks=1,
-            Bn_compute_blocks=0,
-            residual_diff_threshold=threshold,
-            max_warmup_steps=2,
-            num_inference_steps=steps,
-            enable_separate_cfg=False,
-        )
-        if kind == "dbprune":
-            return {"cache_config": cache_dit.DBPruneConfig(**common)}
-        out = {"cache_config": cache_dit.DBCacheConfig(**common)}
-        if kind == "taylorseer":
-            out["calibrator_config"] = cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=1)
-        return out
+        # every call a step of its own (no separate classifier-free guidance batches)
+        return cache_dit_settings(kind, steps, threshold, separate_cfg=False)
 
     def denoise(model) -> torch.Tensor:
         return torch.stack([fam.output(model, run_step(fam, kw, i)) for i in range(steps)])
@@ -940,22 +941,14 @@ def test_cache_dit_composes_in_either_order(name, kind):
             break
     assert probe is not None, "cache-dit skipped no merged module, unpatched"
     toma_only = denoise(merged)
-    outputs = []
-    for toma_first in (True, False):
-        model = fam.make()
-        if toma_first:
-            toma.apply_toma(model, ratio=0.5, **fam.options)
-        cache_dit.enable_cache(model, **settings(threshold))
-        if not toma_first:
-            toma.apply_toma(model, ratio=0.5, **fam.options)
-        calls = layer_calls(model, [probe])[probe]
-        outputs.append(denoise(model))
-        assert 0 < len(calls) < steps  # the probe ran merged on some steps, skipped on others
-        toma.remove_toma(model)
+
+    def removed(model):
         cache_dit.refresh_context(model, **settings(threshold))  # a new run on a bare transformer
         assert torch.equal(denoise(model), cache_only)
         cache_dit.disable_cache(model)
         assert torch.equal(denoise(model), plain_out)
+
+    outputs = either_order(fam, lambda m: cache_dit.enable_cache(m, **settings(threshold)), probe, denoise, removed)
     assert torch.equal(outputs[0], outputs[1])
     assert not torch.equal(outputs[0], toma_only)  # the cache acted
     assert not torch.equal(outputs[0], cache_only)  # merged

@@ -612,6 +612,21 @@ def generate_watching(monkeypatch, tmp_path, folder, size: int, ratio: float, wa
     return seen, images
 
 
+def two_layer_text(vocab: int, width: int, positions: int) -> dict:
+    """A decoder text model's config keys: ``width`` wide, 2 layers (the pipelines of ERNIE-Image,
+    Z-Image and Lumina 2 read the second hidden state from the end), 2 heads of 8 channels."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=positions,
+    )
+
+
 def tiny_ernie_image_folder(tmp_path):
     """A tiny ERNIE-Image pipeline saved to a folder: a Mistral 3 model from config (its
     Pixtral tower unused: the pipeline encodes text only), the byte-level Qwen2 tokenizer, a
@@ -626,17 +641,7 @@ def tiny_ernie_image_folder(tmp_path):
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
-    text = dict(
-        model_type="mistral",
-        vocab_size=len(tokenizer),
-        hidden_size=16,  # the transformer's text_in_dim
-        intermediate_size=32,
-        num_hidden_layers=2,  # the pipeline reads the second hidden state from the end
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
+    text = dict(model_type="mistral", **two_layer_text(len(tokenizer), 16, 256))  # 16: its text_in_dim
     vision = dict(
         model_type="pixtral", hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
     )
@@ -650,33 +655,28 @@ def tiny_ernie_image_folder(tmp_path):
     return tmp_path / "ernie"
 
 
-@pytest.mark.parametrize("ratio", [0.5, 0.0])
-def test_generate_runs_an_ernie_image_pipeline(ratio, tmp_path, one_thread, monkeypatch):
-    # toma generate on ErnieImagePipeline: its CFG batch pads the empty negative prompt to
-    # the prompt's length (masked), the merged layer sees the token count the ratio implies
-    # and the text whole, and ratio 0 gives the unmerged image bitwise
-    # the default merges the last layer; its attention projects [image; text] in to_q
-    folder = tiny_ernie_image_folder(tmp_path)
-    seen, images = generate_watching(
-        monkeypatch, tmp_path, folder, 32, ratio, lambda pipe: pipe.transformer.layers[-1].self_attention.to_q
+def tiny_flux_scaled_vae(latent_channels: int):
+    """An 8x ``AutoencoderKL`` of ``latent_channels`` with Flux's VAE scaling and shift, as
+    Z-Image and Lumina 2 use."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        block_out_channels=(8,) * 4,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        layers_per_block=1,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
     )
-    # 32x32 px -> 8x8 tokens, in 2x2 tiles (auto, far below 1024px); a 1-step warm-up and 2
-    # steps, unmerged then with ToMA, each one CFG batch of 2
-    text = seen[0][1] - 64
-    assert text > 1  # the prompt's tokens (the empty negative prompt's one is padded to them)
-    assert seen == [(2, 64 + text)] * 3 + [(2, 64 - int(64 * ratio) + text)] * 3
-    baseline, merged = images
-    if ratio == 0:
-        assert torch.equal(merged, baseline)
-    else:
-        assert torch.isfinite(merged).all() and not torch.equal(merged, baseline)
 
 
 def tiny_zimage_folder(tmp_path):
     """A tiny Z-Image pipeline saved to a folder: a Qwen3 model from config, the byte-level
     Qwen2 tokenizer (the pipeline pads to 512 tokens, then keeps each prompt's own), an 8x
     VAE of 16 latent channels with Flux's scaling and shift, and the tiny transformer."""
-    from diffusers import AutoencoderKL, ZImagePipeline
+    from diffusers import ZImagePipeline
     from transformers import Qwen3Config, Qwen3Model
 
     from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
@@ -684,28 +684,10 @@ def tiny_zimage_folder(tmp_path):
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
-    text = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=TEXT_DIM,  # the transformer's cap_feat_dim
-        intermediate_size=32,
-        num_hidden_layers=2,  # the pipeline reads the second hidden state from the end
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=512,
-    )
+    text = Qwen3Config(**two_layer_text(len(tokenizer), TEXT_DIM, 512))  # TEXT_DIM: its cap_feat_dim
     ZImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=AutoencoderKL(
-            block_out_channels=(8,) * 4,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            latent_channels=16,
-            norm_num_groups=4,
-            layers_per_block=1,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-        ),
+        vae=tiny_flux_scaled_vae(16),
         text_encoder=Qwen3Model(text).eval(),
         tokenizer=tokenizer,
         transformer=make_zimage(),
@@ -714,23 +696,25 @@ def tiny_zimage_folder(tmp_path):
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.0])
-def test_generate_runs_a_zimage_pipeline(ratio, tmp_path, one_thread, monkeypatch):
-    # toma generate on ZImagePipeline, loaded back from its folder: its CFG batch holds the
-    # prompt's caption and the empty negative prompt's, of different lengths; the merged
-    # layer sees the image tokens the ratio implies and each caption whole, and ratio 0 gives
-    # the unmerged image bitwise
-    # the default merges the last layer; its attention projects [image; caption] in to_q
-    folder = tiny_zimage_folder(tmp_path)
-    seen, images = generate_watching(
-        monkeypatch, tmp_path, folder, 128, ratio, lambda pipe: pipe.transformer.layers[-1].attention.to_q
-    )
-    # 128x128 px -> 16x16 latents -> 8x8 tokens (2x2 patches), in 2x2 tiles (auto, far below
-    # 1024px); a 1-step warm-up and 2 steps, unmerged then with ToMA, each one CFG batch of 2
-    # whose captions the model pads to a multiple of 32 tokens, and the shorter to the longer
-    kept = 64 - int(64 * ratio)
-    padded = seen[0][1] - 64
-    assert padded > 0 and [b for b, _ in seen] == [2] * 6
-    assert [n for _, n in seen] == [64 + padded] * 3 + [kept + padded] * 3
+@pytest.mark.parametrize("family", ["ernie-image", "zimage"])
+def test_generate_merges_a_cfg_batch_beside_its_text(family, ratio, tmp_path, one_thread, monkeypatch):
+    # toma generate on ErnieImagePipeline and ZImagePipeline, loaded back from their folders:
+    # each step is one CFG batch of 2 whose texts differ in length (ERNIE-Image pads the empty
+    # negative prompt to the prompt's length, masked; Z-Image pads each caption to a multiple
+    # of 32 tokens, the shorter to the longer); the merged layer sees the image tokens the
+    # ratio implies beside the text, whole, and ratio 0 gives the unmerged image bitwise.
+    # The default merges the last layer; its attention projects [image; text] in to_q.
+    build, size, watched = {
+        "ernie-image": (tiny_ernie_image_folder, 32, lambda pipe: pipe.transformer.layers[-1].self_attention.to_q),
+        "zimage": (tiny_zimage_folder, 128, lambda pipe: pipe.transformer.layers[-1].attention.to_q),
+    }[family]
+    seen, images = generate_watching(monkeypatch, tmp_path, build(tmp_path), size, ratio, watched)
+    # 8x8 tokens either way (ERNIE-Image: 32 px, a 2x VAE and 2x2 patchify; Z-Image: 128 px, an
+    # 8x VAE and 2x2 patches), in 2x2 tiles (auto, far below 1024px); a 1-step warm-up and 2
+    # steps, unmerged then with ToMA
+    text = seen[0][1] - 64
+    assert text > 1 and [b for b, _ in seen] == [2] * 6
+    assert [n for _, n in seen] == [64 + text] * 3 + [64 - int(64 * ratio) + text] * 3
     baseline, merged = images
     if ratio == 0:
         assert torch.equal(merged, baseline)
@@ -743,7 +727,7 @@ def tiny_lumina2_folder(tmp_path):
     byte-level Qwen2 tokenizer (the pipeline pads every prompt, its system prompt before it,
     to 256 tokens), an 8x VAE with Flux's scaling and shift, and a tiny transformer whose
     caption positions reach past 256."""
-    from diffusers import AutoencoderKL, Lumina2Pipeline
+    from diffusers import Lumina2Pipeline
     from transformers import Gemma2Config, Gemma2Model
 
     from tests.adapters.test_dit_mmdit import tiny_qwen2_tokenizer
@@ -751,31 +735,13 @@ def tiny_lumina2_folder(tmp_path):
 
     tokenizer = tiny_qwen2_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
-    text = Gemma2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=16,  # the transformer's cap_feat_dim
-        intermediate_size=32,
-        num_hidden_layers=2,  # the pipeline reads the second hidden state from the end
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    # 16: the transformer's cap_feat_dim
+    text = Gemma2Config(**two_layer_text(len(tokenizer), 16, 512), pad_token_id=tokenizer.pad_token_id)
     transformer = make_lumina2(caption=300, caption_dim=16)
     Lumina2Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=AutoencoderKL(
-            block_out_channels=(8,) * 4,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            latent_channels=4,
-            norm_num_groups=4,
-            layers_per_block=1,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-        ),
+        vae=tiny_flux_scaled_vae(4),
         text_encoder=Gemma2Model(text).eval(),
         tokenizer=tokenizer,
     ).save_pretrained(tmp_path / "lumina2")
