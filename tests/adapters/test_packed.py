@@ -37,6 +37,24 @@ def test_a_packed_sequence_reorders_its_image_part_only_and_back_exactly():
     assert torch.equal(state.convert(image, enter=True), tile_order(image, state.layout))
 
 
+def test_the_one_buffer_reorder_equals_the_concatenation_it_replaced():
+    # reorder_after_prefix writes [prefix; reordered image] in one pass: bitwise the prefix
+    # concatenated with tile_order's (and raster_order's) image, on a frame grid of 2x2 tiles
+    # and on a video grid of 2x2x2 tiles, batch 2, from a non-contiguous input too
+    from toma.core.tiling import make_layout, raster_order, reorder_after_prefix
+
+    g = torch.Generator().manual_seed(1)
+    for (t, h, w), tile in (((1, 4, 8), (2, 2)), ((4, 4, 6), (2, 2, 2))):
+        layout = make_layout(h, w, tile, 0.5, t=t)
+        n = layout.num_tokens
+        x = torch.randn(2, 3, PREFIX + n, generator=g).transpose(1, 2)  # (2, S, 3), not contiguous
+        for enter, reorder in ((True, tile_order), (False, raster_order)):
+            want = torch.cat([x[:, :PREFIX], reorder(x[:, PREFIX:], layout)], dim=1)
+            got = reorder_after_prefix(x, layout, enter)
+            assert torch.equal(got, want) and got.is_contiguous()
+        assert torch.equal(reorder_after_prefix(reorder_after_prefix(x, layout, True), layout, False), x)
+
+
 def test_without_packed_a_longer_sequence_keeps_the_models_order():
     # the engine's rule before packed sequences, kept for every other family: a tensor that
     # is not the image's N tokens is not the blocks' sequence

@@ -41,6 +41,7 @@ from toma.core.tiling import (
     make_layout,
     make_span_layout,
     raster_order,
+    reorder_after_prefix,
     scaled_tile_side,
     shard_target,
     tile_order,
@@ -115,11 +116,8 @@ class TokenOrder:
             return x
         runs = shard.world if shard is not None and x.shape[1] == shard.world * layout.num_tokens else 1
         if self.packed and runs == 1 and x.shape[1] > layout.num_tokens:  # [prefix; image]: the image's part
-            prefix = x.shape[1] - layout.num_tokens
             with profiled("toma::merge" if enter else "toma::unmerge"):
-                image = x[:, prefix:]
-                image = tile_order(image, layout) if enter else raster_order(image, layout)
-                return torch.cat([x[:, :prefix], image], dim=1)
+                return reorder_after_prefix(x, layout, enter)
         if x.shape[1] != runs * layout.num_tokens:
             return x
         with profiled("toma::merge" if enter else "toma::unmerge"):

@@ -403,6 +403,34 @@ def raster_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     return from_tiles(x.unflatten(1, (layout.num_tiles, layout.tile_area)), layout)
 
 
+def reorder_after_prefix(x: torch.Tensor, layout: TileLayout, enter: bool) -> torch.Tensor:
+    """A packed sequence ``[prefix; image]`` ``(B, P + N, C)`` with its image part in tile
+    order (``enter``; :func:`tile_order`) or back in raster order (:func:`raster_order`), the
+    prefix in place: the values of concatenating the prefix and the reordered image, written
+    into one new tensor in one pass, where the concatenation allocates the reordered image
+    as well and copies it again. For layouts without padding."""
+    if layout.padded:
+        raise ValueError(
+            f"a {layout.t}x{layout.h}x{layout.w} grid is padded by {layout.tt}x{layout.th}x{layout.tw} tiles: "
+            "no tile order"
+        )
+    b, s, c = x.shape
+    prefix = s - layout.num_tokens
+    if prefix < 0:
+        raise ValueError(f"a packed sequence of {s} tokens cannot end with {layout.num_tokens} image tokens")
+    lay = layout
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out[:, :prefix] = x[:, :prefix]
+    image, into = x[:, prefix:], out[:, prefix:]
+    raster = (b, lay.gt, lay.tt, lay.gh, lay.th, lay.gw, lay.tw, c)  # the grid's dimensions, split into tiles
+    tiles = (b, lay.gt, lay.gh, lay.gw, lay.tt, lay.th, lay.tw, c)  # tile-major
+    if enter:
+        into.view(tiles).copy_(image.reshape(raster).permute(0, 1, 3, 5, 2, 4, 6, 7))
+    else:
+        into.view(raster).copy_(image.reshape(tiles).permute(0, 1, 4, 2, 5, 3, 6, 7))
+    return out
+
+
 def image_to_tile_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     """A channels-first image ``(B, C, H, W)`` to its tokens ``(B, T*n, C)`` in tile order.
 
