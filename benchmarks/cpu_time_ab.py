@@ -178,6 +178,7 @@ def main() -> None:
         patcher = MethodPatcher(model, arch, placement, {}, None)
         variants = (*methods, "toma-separate") if args.separate_adds else methods
     samples: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    usage: dict[str, list[list[float]]] = {v: [] for v in variants}
     graphs = _graph_count()
     for round_ in range(args.rounds + 1):
         shift = round_ % len(variants)
@@ -186,14 +187,18 @@ def main() -> None:
             if not args.compile:
                 apply_variant(patcher, v, args.ratio)
             with torch.inference_mode():
+                use = _usage()
                 cpu, wall = time.process_time(), time.perf_counter()
                 calls[v](inputs) if args.compile else call_denoiser(arch, model, inputs)
                 cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+                use = [b - a for a, b in zip(use, _usage())]
             if not args.compile:
                 patcher.remove()
             if round_:  # the first round warms up
                 samples[v].append((cpu, wall))
-            print(f"round {round_} {v}: cpu {cpu:.2f} s, wall {wall:.2f} s", flush=True)
+                usage[v].append(use)
+            split = f" (user {use[0]:.2f}, system {use[1]:.2f}, {use[2]:.0f} page faults)" if use else ""
+            print(f"round {round_} {v}: cpu {cpu:.2f} s{split}, wall {wall:.2f} s", flush=True)
 
     if _graph_count() != graphs:  # a timed sample then included compiling
         print(f"warning: {_graph_count() - graphs} graphs were compiled during the timed rounds")
@@ -213,6 +218,11 @@ def main() -> None:
         print(f"  {v:14s} {cpu[v]:8.2f} s  speedup {cpu[none] / cpu[v]:.3f}x{eff}")
     if args.compile:
         print("  compiled/eager time: " + ", ".join(f"{m} {cpu[m + '+compile'] / cpu[m]:.3f}" for m in methods))
+    if all(usage[v] and usage[v][0] for v in variants):
+        print("  medians of user s, system s and minor page faults:")
+        for v in variants:
+            user, system, faults = (statistics.median(u[i] for u in usage[v]) for i in range(3))
+            print(f"  {v:14s} {user:8.2f} {system:8.2f} {faults:12.0f}")
     regions: dict[str, dict[str, float]] = {}
     if args.profile:
         for v in variants:
@@ -243,12 +253,27 @@ def main() -> None:
                     "compile": args.compile,
                     "placement": {k: repr(v) for k, v in placement.items()},
                     "samples_cpu_wall_s": samples,
+                    # per sample: user and system CPU s, minor page faults (empty without getrusage)
+                    "samples_user_system_faults": usage,
                     "median_cpu_s": cpu,
                     "profile_regions_ms": regions,
                 },
                 f,
                 indent=1,
             )
+
+
+def _usage() -> list[float]:
+    """The process's user and system CPU seconds and minor page faults so far, or nothing
+    where there is no ``getrusage`` (Windows). The system time is mostly the kernel mapping
+    fresh pages: the allocator returns tensors larger than its mmap threshold (32 MB at most,
+    glibc) to the system when freed, and the next one of that size faults every page in."""
+    try:
+        import resource
+    except ImportError:
+        return []
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return [use.ru_utime, use.ru_stime, float(use.ru_minflt)]
 
 
 def apply_variant(patcher: MethodPatcher, variant: str, ratio: float) -> None:
