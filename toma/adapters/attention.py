@@ -122,6 +122,10 @@ class KeyBias(NamedTuple):
         per_query: ``model_mask`` has a row per query (``(B, 1, Sq, S)``, as Chroma's), so it
             is not folded into ``log_mass``: the ``"mask"`` form adds the two, and the forms
             that take only a bias per key have no exact form for it.
+        dense: where set, the float masks of this bias (:meth:`mask`) by dtype and key count,
+            built once and shared by every call that hands in the same dict: the merged
+            blocks of one plan on one model mask (a per-query mask is a pass over ``Sq x S``
+            and as large, in every merged block otherwise).
     """
 
     log_mass: torch.Tensor
@@ -130,6 +134,7 @@ class KeyBias(NamedTuple):
     auto: bool = False
     per_query: bool = False
     pad_before: bool = False
+    dense: dict | None = None
 
     def automatic(self) -> KeyBias:
         """This bias, applied only where its form is one of :data:`AUTO_FORMS`."""
@@ -152,6 +157,14 @@ class KeyBias(NamedTuple):
         bias = P.additive_mask(self.log_mass if keys is None else self.over(keys), dtype)
         if not self.per_query:
             return bias
+        if self.dense is not None:
+            known = self.dense.get((bias.dtype, bias.shape[-1]))
+            if known is None:
+                known = self.dense[(bias.dtype, bias.shape[-1])] = self._per_query(bias)
+            return known
+        return self._per_query(bias)
+
+    def _per_query(self, bias: torch.Tensor) -> torch.Tensor:
         own = self.model_mask
         if own.dtype == torch.bool:  # True keeps a key: one pass over the (B, 1, Sq, Sk) mask, not four
             return torch.where(own, bias, float("-inf"))
@@ -183,7 +196,7 @@ class KeyBias(NamedTuple):
         def one(t: torch.Tensor | None) -> torch.Tensor | None:
             return t[b : b + 1] if t is not None and t.shape[0] == batch else t
 
-        return self._replace(log_mass=one(self.log_mass), model_mask=one(self.model_mask))
+        return self._replace(log_mass=one(self.log_mass), model_mask=one(self.model_mask), dense=None)
 
 
 def key_bias(log_mass: torch.Tensor, batch: int, heads: int) -> KeyBias:

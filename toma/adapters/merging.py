@@ -244,6 +244,8 @@ class MergeHook(Hook):
                 own = self._own_mask(args, kwargs)  # the model's, fitted to the merged keys above
                 if own is not None and hasattr(mask, "with_model_mask"):  # a KeyBias takes it in
                     mask = mask.with_model_mask(own)
+                    if mask.per_query and not torch.compiler.is_compiling():
+                        mask = mask._replace(dense=_shared_dense(plan, f"{site.path}_{lead}_{batch}_{heads}", own))
                 args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
         return args, kwargs
 
@@ -334,6 +336,21 @@ class PerSample:
 def plan_group(site: Site | None, grid: tuple[int, int, int]) -> Any:
     """The plan cache group of a site on ``grid``: sites of one group share a plan per step."""
     return grid if site is None or site.group is None else (site.group, grid)
+
+
+def _shared_dense(plan: Any, key: str, own: torch.Tensor) -> dict:
+    """The dict in which the merged calls of ``plan`` keep the float masks they build from the
+    model's per-query mask ``own`` (:attr:`KeyBias.dense`): one per plan, key and model mask.
+    The model builds its mask once per forward and hands every block a view of it, so the
+    blocks share one dict while ``own`` views the same tensor, at the same place and version;
+    another mask (the next forward's, with a plan kept for several steps) starts a new one."""
+    base = own._base if own._base is not None else own
+    view = (tuple(own.shape), own.stride(), own.storage_offset(), base._version)
+    slot = plan.memo(f"per_query_{key}", dict)
+    if slot.get("base") is not base or slot.get("view") != view:
+        slot.clear()
+        slot.update(base=base, view=view, dense={})
+    return slot["dense"]
 
 
 def _lead_zeros(log_mass: torch.Tensor, lead: int) -> torch.Tensor:
