@@ -342,14 +342,18 @@ def _shared_dense(plan: Any, key: str, own: torch.Tensor) -> dict:
     """The dict in which the merged calls of ``plan`` keep the float masks they build from the
     model's per-query mask ``own`` (:attr:`KeyBias.dense`): one per plan, key and model mask.
     The model builds its mask once per forward and hands every block a view of it, so the
-    blocks share one dict while ``own`` views the same tensor, at the same place and version;
-    another mask (the next forward's, with a plan kept for several steps) starts a new one."""
-    base = own._base if own._base is not None else own
-    view = (tuple(own.shape), own.stride(), own.storage_offset(), base._version)
+    blocks share one dict while ``own`` views the same memory in the same way, unchanged;
+    another mask (the next forward's, with a plan kept for several steps) starts a new one.
+    The dict holds the mask's storage, so that no other tensor can take its address while
+    the dict lives. A view's version counter is its base's; inference tensors keep none, and
+    one made under inference_mode is taken as unchanged (the model builds its mask once)."""
+    storage = own.untyped_storage()
+    version = None if own.is_inference() else own._version
+    view = (storage.data_ptr(), tuple(own.shape), own.stride(), own.storage_offset(), version)
     slot = plan.memo(f"per_query_{key}", dict)
-    if slot.get("base") is not base or slot.get("view") != view:
+    if slot.get("view") != view:
         slot.clear()
-        slot.update(base=base, view=view, dense={})
+        slot.update(storage=storage, view=view, dense={})
     return slot["dense"]
 
 
