@@ -390,12 +390,17 @@ def tile_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
 
     Only for layouts without padding, whose tile order is a permutation of the tokens.
     """
+    _check_unpadded(layout)
+    return to_tiles(x, layout).flatten(1, 2)
+
+
+def _check_unpadded(layout: TileLayout) -> None:
+    """Raise unless ``layout``'s tile order is a permutation of its tokens (no padding)."""
     if layout.padded:
         raise ValueError(
             f"a {layout.t}x{layout.h}x{layout.w} grid is padded by {layout.tt}x{layout.th}x{layout.tw} tiles: "
             "no tile order"
         )
-    return to_tiles(x, layout).flatten(1, 2)
 
 
 def raster_order(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
@@ -409,25 +414,17 @@ def reorder_after_prefix(x: torch.Tensor, layout: TileLayout, enter: bool) -> to
     prefix in place: the values of concatenating the prefix and the reordered image, written
     into one new tensor in one pass, where the concatenation allocates the reordered image
     as well and copies it again. For layouts without padding."""
-    if layout.padded:
-        raise ValueError(
-            f"a {layout.t}x{layout.h}x{layout.w} grid is padded by {layout.tt}x{layout.th}x{layout.tw} tiles: "
-            "no tile order"
-        )
-    b, s, c = x.shape
-    prefix = s - layout.num_tokens
+    _check_unpadded(layout)
+    prefix = x.shape[1] - layout.num_tokens
     if prefix < 0:
-        raise ValueError(f"a packed sequence of {s} tokens cannot end with {layout.num_tokens} image tokens")
-    lay = layout
+        raise ValueError(f"a packed sequence of {x.shape[1]} tokens cannot end with {layout.num_tokens} image tokens")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     out[:, :prefix] = x[:, :prefix]
-    image, into = x[:, prefix:], out[:, prefix:]
-    raster = (b, lay.gt, lay.tt, lay.gh, lay.th, lay.gw, lay.tw, c)  # the grid's dimensions, split into tiles
-    tiles = (b, lay.gt, lay.gh, lay.gw, lay.tt, lay.th, lay.tw, c)  # tile-major
-    if enter:
-        into.view(tiles).copy_(image.reshape(raster).permute(0, 1, 3, 5, 2, 4, 6, 7))
-    else:
-        into.view(raster).copy_(image.reshape(tiles).permute(0, 1, 4, 2, 5, 3, 6, 7))
+    image = x[:, prefix:]
+    # the image's tokens as a permuted view in the order wanted, copied into a view of the
+    # output's image part in that view's shape
+    moved = _tile_major(image, layout) if enter else _raster_major(image, layout)
+    out[:, prefix:].view(moved.shape).copy_(moved)
     return out
 
 
@@ -486,8 +483,7 @@ def from_tiles(t: torch.Tensor, layout: TileLayout, scatter: torch.Tensor | None
     if scatter is not None and layout.padded:
         return t.flatten(1, 2).index_select(1, scatter)
     lay = layout
-    grid = t.view(b, lay.gt, lay.gh, lay.gw, lay.tt, lay.th, lay.tw, c).permute(0, 1, 4, 2, 5, 3, 6, 7)
-    grid = grid.reshape(b, *_padded_shape(lay), c)
+    grid = _raster_major(t, lay).reshape(b, *_padded_shape(lay), c)
     if lay.padded:
         grid = grid[:, : lay.t, : lay.h, : lay.w]
     return grid.reshape(b, lay.num_tokens, c)
@@ -501,8 +497,23 @@ def _grid_to_tiles(grid: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     """``(B, t', h', w', C)`` padded grid to ``(B, T, n, C)`` tiles."""
     b, c = grid.shape[0], grid.shape[-1]
     lay = layout
-    t = grid.reshape(b, lay.gt, lay.tt, lay.gh, lay.th, lay.gw, lay.tw, c).permute(0, 1, 3, 5, 2, 4, 6, 7)
-    return t.reshape(b, lay.gt * lay.gh * lay.gw, lay.tile_area, c)  # every tile of the grid, a span layout's too
+    return _tile_major(grid, lay).reshape(b, lay.gt * lay.gh * lay.gw, lay.tile_area, c)  # a span layout's too
+
+
+def _tile_major(grid: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """Raster tokens of the padded grid, ``(B, t', h', w', C)`` or flat ``(B, t'h'w', C)``, as a
+    view ``(B, gt, gh, gw, tt, th, tw, C)`` in tile order (a copy only where ``reshape`` needs one)."""
+    lay = layout
+    b, c = grid.shape[0], grid.shape[-1]
+    return grid.reshape(b, lay.gt, lay.tt, lay.gh, lay.th, lay.gw, lay.tw, c).permute(0, 1, 3, 5, 2, 4, 6, 7)
+
+
+def _raster_major(tiles: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """Inverse of :func:`_tile_major`: tiles ``(B, T, n, C)`` or their flat tokens ``(B, T*n, C)``
+    as a view ``(B, gt, tt, gh, th, gw, tw, C)`` in the padded grid's raster order."""
+    lay = layout
+    b, c = tiles.shape[0], tiles.shape[-1]
+    return tiles.reshape(b, lay.gt, lay.gh, lay.gw, lay.tt, lay.th, lay.tw, c).permute(0, 1, 4, 2, 5, 3, 6, 7)
 
 
 @dataclass(frozen=True)
