@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -256,23 +257,30 @@ _MASK_SLOT = _NAMES.index("attn_mask")
 # the keyword in which a merged call carries its key bias to a site's ``bias_call``
 BIAS_KWARG = "_toma_key_bias"
 # the key bias of the merged call under way whose processor passes no mask of toma's to
-# dispatch (:func:`through_dispatch`); innermost last
-_pending: list[KeyBias] = []
+# dispatch (:func:`through_dispatch`), as ``_pending.bias``: set for that call only, and
+# thread-local, because two patched models called from two threads at once took each
+# other's bias from the module-level list this once was (tests/adapters/test_threads.py).
+# Not a ContextVar: Dynamo breaks the graph at ContextVar.get, and traces a thread-local's
+# attributes (a forward never yields to another asyncio task mid-call, so the thread is
+# the unit that can interleave).
+_pending = threading.local()
 
 
 def through_dispatch(forward: Callable, hook: Any, *args: Any, **kwargs: Any) -> Any:
     """A site's ``bias_call`` for processors that call diffusers' dispatch but cannot carry
     a :class:`KeyBias` in their mask argument (LTX reshapes its mask per head, Qwen-Image
-    builds its own): the bias waits here for the call's one dispatch, which
-    :func:`biased_dispatch` applies it to, with the processor's own mask folded in."""
+    builds its own): the bias waits, in this thread's state, for the call's
+    one dispatch, which :func:`biased_dispatch` applies it to, with the processor's own
+    mask folded in."""
     bias = kwargs.pop(BIAS_KWARG, None)
     if bias is None:
         return forward(*args, **kwargs)
-    _pending.append(bias)
+    outer = getattr(_pending, "bias", None)
+    _pending.bias = bias
     try:
         return forward(*args, **kwargs)
     finally:
-        _pending.pop()
+        _pending.bias = outer
 
 
 def dispatch_ok(module: torch.nn.Module) -> str | None:
@@ -305,9 +313,10 @@ def biased_dispatch(real: Callable) -> Callable:
     def dispatch(*args: Any, **kwargs: Any) -> torch.Tensor:
         bias = args[_MASK_SLOT] if len(args) > _MASK_SLOT else kwargs.get("attn_mask")
         if not isinstance(bias, KeyBias):
-            if not _pending:
+            pending = getattr(_pending, "bias", None)
+            if pending is None:
                 return real(*args, **kwargs)
-            own, bias = bias, _pending[-1]
+            own, bias = bias, pending
             if own is not None:  # the processor's own mask over the same keys
                 bias = bias.with_model_mask(own)
         kwargs = {**dict(zip(_NAMES, args)), **kwargs}  # by name, so that the mask and scale can be replaced
