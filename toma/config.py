@@ -131,6 +131,9 @@ class ToMAConfig:
         for name in ("recompute_every", "levels"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=None)
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            # torch.Generator.manual_seed's range: past it, the first forward would overflow
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1] (torch's generator seeds); got {self.seed}")
         for name in ("share_batch_plan", "merge_attn", "merge_crossattn", "merge_mlp"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False; got {getattr(self, name)!r}")
@@ -385,6 +388,10 @@ def _check_tile(tile: Any) -> tuple[int, int] | str:
     if min(pair) < 1:
         raise ValueError(f"tile_size must be at least 1 token on each side; got {tile!r}")
     return (int(pair[0]), int(pair[1]))
+
+
+# the seeds torch.Generator.manual_seed takes
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def _check_int(name: str, value: Any, minimum: int | None) -> None:

@@ -38,7 +38,21 @@ BAD = [
     ({"start_step": 3, "stop_step": 3}, ValueError, "stop_step must be greater than start_step"),
     ({"merge_mlp": "yes"}, TypeError, "merge_mlp"),
     ({"max_downsample": 2}, TypeError, "unknown ToMA option"),
+    # torch's generator takes [-2**63, 2**64 - 1]: past it the first forward used to overflow
+    ({"seed": 2**64, "selection": "random"}, ValueError, r"seed must be in \[-2\*\*63, 2\*\*64 - 1\]"),
+    ({"seed": -(2**63) - 1, "selection": "random"}, ValueError, "seed must be in"),
+    ({"seed": 1.0}, TypeError, "seed must be an int"),
 ]
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63)])
+def test_seeds_at_the_range_ends_run(seed):
+    # an accepted seed must work: the random selection seeds its generator at the first forward
+    unet = make_sd15_unet()
+    kw = unet_inputs(1, 16, 16, False)
+    toma.apply_toma(unet, ratio=0.5, selection="random", seed=seed)
+    with torch.no_grad():
+        assert torch.isfinite(unet(**kw).sample).all()
 
 
 @pytest.mark.parametrize("options,error,message", BAD)
