@@ -41,11 +41,12 @@ def test_applying_to_one_family_imports_only_its_adapter():
     )
     adapters = {m for m in mods if m.startswith("toma.adapters.")}
     # the engine (its spec types, merge hooks, MLP-chunking, checkpoint-replay and
-    # context-parallel parts), the guard of the model's hook (caches) and SD3's spec; no
-    # other family's
+    # context-parallel parts), the guard of the model's hook (caches), the ledger of changes
+    # and SD3's spec; no other family's
     assert adapters == {
         "toma.adapters.base",
         "toma.adapters.caches",
+        "toma.adapters.ledger",
         "toma.adapters.engine",
         "toma.adapters.spec",
         "toma.adapters.merging",

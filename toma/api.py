@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from toma.adapters import FAMILIES, adapter_for, check_placement, unsupported_reason
-from toma.adapters.base import HOOK_NAME, HOOK_NAMES, Patched, Skipped, remove_hook
-from toma.adapters.caches import guard as guard_forward, unlink
+from toma.adapters.base import Patched, Skipped
+from toma.adapters.caches import guard as guard_forward
+from toma.adapters.ledger import Ledger
 from toma.adapters.parallel import cp_config, refusal
 from toma.config import ToMAConfig, make_config
 from toma.adapters.state import PlanCache
@@ -38,10 +39,9 @@ class ToMAPatch:
     patched: list[Patched]
     skipped: list[Skipped]
     cache: PlanCache = field(repr=False)
+    ledger: Ledger = field(default_factory=Ledger, repr=False)
     _hooked: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _adapter: Any = field(default=None, repr=False)
-    _scheduler: Any = field(default=None, repr=False)
-    _guard: Any = field(default=None, repr=False)
 
     def new_run(self) -> None:
         """Start a new denoising run at the next forward (see :meth:`PlanCache.new_run`).
@@ -136,16 +136,20 @@ def apply_toma(
     remove_toma(model)
     cache = PlanCache(cfg, adapter.tile_frames(cfg), getattr(adapter, "reference_tokens", None))
     patch = ToMAPatch(cfg, name, targets, skipped, cache, _adapter=adapter)
-    setattr(model, _ATTR, patch)
-    # copy.deepcopy looks __deepcopy__ up on the instance: see _deepcopy_patched
-    model.__dict__["__deepcopy__"] = functools.partial(_deepcopy_patched, model)
+    ledger = patch.ledger  # every change below is recorded as it is made, and undone from it
     try:
-        patch._hooked = adapter.attach(model, targets, patch.cache)
-        patch._guard = guard_forward(model)  # toma's model hook, through a later forward replacement
+        ledger.record("the plan cache", patch.cache.reset)
+        ledger.set_attr(model, _ATTR, patch)
+        # copy.deepcopy looks __deepcopy__ up on the instance: see _deepcopy_patched
+        ledger.set_item(model.__dict__, "__deepcopy__", functools.partial(_deepcopy_patched, model), model)
+        patch._hooked = adapter.attach(model, targets, patch.cache, ledger)
+        guard = guard_forward(model)  # toma's model hook, through a later forward replacement
+        if guard is not None:
+            ledger.record("forward guard on the denoiser", guard.remove)
         if model is not pipe_or_model:
             _watch_run_start(pipe_or_model, patch)
     except BaseException:
-        _detach(model, patch, everything=True)
+        ledger.close()
         raise
     if warn_slower:
         warn_if_measured_slower(model, [p.name for p in targets], cfg.to_dict())
@@ -161,7 +165,7 @@ def remove_toma(pipe_or_model: Any) -> bool:
     patch = getattr(model, _ATTR, None)
     if patch is None:
         return False
-    _detach(model, patch, everything=False)
+    patch.ledger.close()
     return True
 
 
@@ -184,32 +188,11 @@ def denoiser_of(pipe_or_model: Any) -> torch.nn.Module:
     )
 
 
-def _detach(model: torch.nn.Module, patch: ToMAPatch, everything: bool) -> None:
-    modules = [m for _, m in model.named_modules()] if everything else [model, *patch._hooked]
-    if patch._guard is not None:
-        patch._guard.remove()
-        patch._guard = None
-    registry = getattr(model, "_diffusers_hook", None)
-    own = registry.get_hook(HOOK_NAME) if registry is not None else None
-    for module in modules:
-        for name in HOOK_NAMES:
-            remove_hook(module, name)
-    if getattr(own, "fn_ref", None) is not None:
-        unlink(model, own.fn_ref)
-    patch._adapter.detach(patch.patched)
-    patch.cache.reset()
-    _unwatch_run_start(patch)
-    if getattr(model, _ATTR, None) is patch:
-        delattr(model, _ATTR)
-        model.__dict__.pop("__deepcopy__", None)
-
-
 class _RunStart:
     """Stands in for a pipeline scheduler's ``set_timesteps``: every pipeline call sets its
     timesteps once before denoising, the one run boundary the denoiser cannot see itself."""
 
     def __init__(self, scheduler: Any, patch: ToMAPatch) -> None:
-        self.own = scheduler.__dict__.get("set_timesteps")  # someone else's wrapper, kept
         self.call = scheduler.set_timesteps
         self.patch = patch
         # pipelines inspect set_timesteps' signature (custom sigmas, timesteps): show the original's
@@ -229,18 +212,7 @@ def _watch_run_start(pipe: Any, patch: ToMAPatch) -> None:
     scheduler = getattr(pipe, "scheduler", None)
     if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)):
         return
-    scheduler.__dict__["set_timesteps"] = _RunStart(scheduler, patch)
-    patch._scheduler = scheduler
-
-
-def _unwatch_run_start(patch: ToMAPatch) -> None:
-    scheduler, patch._scheduler = patch._scheduler, None
-    hook = getattr(scheduler, "__dict__", {}).get("set_timesteps")
-    if isinstance(hook, _RunStart) and hook.patch is patch:
-        if hook.own is None:
-            del scheduler.__dict__["set_timesteps"]
-        else:
-            scheduler.__dict__["set_timesteps"] = hook.own
+    patch.ledger.set_item(scheduler.__dict__, "set_timesteps", _RunStart(scheduler, patch), scheduler)
 
 
 def _deepcopy_patched(model: torch.nn.Module, memo: dict) -> torch.nn.Module:
@@ -251,7 +223,7 @@ def _deepcopy_patched(model: torch.nn.Module, memo: dict) -> torch.nn.Module:
     Instead the model is copied unpatched and both are patched again with the same settings.
     """
     patch = getattr(model, _ATTR)
-    _detach(model, patch, everything=False)
+    patch.ledger.close()
     try:
         clone = copy.deepcopy(model, memo)
     finally:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
 import toma
-from tests.tiny_models import flux_inputs, make_flux, make_sd15_unet, unet_inputs
+from tests.tiny_models import FAMILIES, flux_inputs, make_flux, make_sd15_unet, unet_inputs
 
 
 def hooked_modules(model):
@@ -149,8 +150,8 @@ def test_failure_while_attaching_rolls_back(monkeypatch):
 
     original = unet_adapter.attach
 
-    def failing_attach(model, targets, cache):
-        original(model, targets[:1], cache)
+    def failing_attach(model, targets, cache, ledger):
+        original(model, targets[:1], cache, ledger)
         raise RuntimeError("boom")
 
     monkeypatch.setattr(unet_adapter, "attach", failing_attach)
@@ -197,3 +198,63 @@ def test_missing_extras_are_named_before_the_work(tmp_path, capsys, monkeypatch)
     with pytest.raises(pytest.fail.Exception):
         main(["bench", "--arch", "tiny-unet", "--out", str(tmp_path / "b")])
     assert "pip install 'toma-diffusion[bench]'; writing the JSON only" in capsys.readouterr().out
+
+
+def model_state(model):
+    """What a patch could leave on a model: each module's instance attributes (by identity)
+    and torch hooks, and the dispatch function of every loaded module that has one."""
+    modules = {
+        name: (
+            {k: id(v) for k, v in m.__dict__.items() if not k.startswith("_forward") and k != "_parameters"},
+            len(m._forward_pre_hooks),
+            len(m._forward_hooks),
+        )
+        for name, m in model.named_modules()
+    }
+    dispatch = {
+        n: id(mod.dispatch_attention_fn)
+        for n, mod in list(sys.modules.items())
+        if hasattr(mod, "dispatch_attention_fn")
+    }
+    return modules, dispatch
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_partly_failed_apply_leaves_nothing_behind(name, monkeypatch):
+    # apply_toma fails half-way through its hooks, then once every change but the last is
+    # made (the forward guard): each time the ledger undoes what was recorded, and nothing is left
+    from toma.adapters.ledger import Ledger
+
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(1)
+    options = dict(fam.every_part(), ratio=0.5, proportional_attention=True if fam.proportional else None)
+    ref = fam.output(model, kw)
+    before = model_state(model)
+    hooks = len([e for e in toma.apply_toma(model, **options).ledger.entries() if e.startswith("diffusers hook")])
+    toma.remove_toma(model)
+    assert model_state(model) == before
+    real_hook, calls = Ledger.hook, []
+
+    def failing_hook(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == hooks // 2 + 1:
+            raise RuntimeError("boom in a hook")
+        return real_hook(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(Ledger, "hook", failing_hook)
+        with pytest.raises(RuntimeError, match="boom in a hook"):
+            toma.apply_toma(model, **options)
+    assert toma.get_toma(model) is None and not hooked_modules(model)
+    assert model_state(model) == before
+
+    def failing_guard(model):
+        raise RuntimeError("boom at the guard")
+
+    with monkeypatch.context() as m:
+        m.setattr(toma.api, "guard_forward", failing_guard)
+        with pytest.raises(RuntimeError, match="boom at the guard"):
+            toma.apply_toma(model, **options)
+    assert toma.get_toma(model) is None and not hooked_modules(model)
+    assert model_state(model) == before
+    assert torch.equal(fam.output(model, kw), ref)

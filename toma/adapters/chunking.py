@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from toma.adapters.base import CHUNK_HOOK_NAME, Hook, Patched, register_innermost
+from toma.adapters import _private
+from toma.adapters.base import CHUNK_HOOK_NAME, Hook, Patched
 from toma.adapters.merging import hidden_states_of, with_hidden_states
 
 
@@ -39,22 +40,27 @@ class BlockChunkHook(Hook):
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         state = self.state
         if state._taken is not None:  # the previous call raised before post_forward
-            module._chunk_size, module._chunk_dim = state._taken
+            _set_chunking(module, *state._taken)
         state._taken = None
-        state.size = getattr(module, "_chunk_size", None)
+        state.size = getattr(module, _private.CHUNK_SIZE, None)
         if state.size is not None:
-            state.dim = getattr(module, "_chunk_dim", 0)
+            state.dim = getattr(module, _private.CHUNK_DIM, 0)
             state._taken = (state.size, state.dim)
-            module._chunk_size = None
+            setattr(module, _private.CHUNK_SIZE, None)
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         state = self.state
         if state._taken is not None:
-            module._chunk_size, module._chunk_dim = state._taken
+            _set_chunking(module, *state._taken)
             state._taken = None
         state.size = None
         return output
+
+
+def _set_chunking(block: torch.nn.Module, size: int | None, dim: int) -> None:
+    setattr(block, _private.CHUNK_SIZE, size)
+    setattr(block, _private.CHUNK_DIM, dim)
 
 
 class Chunked:
@@ -82,13 +88,14 @@ def chunkable_block(model: torch.nn.Module, target: Patched, path: str) -> torch
     if not name.endswith("." + path):
         return None
     block = model.get_submodule(name[: -len(path) - 1])
-    if not hasattr(block, "_chunk_size") or block.get_submodule(path) is not target.module:
+    if not hasattr(block, _private.CHUNK_SIZE) or block.get_submodule(path) is not target.module:
         return None
     return block
 
 
-def take_over_chunking(block: torch.nn.Module) -> ChunkState:
-    """Register the block's chunking hook; returns the state its MLP's hook reads."""
+def take_over_chunking(block: torch.nn.Module, ledger: Any) -> ChunkState:
+    """Register the block's chunking hook in ``ledger`` (a :class:`~toma.adapters.ledger.Ledger`);
+    returns the state its MLP's hook reads."""
     state = ChunkState()
-    register_innermost(block, BlockChunkHook(state), CHUNK_HOOK_NAME)
+    ledger.hook(block, BlockChunkHook(state), CHUNK_HOOK_NAME)
     return state

@@ -37,10 +37,10 @@ from toma.adapters.base import (
     Hook,
     Patched,
     Skipped,
-    register_innermost,
     step_timestep,
 )
 from toma.adapters.chunking import Chunked, chunkable_block, take_over_chunking
+from toma.adapters.ledger import Ledger
 from toma.adapters.merging import (
     MergeHook,
     PerSample,
@@ -205,7 +205,7 @@ def order_hooks(
 
 
 def block_rope_hooks(
-    spec: FamilySpec, model: torch.nn.Module, cache: PlanCache, order: TileState
+    spec: FamilySpec, model: torch.nn.Module, cache: PlanCache, order: TileState, ledger: Ledger
 ) -> list[torch.nn.Module]:
     """Registers, on every block of the stacks, the hook that puts the rotary tables the
     block takes in the blocks' order (``spec.block_rope``); returns the blocks."""
@@ -215,19 +215,21 @@ def block_rope_hooks(
     blocks = [block for stack in spec.stacks for block in model.get_submodule(stack)]
     for block in blocks:
         hook = BlockRotaryToOrder(cache, order, spec.block_rope, spec.rope_items, memo)
-        register_innermost(block, hook, ROPE_HOOK_NAME)
+        ledger.hook(block, hook, ROPE_HOOK_NAME)
     return blocks
 
 
-def register(hooks: list[tuple[torch.nn.Module, Hook]]) -> list[torch.nn.Module]:
-    """Register ``hooks`` under toma's hook name; returns the hooked modules (for removal)."""
+def register(hooks: list[tuple[torch.nn.Module, Hook]], ledger: Ledger) -> list[torch.nn.Module]:
+    """Register ``hooks`` under toma's hook name; returns the hooked modules."""
     for module, hook in hooks:
-        register_innermost(module, hook, HOOK_NAME)
+        ledger.hook(module, hook, HOOK_NAME)
     return [module for module, _ in hooks]
 
 
-def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
-    """Register the engine's hooks; returns every module that got one (for removal)."""
+def attach(
+    spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cache: PlanCache, ledger: Ledger
+) -> list[torch.nn.Module]:
+    """Register the engine's hooks, each recorded in ``ledger``; returns every module that got one."""
     order, hooks = order_hooks(spec, model, cache)
     chunkers = []
     for target in targets:
@@ -244,7 +246,7 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
         calls = []
         block = chunkable_block(model, target, site.path) if site.part == "mlp" else None
         if block is not None:
-            calls.append(Chunked(take_over_chunking(block)))
+            calls.append(Chunked(take_over_chunking(block, ledger)))
             chunkers.append(block)
         if site.rotary is not None and site.rotary.shared:
             calls.append(PerSample(site.rotary))
@@ -253,7 +255,10 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
         hooks.append((target.module, MergeHook(cache, 1, order, site, bias=bias, calls=tuple(calls))))
     blocks = [".".join(target.name.split(".")[:2]) for target in targets]  # "stack.index"
     return (
-        register(hooks) + block_rope_hooks(spec, model, cache, order) + chunkers + attach_replay(model, blocks, cache)
+        register(hooks, ledger)
+        + block_rope_hooks(spec, model, cache, order, ledger)
+        + chunkers
+        + attach_replay(model, blocks, cache, ledger)
     )
 
 
@@ -279,19 +284,17 @@ class EngineAdapter:
         """See :func:`find_targets`."""
         return find_targets(self.spec, model, config)
 
-    def attach(self, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
+    def attach(
+        self, model: torch.nn.Module, targets: list[Patched], cache: PlanCache, ledger: Ledger
+    ) -> list[torch.nn.Module]:
         """See :func:`attach`; also wraps the dispatched attention of processors that take a
-        key bias (:mod:`toma.adapters.attention`)."""
-        hooked = attach(self.spec, model, targets, cache)
+        key bias (:mod:`toma.adapters.attention`), recorded in ``ledger`` too."""
+        hooked = attach(self.spec, model, targets, cache, ledger)
         if any(bias_setting(cache.config, t.site) for t in targets):
             for name, users in dispatch_modules(targets).items():
                 install(name, users)
+                ledger.record(f"dispatch wrapper in {name}", lambda name=name, users=users: uninstall(name, users))
         return hooked
-
-    def detach(self, targets: list[Patched]) -> None:
-        """Unwraps what :meth:`attach` wrapped; the hooks go with the patch."""
-        for name, users in dispatch_modules(targets).items():
-            uninstall(name, users)
 
     @property
     def reference_tokens(self) -> int | None:

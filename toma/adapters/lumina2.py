@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from toma.adapters.base import PREFIX_HOOK_NAME, Hook, register_innermost
+from toma.adapters.base import PREFIX_HOOK_NAME, Hook
 from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, image_grid, skip_first
 from toma.adapters.spec import gather_rows
 from toma.adapters.state import PlanCache
@@ -129,14 +129,14 @@ SPEC = FamilySpec(
 class _Adapter(EngineAdapter):
     """The engine's adapter, with :class:`AlignPrefixes` on every merged main block."""
 
-    def attach(self, model: torch.nn.Module, targets: list, cache: PlanCache) -> list[torch.nn.Module]:
+    def attach(self, model: torch.nn.Module, targets: list, cache: PlanCache, ledger: Any) -> list[torch.nn.Module]:
         """The engine's hooks, then :class:`AlignPrefixes` on each block a target is in
         (innermost: inside the engine's hooks and any cache's on the block)."""
-        hooked = super().attach(model, targets, cache)
+        hooked = super().attach(model, targets, cache, ledger)
         indices = sorted({int(t.name.split(".")[1]) for t in targets if t.name.startswith("layers.")})
         blocks = [model.layers[i] for i in indices]
         for block in blocks:
-            register_innermost(block, AlignPrefixes(cache), PREFIX_HOOK_NAME)
+            ledger.hook(block, AlignPrefixes(cache), PREFIX_HOOK_NAME)
         return hooked + blocks
 
 

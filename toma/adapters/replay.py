@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from toma.adapters.base import REPLAY_HOOK_NAME, Hook, registry_of
+from toma.adapters.base import REPLAY_HOOK_NAME, Hook
 from toma.adapters.merging import hidden_states_of
 from toma.adapters.state import ForwardState, PlanCache
 
@@ -104,9 +104,10 @@ class ReplayHook(Hook):
         return self.replay.run(self.fn_ref.original_forward, hidden_states_of(args, kwargs), args, kwargs)
 
 
-def attach_replay(model: torch.nn.Module, blocks: list[str], cache: PlanCache) -> list[torch.nn.Module]:
+def attach_replay(model: torch.nn.Module, blocks: list[str], cache: PlanCache, ledger: Any) -> list[torch.nn.Module]:
     """Register a :class:`ReplayHook` on each block named in ``blocks``, outermost (after
-    every other toma hook on it, so that its recorded state covers them all); returns the blocks."""
+    every other toma hook on it, so that its recorded state covers them all), in ``ledger``
+    (a :class:`~toma.adapters.ledger.Ledger`); returns the blocks."""
     replay = Replay(cache)
     hooked = []
     for name in dict.fromkeys(blocks):
@@ -115,5 +116,5 @@ def attach_replay(model: torch.nn.Module, blocks: list[str], cache: PlanCache) -
         except AttributeError:  # targets named outside the model's tree (as some tests make)
             continue
     for block in hooked:
-        registry_of(block).register_hook(ReplayHook(replay), REPLAY_HOOK_NAME)
+        ledger.hook(block, ReplayHook(replay), REPLAY_HOOK_NAME, innermost=False)
     return hooked

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, register_innermost, step_timestep
+from toma.adapters import _private
+from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, step_timestep
 from toma.adapters.chunking import Chunked, chunkable_block, take_over_chunking
 from toma.adapters.engine import MergeHook, TileState, hidden_states_of, with_hidden_states
 from toma.adapters.replay import attach_replay
@@ -126,10 +127,11 @@ SITES = {
 }
 
 
-def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
-    """Register the hooks; returns every module that got one (for removal)."""
+def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache, ledger: Any) -> list[torch.nn.Module]:
+    """Register the hooks, each recorded in ``ledger`` (a :class:`~toma.adapters.ledger.Ledger`);
+    returns every module that got one."""
     hooked = [model]
-    register_innermost(model, UNetStepHook(cache), HOOK_NAME)
+    ledger.hook(model, UNetStepHook(cache), HOOK_NAME)
     states: dict[str, TileState] = {}
     fused: dict[str, tuple[torch.nn.Module, ResidualSlot] | None] = {}  # block name -> (block, slot)
     replayed: list[str] = []  # blocks with toma hooks besides those of fused
@@ -140,7 +142,7 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
             states.setdefault(stack, TileState(cache, stack))
         elif stack not in states:
             states[stack] = TileState(cache, stack)
-            modules, blocks = _order_stack(model, stack, cache, target.downsample, states[stack])
+            modules, blocks = _order_stack(model, stack, cache, target.downsample, states[stack], ledger)
             hooked += modules
             replayed += blocks
         # only self-attention has keys among the merged tokens to weight by their mass
@@ -156,33 +158,33 @@ def attach(model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> 
         block = chunkable_block(model, target, "ff") if sub == "ff" else None
         calls = ()
         if block is not None:
-            calls = (Chunked(take_over_chunking(block)),)
+            calls = (Chunked(take_over_chunking(block, ledger)),)
             hooked.append(block)
         hook = MergeHook(cache, target.downsample, states[stack], SITES[sub], bias=bias, residual=slot, calls=calls)
-        register_innermost(target.module, hook, HOOK_NAME)
+        ledger.hook(target.module, hook, HOOK_NAME)
         hooked.append(target.module)
     # registered last, so innermost: inside the blocks' tile-order and chunking hooks
     for block, slot in filter(None, fused.values()):
-        register_innermost(block, FusedResidualHook(slot), RESIDUAL_HOOK_NAME)
+        ledger.hook(block, FusedResidualHook(slot), RESIDUAL_HOOK_NAME)
         hooked.append(block)
-    return hooked + attach_replay(model, [*fused, *replayed], cache)
+    return hooked + attach_replay(model, [*fused, *replayed], cache, ledger)
 
 
 def _order_stack(
-    model: torch.nn.Module, stack: str, cache: PlanCache, downsample: int, state: TileState
+    model: torch.nn.Module, stack: str, cache: PlanCache, downsample: int, state: TileState, ledger: Any
 ) -> tuple[list[torch.nn.Module], list[str]]:
     """Register the hooks that run a transformer stack in tile order: on the stack itself
     where it flattens its image (:func:`image_stack`), else on its first and last blocks.
     Returns the hooked modules and the names of the hooked blocks."""
     owner = model.get_submodule(stack)
     if image_stack(owner):
-        register_innermost(owner, _ImageOrderHook(cache, downsample, state), HOOK_NAME)
+        ledger.hook(owner, _ImageOrderHook(cache, downsample, state), HOOK_NAME)
         return [owner], []
     blocks = model.get_submodule(f"{stack}.transformer_blocks")
     first, last = blocks[0], blocks[len(blocks) - 1]
     hooked, names = [], []
     for i, block in dict.fromkeys(((0, first), (len(blocks) - 1, last))):
-        register_innermost(block, _TileOrderHook(cache, downsample, state, block is first, block is last), HOOK_NAME)
+        ledger.hook(block, _TileOrderHook(cache, downsample, state, block is first, block is last), HOOK_NAME)
         hooked.append(block)
         names.append(f"{stack}.transformer_blocks.{i}")
     return hooked, names
@@ -253,18 +255,7 @@ class _TileOrderHook(Hook):
 
 
 # Transformer2DModel's methods that flatten its image into tokens and back, and their parameters
-_IMAGE_METHODS = {
-    "_operate_on_continuous_inputs": ("self", "hidden_states"),
-    "_get_output_for_continuous_inputs": (
-        "self",
-        "hidden_states",
-        "residual",
-        "batch_size",
-        "height",
-        "width",
-        "inner_dim",
-    ),
-}
+_IMAGE_METHODS = _private.IMAGE_METHODS
 
 
 def image_stack(module: torch.nn.Module) -> bool:
@@ -391,10 +382,6 @@ def _tokens(
     if x is None or x.ndim != 3 or grid is None or kwargs.get("attention_mask") is not None:
         return None
     return x, grid
-
-
-def detach(targets: list[Patched]) -> None:
-    """Nothing beyond the hooks to undo."""
 
 
 def tile_frames(config: ToMAConfig) -> int:

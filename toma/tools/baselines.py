@@ -32,7 +32,8 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from toma.adapters import adapter_for
 from toma.adapters.unet import UNetStepHook
-from toma.adapters.base import HOOK_NAMES, Patched, remove_hook
+from toma.adapters.base import Patched, remove_hook
+from toma.adapters.ledger import Ledger
 from toma.api import get_toma
 from toma.config import ToMAConfig, make_config
 from toma.core.plan import Memo, profiled
@@ -58,7 +59,7 @@ class BaselinePatch:
     patched: list[Patched]
     settings: dict[str, Any] = field(default_factory=dict)
     _hooked: list[tuple[torch.nn.Module, str]] = field(default_factory=list, repr=False)
-    _adapter: Any = None
+    _ledger: Ledger | None = None  # the ideal's changes, made through toma's adapters
 
 
 def get_baseline(model: torch.nn.Module) -> BaselinePatch | None:
@@ -77,8 +78,8 @@ def remove_baseline(model: torch.nn.Module) -> bool:
         tomesd.remove_patch(model)
     for module, name in patch._hooked:
         remove_hook(module, name)
-    if patch._adapter is not None:
-        patch._adapter.detach(patch.patched)
+    if patch._ledger is not None:
+        patch._ledger.close()
     delattr(model, _ATTR)
     return True
 
@@ -185,11 +186,13 @@ def apply_ideal(model: torch.nn.Module, ratio: float = 0.5, **options: Any) -> B
     if not targets:
         raise ValueError(f"no blocks of {type(model).__name__} would be merged with these settings")
     cache = IdealPlanCache(config, adapter.tile_frames(config), getattr(adapter, "reference_tokens", None))
-    hooked = adapter.attach(model, targets, cache)
-    patch = BaselinePatch("ideal", ratio, targets, {"placement": _placement(config, name)})
-    # the adapter's hooks, under every name it uses (a merged MLP's chunking has its own)
-    patch._hooked = [(m, name) for m in hooked for name in HOOK_NAMES]
-    patch._adapter = adapter
+    ledger = Ledger()
+    try:
+        adapter.attach(model, targets, cache, ledger)
+    except BaseException:
+        ledger.close()
+        raise
+    patch = BaselinePatch("ideal", ratio, targets, {"placement": _placement(config, name)}, _ledger=ledger)
     setattr(model, _ATTR, patch)
     return patch
 
@@ -232,7 +235,6 @@ def apply_todo(model: torch.nn.Module, ratio: float = 0.5, **options: Any) -> Ba
         hooked.append((target.module, _TODO_HOOK))
     patch = BaselinePatch("todo", ratio, targets, {"pool": pool, "placement": _placement(config, "unet")})
     patch._hooked = hooked
-    patch._adapter = found[1]
     setattr(model, _ATTR, patch)
     return patch
 
