@@ -39,6 +39,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from toma.adapters import _private
 from toma.core import proportional as P
 
 MASK, KEY_CHANNEL, FLEX = "mask", "key_channel", "flex"
@@ -228,9 +229,7 @@ def _warn_once(key: str, message: str) -> None:
 
 def _backend_name(backend: Any) -> str:
     if backend is None:
-        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-        backend = _AttentionBackendRegistry.get_active_backend()[0]
+        backend = _private.active_backend()
     return getattr(backend, "value", backend)
 
 
@@ -288,7 +287,7 @@ def dispatch_ok(module: torch.nn.Module) -> str | None:
     would not apply a pending bias (its module's dispatch is not toma's wrapper: a processor
     set after ``apply_toma``), or None."""
     processor = getattr(module, "processor", None)
-    current = getattr(sys.modules.get(_home(processor)), "dispatch_attention_fn", None)
+    current = getattr(sys.modules.get(_home(processor)), _private.DISPATCH_FN, None)
     if getattr(current, "_toma_real", None) is None:
         return (
             f"its processor {type(processor).__name__} is called from a module whose dispatch toma did not "
@@ -408,11 +407,11 @@ def install(module_name: str, users: list[torch.nn.Module]) -> bool:
     since (a patch never removed leaves it, harmlessly: other calls pass through). False if
     the module calls no such function."""
     module = sys.modules.get(module_name)
-    current = getattr(module, "dispatch_attention_fn", None) if module is not None else None
+    current = getattr(module, _private.DISPATCH_FN, None) if module is not None else None
     if current is None:
         return False
     if getattr(current, "_toma_real", None) is None:
-        module.dispatch_attention_fn = biased_dispatch(current)
+        setattr(module, _private.DISPATCH_FN, biased_dispatch(current))
     _users.setdefault(module_name, weakref.WeakSet()).update(users)
     return True
 
@@ -429,10 +428,10 @@ def uninstall(module_name: str, users: list[torch.nn.Module]) -> None:
         return
     del _users[module_name]
     module = sys.modules.get(module_name)
-    current = getattr(module, "dispatch_attention_fn", None) if module is not None else None
+    current = getattr(module, _private.DISPATCH_FN, None) if module is not None else None
     real = getattr(current, "_toma_real", None)
     if real is not None:
-        module.dispatch_attention_fn = real
+        setattr(module, _private.DISPATCH_FN, real)
 
 
 _DISPATCHED = (key_bias, key_bias_text_after, key_bias_prefix)

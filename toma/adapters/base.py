@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from toma.adapters import _private
+
 HOOK_NAME = "toma"
 CHUNK_HOOK_NAME = "toma_chunk"  # a block's second hook, where its MLP's chunking is taken over
 RESIDUAL_HOOK_NAME = "toma_residual"  # a block's hook that leaves its residual adds to the merge hooks
@@ -68,24 +70,19 @@ def register_innermost(module: torch.nn.Module, hook: Any, name: str) -> None:
     across steps whose plans differ, and the order of enabling would change the images.
     """
     registry = registry_of(module)
-    order, refs = getattr(registry, "_hook_order", None), getattr(registry, "_fn_refs", None)
+    chain = _private.hook_chain(registry)
     outer = module.forward
     registry.register_hook(hook, name)
-    if not isinstance(order, list) or not isinstance(refs, list) or len(order) < 2 or len(refs) != len(order):
+    if chain is None or len(chain[0]) < 2 or len(chain[1]) != len(chain[0]):
         return
+    order, refs = chain
     # registered outermost; link it in at the bottom of the chain instead
     first, added = refs[0], refs[-1]
-    base = first.original_forward if getattr(first, "original_forward", None) is not None else first.forward
+    base = _private.wrapped_forward(first)
     wrapped = module.forward
     module.forward = outer
-    if getattr(added, "original_forward", None) is not None:  # a hook with its own new_forward
-        added.original_forward = base
-    else:
-        added.forward = base
-    if getattr(first, "original_forward", None) is not None:
-        first.original_forward = wrapped
-    else:
-        first.forward = wrapped
+    _private.set_wrapped_forward(added, base)
+    _private.set_wrapped_forward(first, wrapped)
     order.insert(0, order.pop())
     refs.insert(0, refs.pop())
 
@@ -151,15 +148,15 @@ def remove_hook(module: torch.nn.Module, name: str) -> bool:
     original ``forward`` behind as an instance attribute, which would shadow a later
     change of the module's class (tomesd patches blocks that way).
     """
-    registry = getattr(module, "_diffusers_hook", None)
+    registry = _private.registry(module)
     if registry is None or registry.get_hook(name) is None:
         return False
     ref = registry.get_hook(name).fn_ref
     current = module.__dict__.get("forward")
     # a forward assigned after the registry's last (cache-dit's), which removing the
     # outermost hook would overwrite with the forward the registry once wrapped
-    refs = getattr(registry, "_fn_refs", None)
-    foreign = isinstance(refs, list) and current is not None and registry_ref(current) not in refs
+    refs = _private.function_refs(registry)
+    foreign = refs is not None and current is not None and registry_ref(current) not in refs
     _remove_keeping_later_hooks(registry, name)
     if foreign:
         module.forward = current
@@ -169,7 +166,7 @@ def remove_hook(module: torch.nn.Module, name: str) -> bool:
         forward = module.__dict__.get("forward")
         if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward:
             del module.forward
-        del module._diffusers_hook
+        _private.drop_registry(module)
     return True
 
 
@@ -180,11 +177,12 @@ def registry_ref(forward: Any) -> Any:
     hook's function reference.
     """
     func = getattr(forward, "func", None)
-    if not isinstance(forward, functools.partial) or not getattr(func, "__qualname__", "").startswith("HookRegistry."):
+    qualname = getattr(func, "__qualname__", "")
+    if not isinstance(forward, functools.partial) or not qualname.startswith(_private.REGISTRY_FORWARD_PREFIX):
         return None
     for cell in func.__closure__ or ():
         contents = cell.cell_contents
-        if type(contents).__name__ == "HookFunctionReference":
+        if type(contents).__name__ == _private.FUNCTION_REFERENCE:
             return contents
     return None
 
@@ -206,16 +204,17 @@ def _remove_keeping_later_hooks(registry: Any, name: str) -> None:
     as the module's forward once that hook goes too: toma's hooks would keep running after
     ``remove_toma``. The next hook's references are set right here.
     """
-    order, refs = getattr(registry, "_hook_order", None), getattr(registry, "_fn_refs", None)
-    if not isinstance(order, list) or not isinstance(refs, list) or name not in order:
+    chain = _private.hook_chain(registry)
+    if chain is None or name not in chain[0]:
         registry.remove_hook(name, recurse=False)
         return
+    order, refs = chain
     index = order.index(name)
-    if index == len(order) - 1 or getattr(refs[index + 1], "original_forward", None) is None:
+    if index == len(order) - 1 or not _private.own_new_forward(refs[index + 1]):
         registry.remove_hook(name, recurse=False)
         return
     removed, following = refs[index], refs[index + 1]
-    original = removed.original_forward if getattr(removed, "original_forward", None) is not None else removed.forward
+    original = _private.wrapped_forward(removed)
     kept = following.forward
     registry.remove_hook(name, recurse=False)
     following.forward, following.original_forward = kept, original

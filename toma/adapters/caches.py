@@ -28,16 +28,13 @@ from typing import Any
 
 import torch
 
+from toma.adapters import _private
 from toma.adapters.base import HOOK_NAME, registry_ref
 
 __all__ = ["ForwardGuard", "guard", "reaches", "unlink"]
 
-# the wrappers that keep what they wrap on the module, by the qualified name of the
-# function their partial calls, and the attribute where the wrapped forward is
-_KEEPS_WRAPPED = {
-    "CachedAdapter.mock_transformer.<locals>.new_forward_with_hf_hook": "_original_forward",  # cache-dit
-    "add_hook_to_module.<locals>.new_forward": "_old_forward",  # accelerate (CPU offload, device maps)
-}
+# the wrappers that keep what they wrap on the module (cache-dit's, accelerate's)
+_KEEPS_WRAPPED = _private.KEEPS_WRAPPED
 _MAX_LINKS = 64  # a chain longer than this is taken to be a cycle: not reached
 
 
@@ -51,7 +48,7 @@ def reaches(module: torch.nn.Module, forward: Any, target: Any) -> bool:
         if ref is not None:
             if ref is target:
                 return True
-            forward = ref.original_forward if getattr(ref, "original_forward", None) is not None else ref.forward
+            forward = _private.wrapped_forward(ref)
             continue
         attr = _KEEPS_WRAPPED.get(getattr(forward.func, "__qualname__", ""))
         if attr is None or attr not in module.__dict__:
@@ -119,14 +116,12 @@ def unlink(module: torch.nn.Module, ref: Any) -> None:
     removal (``cache_dit.disable_cache``) puts back the module's forward, not toma's."""
     for attr in _KEEPS_WRAPPED.values():
         if registry_ref(module.__dict__.get(attr)) is ref:
-            module.__dict__[attr] = (
-                ref.original_forward if getattr(ref, "original_forward", None) is not None else ref.forward
-            )
+            module.__dict__[attr] = _private.wrapped_forward(ref)
 
 
 def guard(model: torch.nn.Module) -> ForwardGuard | None:
     """A :class:`ForwardGuard` for toma's hook on ``model``, or None if it has none."""
-    registry = getattr(model, "_diffusers_hook", None)
+    registry = _private.registry(model)
     hook = registry.get_hook(HOOK_NAME) if registry is not None else None
     if hook is None or getattr(hook, "fn_ref", None) is None:
         return None

@@ -71,6 +71,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from toma.adapters import _private
 from toma.core.tiling import lead_spans
 
 Grid = tuple[int, int, int]
@@ -127,8 +128,7 @@ SUPPORTED = ("flux", "flux2", "wan", "qwenimage", "ltx", "ltx2", "minimax-h3")
 
 def cp_config(model: torch.nn.Module) -> Any:
     """The model's diffusers ``ContextParallelConfig`` once ``enable_parallelism`` ran, else None."""
-    parallel = getattr(model, "_parallel_config", None)
-    return getattr(parallel, "context_parallel_config", None)
+    return _private.context_parallel_config(model)
 
 
 def world_size(cp: Any) -> int:
@@ -187,9 +187,9 @@ def splits_output(module: torch.nn.Module) -> bool:
 
 def _split_plans(module: torch.nn.Module) -> list[dict]:
     """The input plans of diffusers' CP split hooks on ``module`` (``cp_input---*``)."""
-    registry = getattr(module, "_diffusers_hook", None)
-    hooks = getattr(registry, "hooks", None) or {}
-    return [getattr(hook, "metadata", {}) for name, hook in hooks.items() if str(name).startswith("cp_input---")]
+    hooks = getattr(_private.registry(module), "hooks", None) or {}
+    prefix = _private.CP_INPUT_HOOK_PREFIX
+    return [getattr(hook, "metadata", {}) for name, hook in hooks.items() if str(name).startswith(prefix)]
 
 
 def _flat(values: Any) -> list:
@@ -235,7 +235,7 @@ def shard_index(cp: Any) -> int:
     """This rank's shard: its rank in the flattened CP mesh, as diffusers' sharder reads it."""
     import torch.distributed as dist
 
-    return dist.get_rank(cp._flattened_mesh.get_group())
+    return dist.get_rank(_private.context_parallel_group(cp))
 
 
 def shard_of(grid: Grid, tokens: int, world: int, index: int) -> tuple[Grid, Shard] | None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from toma.adapters import _private
 from toma.adapters.base import RESIDUAL_HOOK_NAME, Hook
 
 __all__ = ["RESIDUAL_HOOK_NAME", "FusedResidualHook", "ResidualSlot", "fusable"]
@@ -96,7 +97,7 @@ class FusedResidualHook(Hook):
         if (
             hidden_states.ndim != 3
             or "gligen" in extra
-            or block._chunk_size is not None
+            or getattr(block, _private.CHUNK_SIZE) is not None
             or extra.get("scale") is not None
         ):
             return self.fn_ref.original_forward(

@@ -214,9 +214,9 @@ def _ms(seconds: float) -> str:
 def backend_names(spec: str) -> list[str]:
     """The backends ``--backends`` names (all registered ones for ``all``, none for ``none``);
     an unknown name raises ``ValueError`` naming the known ones."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    from toma.adapters import _private
 
-    known = [b.value for b in _AttentionBackendRegistry.list_backends()]
+    known = _private.backends()
     text = spec.strip().lower()
     if text == "all":
         return known

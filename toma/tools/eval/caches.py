@@ -118,6 +118,8 @@ def _restore(denoiser: Any, order: list[str]) -> None:
       with its own copy (a "patch functor") and keeps it; the class's forward goes back
       wherever no diffusers hook (ToMA's) still wraps it.
     """
+    from toma.adapters import _private
+
     for name in order:
         if name in denoiser._modules:
             denoiser._modules[name] = denoiser._modules.pop(name)
@@ -125,10 +127,10 @@ def _restore(denoiser: Any, order: list[str]) -> None:
         func = getattr(module.__dict__.get("forward"), "__func__", None)
         if func is None or not getattr(func, "__module__", "").startswith("cache_dit"):
             continue
-        registry = getattr(module, "_diffusers_hook", None)  # diffusers' caches leave theirs, empty
+        registry = _private.registry(module)  # diffusers' caches leave theirs, empty
         if registry is None or not registry.hooks:
             del module.forward
-            module.__dict__.pop("_is_patched", None)  # so that cache-dit patches it again next time
+            module.__dict__.pop(_private.CACHE_DIT_PATCHED, None)  # so that cache-dit patches it again next time
 
 
 @dataclass
