@@ -51,6 +51,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "builtin":  # a submodule (built-in models as pipelines): torch loads with it
+        return importlib.import_module("toma.builtin")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'toma' has no attribute {name!r}")
@@ -60,4 +62,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | {"builtin"})
