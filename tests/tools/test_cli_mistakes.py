@@ -78,3 +78,14 @@ def test_prompts_on_the_builtin_model_are_refused(capsys, tmp_path):
 def test_options_the_model_would_ignore_are_refused(capsys, tmp_path, argv, message):
     code, err = run(capsys, "generate", *argv, "--out", str(tmp_path / "x.png"))
     assert code == 2 and message in err
+
+
+def test_generate_says_the_machines_load_beside_its_speedup(capsys, tmp_path, monkeypatch, one_thread):
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 8.0, 7.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert main(["generate", "--labels", "1", "--steps", "1", "--out", str(tmp_path / "x.png")]) == 0
+    out = capsys.readouterr().out
+    assert "speedup" in out
+    assert "load average 9.00 (1 minute) on 2 CPUs, more than the CPUs" in out and "torch threads 1" in out

@@ -34,7 +34,7 @@ from toma.tools.common.pipelines import (
     sync,
     timed,
 )
-from toma.tools.common.report import IMAGE_SUFFIXES, check_output
+from toma.tools.common.report import IMAGE_SUFFIXES, check_output, load_note
 
 if TYPE_CHECKING:
     import torch
@@ -182,6 +182,7 @@ def report_and_save(
         f"time per image: unmerged {per_base:.3f} s, ToMA (ratio {args.ratio}) {per_toma:.3f} s, "
         f"speedup {per_base / per_toma:.2f}x"
     )
+    print(load_note())
     ncols = min(n, 5 if args.compare else 10)
     grid = make_grid(merged, ncols=ncols, upscale=upscale, labels=cell_labels)
     toma_caption = f"ToMA ratio {args.ratio:g}, {args.selection}: {per_toma:.3f} s/image ({per_base / per_toma:.2f}x)"
@@ -221,6 +222,7 @@ def save_video(
         f"time per clip: unmerged {t_base:.3f} s, ToMA (ratio {args.ratio}) {t_toma:.3f} s, "
         f"speedup {t_base / t_toma:.2f}x"
     )
+    print(load_note())
     captions = (
         f"unmerged: {t_base:.3f} s/clip",
         f"ToMA ratio {args.ratio}: {t_toma:.3f} s/clip ({t_base / t_toma:.2f}x)",
