@@ -183,7 +183,7 @@ def readme_table() -> str:
     for f in supported():
         comfy = _cell(f.comfyui) if f.comfyui else "[see page](docs/comfyui.md)"
         lines.append(
-            f"| {_cell(f.title)} | `{f.classes[0]}`{' +' + str(len(f.classes) - 1) if len(f.classes) > 1 else ''} | "
+            f"| {_cell(f.title)} | {', '.join(f'`{c}`' for c in f.classes)} | "
             f"{'video' if f.video else 'image'} | {'✔' if f.context_parallel else '✖'} | {comfy} |"
         )
     return "\n".join(lines)
