@@ -7,6 +7,7 @@ Quick start::
     image = pipe(prompt).images[0]
     toma.remove_toma(pipe)             # exact undo
     toma.apply_toma(pipe, config=toma.load_config("tuned.json"))   # settings from `toma tune`
+    toma.supported()                   # the model families it merges, and what each supports
 """
 
 from __future__ import annotations
@@ -17,17 +18,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from toma.api import ToMAPatch, apply_toma, get_toma, remove_toma
     from toma.config import ConfigFileError, ToMAConfig, load_config
+    from toma.support import FamilySupport, supported
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigFileError",
+    "FamilySupport",
     "ToMAConfig",
     "ToMAPatch",
     "apply_toma",
     "get_toma",
     "load_config",
     "remove_toma",
+    "supported",
     "__version__",
 ]
 
@@ -41,10 +45,14 @@ _LAZY = {
     "apply_toma": "toma.api",
     "get_toma": "toma.api",
     "remove_toma": "toma.api",
+    "FamilySupport": "toma.support",
+    "supported": "toma.support",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "builtin":  # a submodule (built-in models as pipelines): torch loads with it
+        return importlib.import_module("toma.builtin")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'toma' has no attribute {name!r}")
@@ -54,4 +62,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | {"builtin"})

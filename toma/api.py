@@ -28,7 +28,8 @@ class ToMAPatch:
 
     Attributes:
         config: the settings in force.
-        adapter: the model family adapter used (``"unet"`` or ``"flux"``).
+        adapter: the name of the model family whose adapter merges it (``"unet"``, ``"flux"``,
+            ``"wan"``, ...; :func:`toma.supported` lists every family).
         patched: the merged sub-modules.
         skipped: blocks left unmerged, with why.
         cache: the plan cache shared by the merged sub-modules.

@@ -700,8 +700,8 @@ class Arch:
 
     Attributes:
         name: the ``--arch`` value.
-        family: ``"unet"``, ``"flux"``, ``"sd3"``, ``"wan"``, ``"pixart"``, ``"ltx"``,
-            ``"hunyuanvideo"``, ``"cogvideox"``, ``"qwenimage"`` or ``"flux2"``.
+        family: ``"unet"`` or a family name of :data:`toma.adapters.FAMILIES` (``"flux"``,
+            ``"wan"``, ...; :func:`toma.supported` lists them).
         config: constructor keyword arguments of the diffusers model class.
         resolution: default image resolution in pixels.
         text_tokens: prompt length the pipeline feeds the denoiser.

@@ -28,15 +28,19 @@ from toma.tools.common.pipelines import (
     PipelineUnavailableError,
     call_inputs,
     check_frames,
+    check_model_name,
     load_pipeline,
     pipeline_call,
     sync,
     timed,
 )
-from toma.tools.common.report import IMAGE_SUFFIXES, check_output
+from toma.tools.common.report import IMAGE_SUFFIXES, check_output, load_note
 
 if TYPE_CHECKING:
     import torch
+
+DEFAULT_PROMPT = "a photo of an astronaut riding a horse"
+ALL_DIGITS = "0,1,2,3,4,5,6,7,8,9"
 # torch loads in the functions that use it: the CLI builds this parser for ``--help`` without it
 
 
@@ -51,8 +55,10 @@ def register(subparsers: Any) -> None:
         formatter_class=HelpFormatter,
     )
     add_model_option(p)
-    p.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="prompt for --model pipelines")
-    p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="built-in model: comma-separated digits to draw")
+    p.add_argument("--prompt", default=None, help=f"prompt for --model pipelines (default {DEFAULT_PROMPT!r})")
+    p.add_argument(
+        "--labels", default=None, help=f"built-in models: comma-separated digits to draw (default {ALL_DIGITS})"
+    )
     p.add_argument("--ratio", type=float, default=0.5, help="ToMA merge ratio in [0, 1) (default 0.5)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: 20 built-in, 30 pipelines)")
     p.add_argument("--seed", type=int, default=0, help="seed of the starting noise")
@@ -115,7 +121,7 @@ def run_builtin(args: argparse.Namespace) -> int:
     from toma import apply_toma, remove_toma
     from toma.tools.builtin import BUILTIN_MODELS, load_sampler
 
-    labels = parse_labels(args.labels)
+    labels = parse_labels(args.labels or ALL_DIGITS)
     steps = args.steps or 20
     name = getattr(args, "builtin", "builtin")
     model = load_sampler(name, args.builtin_path)
@@ -176,6 +182,7 @@ def report_and_save(
         f"time per image: unmerged {per_base:.3f} s, ToMA (ratio {args.ratio}) {per_toma:.3f} s, "
         f"speedup {per_base / per_toma:.2f}x"
     )
+    print(load_note())
     ncols = min(n, 5 if args.compare else 10)
     grid = make_grid(merged, ncols=ncols, upscale=upscale, labels=cell_labels)
     toma_caption = f"ToMA ratio {args.ratio:g}, {args.selection}: {per_toma:.3f} s/image ({per_base / per_toma:.2f}x)"
@@ -215,6 +222,7 @@ def save_video(
         f"time per clip: unmerged {t_base:.3f} s, ToMA (ratio {args.ratio}) {t_toma:.3f} s, "
         f"speedup {t_base / t_toma:.2f}x"
     )
+    print(load_note())
     captions = (
         f"unmerged: {t_base:.3f} s/clip",
         f"ToMA ratio {args.ratio}: {t_toma:.3f} s/clip ({t_base / t_toma:.2f}x)",
@@ -304,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``toma generate``; returns the exit code."""
     import torch
 
-    from toma.tools.builtin import builtin_name, check_blocks
+    from toma.tools.builtin import BUILTIN_MODELS, builtin_name, check_blocks
 
     # a built-in model is named by args.builtin; args.model stays for pipelines only
     args.builtin = builtin_name(args.model)
@@ -321,6 +329,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--video applies to --model pipelines whose call takes a video, not the built-in models")
         if args.builtin is not None:
             check_blocks(args.builtin, args.blocks)
+        # an option the model would ignore is refused: an accepted setting must do something
+        if args.builtin is not None and args.prompt is not None:
+            raise ValueError("--prompt applies to --model pipelines; the built-in models draw digits: use --labels")
+        if args.builtin is None and args.labels is not None:
+            raise ValueError("--labels applies to the built-in models; a --model pipeline draws from --prompt")
+        if args.builtin is None:
+            check_model_name(args.model, [n for n in BUILTIN_MODELS if n != "builtin"])
+            args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
         check_output(args.out, "--out", folder=False, suffixes=IMAGE_SUFFIXES)  # before generating
         return run_pipeline(args) if args.model else run_builtin(args)
     except PipelineUnavailableError as err:

@@ -94,7 +94,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         dest="proportional_attention",
         action="store_true",
         default=None,
-        help="ToMA: log-mass bias in merged self-attention (default: on for UNets, off for Flux)",
+        help="ToMA: log-mass bias in merged self-attention (default: ToMAConfig's: on for UNets, and for "
+        "transformers on the CPU; off on GPUs until measured there)",
     )
     p.add_argument(
         "--no-proportional-attention",

@@ -37,6 +37,47 @@ def first_sentence(err: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# short names a newcomer tries for --model, and the Hugging Face id each means
+KNOWN_IDS = {
+    "sd15": "stable-diffusion-v1-5/stable-diffusion-v1-5",
+    "sdxl": "stabilityai/stable-diffusion-xl-base-1.0",
+    "sd35": "stabilityai/stable-diffusion-3.5-medium",
+    "flux": "black-forest-labs/FLUX.1-dev",
+    "wan": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+}
+
+
+def check_model_name(model_id: str, builtin_names: Sequence[str]) -> None:
+    """Refuse a ``--model`` that can be neither a folder nor a Hugging Face id, before loading.
+
+    A path (``./x``, ``/x``, ``~/x``, ``a/b/c``) that does not exist would otherwise be looked up
+    on the Hub and answered with download advice; a bare word (``sdxl``) is no Hub id of a
+    pipeline, which are ``owner/name``. Both get what ``--model`` takes, with near names.
+
+    Raises:
+        PipelineUnavailableError: naming ``--model`` and what it takes.
+    """
+    import difflib
+
+    takes = (
+        "--model takes a folder written by `pipe.save_pretrained(...)`, a Hugging Face id (owner/name) whose "
+        f"weights are in the local cache, or a built-in model ({', '.join(builtin_names)})"
+    )
+    path = Path(model_id).expanduser()
+    if path.exists():
+        return
+    looks_like_path = model_id.startswith((".", "/", "~", "\\")) or model_id.count("/") > 1 or "\\" in model_id
+    if looks_like_path:
+        raise PipelineUnavailableError(f"--model {model_id!r}: no such folder (from {Path.cwd()}). {takes}")
+    if "/" not in model_id:
+        names = [*builtin_names, *KNOWN_IDS]
+        close = difflib.get_close_matches(model_id, names, n=3, cutoff=0.6)
+        close += [n for n in names if n not in close and (n.startswith(model_id) or model_id.startswith(n))]
+        hints = [KNOWN_IDS.get(n, n) for n in close[:3]]
+        near = f"; did you mean {' or '.join(hints)}?" if hints else "."
+        raise PipelineUnavailableError(f"--model {model_id!r} is neither a folder nor a built-in model{near} {takes}")
+
+
 def load_pipeline(model_id: str, device: str, dtype: torch.dtype) -> Any:
     """Load a diffusers pipeline from the local cache or a folder, never downloading.
 

@@ -69,6 +69,21 @@ def load_average() -> list[float] | None:
         return None
 
 
+def load_note() -> str:
+    """One line on the machine's load and torch's threads, to print beside a timing: a
+    speedup measured while other work shares the cores can be anything (``""`` where the
+    platform has no load average)."""
+    import torch
+
+    load, cpus = load_average(), os.cpu_count() or 1
+    if load is None:
+        return ""
+    busy = ", more than the CPUs: other work shared them, so the timings are unreliable" if load[0] > cpus else ""
+    return (
+        f"machine: load average {load[0]:.2f} (1 minute) on {cpus} CPUs{busy}; torch threads {torch.get_num_threads()}"
+    )
+
+
 def missing_extra(module: str, extra: str, what: str) -> str | None:
     """A one-line message if the optional ``module`` is not installed, naming the extra that
     brings it (``pip install 'toma-diffusion[extra]'``); None when it is there."""

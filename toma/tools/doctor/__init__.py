@@ -126,6 +126,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json", dest="json_path", default=None, metavar="PATH", help="write the full report as JSON to PATH"
     )
+    p.add_argument(
+        "--models",
+        action="store_true",
+        help="print the model families toma merges and what each supports (toma.supported()), then exit "
+        "without running the checks",
+    )
     p.set_defaults(func=_run)
 
 
@@ -182,6 +188,13 @@ def dtype_list(text: str) -> tuple[str, ...]:
 
 
 def _run(args: argparse.Namespace) -> Any:
+    if args.models:
+        from toma.support import format_table, supported
+
+        families = supported()
+        print(f"toma merges {len(families)} model families (docs/models.md):")
+        print(format_table(families))
+        return 0
     from toma.tools.doctor.checks import run
 
     return run(args)

@@ -36,7 +36,7 @@ from toma.tools.common.options import (
     toma_options,
     validate_toma_options,
 )
-from toma.tools.common.pipelines import PipelineUnavailableError
+from toma.tools.common.pipelines import PipelineUnavailableError, check_model_name
 from toma.tools.common.report import check_output, load_average, missing_extra
 from toma.tools.eval.caches import CACHES, split_method
 from toma.tools.eval.constants import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, METHODS
@@ -173,11 +173,19 @@ def run(args: argparse.Namespace) -> int:
                 "--clip, --dino and --fid-reference apply to --model pipelines; "
                 "the built-in model reports classifier accuracy and FD instead"
             )
+        if args.model is not None:
+            check_model_name(args.model, [n for n in BUILTIN_MODELS if n != "builtin"])
+        if args.prompts is not None:
+            # caught here, before the pipeline loads and the output folder is made
+            if args.model is None:
+                raise ValueError("--prompts applies to --model pipelines; the built-in models draw digits by class")
+            if not args.prompts.is_file():
+                raise ValueError(f"--prompts file {args.prompts} does not exist (a text file, one prompt per line)")
         check_output(args.out_dir, "--out-dir", folder=True)  # before the whole run
         missing = missing_extra("matplotlib", "eval", "toma eval's quality_vs_speedup.png")
         if missing:
             raise ValueError(missing)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, PipelineUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if "tomesd" in methods and not tomesd_available():

@@ -1,0 +1,196 @@
+"""The documentation: generated pages match the code, ``toma.supported()`` matches the
+family records, the README stays short and in order, and the site's strict build passes and
+fails where it should (a broken link, a page missing from the nav).
+
+The generated pages are compared with what ``python -m toma.tools.docs`` writes, so editing
+a family, ``ToMAConfig`` or a command's options without rerunning it fails here. The MkDocs
+builds run on a copy of ``docs/`` in a temporary folder: nothing is written in the checkout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import toma
+from toma.adapters import FAMILIES, UNSUPPORTED
+from toma.adapters.parallel import SUPPORTED as CONTEXT_PARALLEL
+from toma.tools import docs as gen
+from toma.tools.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[2]
+# the ComfyUI page comes with the ComfyUI node, from another branch: until it is here, a
+# strict build may fail on links to it, and on nothing else
+COMFYUI_PAGE = "comfyui.md"
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[Path, str]:
+    return gen.expected(ROOT)
+
+
+def test_committed_generated_pages_are_what_the_command_writes(expected):
+    stale = [str(p.relative_to(ROOT)) for p, text in expected.items() if p.read_text(encoding="utf-8") != text]
+    assert not stale, f"stale generated pages {stale}: run `python -m toma.tools.docs` and commit them"
+
+
+def _checkout_copy(tmp_path: Path) -> Path:
+    """The files the generator reads and writes, copied to a scratch checkout."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    return tmp_path
+
+
+def test_check_reports_an_edited_page_and_a_rerun_restores_it(tmp_path, capsys):
+    root = _checkout_copy(tmp_path)
+    page = root / "docs" / "options.md"
+    original = page.read_text(encoding="utf-8")
+    page.write_text(original.replace("| `ratio` |", "| `ratio_old` |"), encoding="utf-8")
+    readme = root / "README.md"
+    readme.write_text(re.sub(r"\n\| Flux\.1 \|[^\n]*", "", readme.read_text(encoding="utf-8")), encoding="utf-8")
+    assert gen.main(["--root", str(root), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "docs/options.md" in err and "README.md" in err and "docs/models.md" not in err
+    assert page.read_text(encoding="utf-8") != original  # --check writes nothing
+    assert gen.main(["--root", str(root)]) == 0
+    assert page.read_text(encoding="utf-8") == original
+    assert readme.read_text(encoding="utf-8") == (ROOT / "README.md").read_text(encoding="utf-8")
+    assert gen.main(["--root", str(root), "--check"]) == 0
+
+
+def test_generator_refuses_a_readme_without_the_table_markers(tmp_path):
+    root = _checkout_copy(tmp_path)
+    (root / "README.md").write_text("# toma\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="models table markers"):
+        gen.main(["--root", str(root), "--check"])
+
+
+def test_options_page_needs_every_field_described(monkeypatch):
+    doc = toma.ToMAConfig.__doc__
+    monkeypatch.setattr(toma.ToMAConfig, "__doc__", re.sub(r"\n {8}seed: [^\n]*", "", doc))
+    with pytest.raises(ValueError, match="does not describe seed"):
+        gen.options_page()
+
+
+def test_supported_lists_every_family_from_the_records():
+    families = toma.supported()
+    assert [f.family for f in families] == ["unet", *FAMILIES]
+    for f in families[1:]:
+        module, classes = FAMILIES[f.family]
+        spec = importlib.import_module(module).ADAPTER.spec
+        assert f.classes == classes and f.video == spec.video
+        assert f.context_parallel == (f.family in CONTEXT_PARALLEL)
+        assert f.title and f.summary, f"{f.family}: its module docstring lacks 'Title (``Class``): summary'"
+        assert f.default_blocks == "every block but the first 5"  # every family's default today: skip_first(5)
+    assert {f.family for f in families if f.context_parallel} == set(CONTEXT_PARALLEL)
+
+
+def test_models_page_and_readme_table_name_every_family_and_refused_class(expected):
+    models = expected[ROOT / "docs" / "models.md"]
+    readme = expected[ROOT / "README.md"]
+    table = readme.split(gen.TABLE_START)[1].split(gen.TABLE_END)[0]
+    rows = [line for line in table.strip().splitlines()[2:]]
+    assert len(rows) == len(FAMILIES) + 1  # one line per family, the UNets first
+    for f in toma.supported():
+        assert f"### {f.family}\n" in models and f"`{f.classes[0]}`" in table
+    for cls in UNSUPPORTED:
+        assert f"| `{cls}` |" in models
+
+
+def test_doctor_models_prints_every_family_and_runs_no_check(capsys):
+    assert cli(["doctor", "--models"]) == 0
+    out = capsys.readouterr().out
+    assert f"toma merges {len(FAMILIES) + 1} model families" in out
+    lines = out.splitlines()
+    for name in ["unet", *FAMILIES]:
+        assert any(line.split()[0] == name for line in lines[2:]), name
+    assert "checks passed" not in out
+
+
+def test_version_stays_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"toma {toma.__version__}\n"
+
+
+def test_readme_is_short_in_the_issue_order_and_its_links_resolve():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.encode()) <= 12_000
+    headings = re.findall(r"^## (.+)$", text, flags=re.M)
+    order = ["What it looks like", "Speed today", "Install", "Quick start", "Supported models", "Documentation"]
+    assert [h for h in headings if h in order] == order
+    # the distribution is toma-diffusion: the `toma` on PyPI is another project
+    assert not re.search(r"pip install (-U )?toma\b(?!-)", text)
+    assert "no gpu has run" in text.lower()
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert all(link == f"docs/{COMFYUI_PAGE}" for link in missing), missing
+    # .ci/run runs the README's test command: the development page holds it
+    assert "docs/development.md" in links
+    development = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
+    assert "python3 -m pytest -q" in development and ".ci/run" in development
+
+
+def _mkdocs(tmp_path: Path, edit=None) -> subprocess.CompletedProcess:
+    """``mkdocs build --strict`` of a copy of the site (``edit(root)`` changes the copy first)."""
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
+        if os.environ.get("CI"):
+            pytest.fail("mkdocs and mkdocs-material are missing: CI installs the docs extra (.ci/run)")
+        pytest.skip("mkdocs is not installed (pip install -e '.[docs]')")
+    root = tmp_path / "site-src"
+    root.mkdir()
+    shutil.copy(ROOT / "mkdocs.yml", root / "mkdocs.yml")
+    shutil.copytree(ROOT / "docs", root / "docs")
+    if edit is not None:
+        # the ComfyUI page stands in where it is missing, so that only the edit can fail the build
+        stand_in = root / "docs" / COMFYUI_PAGE
+        if not stand_in.exists():
+            stand_in.write_text("# ComfyUI\n", encoding="utf-8")
+        edit(root)
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "out")]
+    return subprocess.run(command, cwd=root, capture_output=True, text=True, env=env, timeout=300)
+
+
+def _warnings(run: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in run.stderr.splitlines() if line.startswith(("WARNING", "ERROR"))]
+
+
+def _passes_but_for_the_comfyui_page(run: subprocess.CompletedProcess) -> bool:
+    if run.returncode == 0:
+        return True
+    return not (ROOT / "docs" / COMFYUI_PAGE).exists() and all(COMFYUI_PAGE in w for w in _warnings(run))
+
+
+def test_site_builds_strictly(tmp_path):
+    run = _mkdocs(tmp_path)
+    assert _passes_but_for_the_comfyui_page(run), run.stderr[-3000:]
+
+
+def test_a_broken_link_fails_the_strict_build(tmp_path):
+    def break_a_link(root: Path) -> None:
+        with open(root / "docs" / "caches.md", "a", encoding="utf-8") as f:
+            f.write("\nSee [the missing page](no-such-page.md).\n")
+
+    run = _mkdocs(tmp_path, break_a_link)
+    assert run.returncode != 0
+    assert any("no-such-page.md" in w for w in _warnings(run)), run.stderr[-3000:]
+
+
+def test_a_page_missing_from_the_nav_fails_the_strict_build(tmp_path):
+    def orphan(root: Path) -> None:
+        (root / "docs" / "orphan.md").write_text("# Orphan\n\nIn no nav.\n", encoding="utf-8")
+
+    run = _mkdocs(tmp_path, orphan)
+    assert run.returncode != 0
+    assert any('not included in the "nav"' in w for w in _warnings(run)), run.stderr[-3000:]
+    assert "  - orphan.md" in run.stderr.splitlines()
