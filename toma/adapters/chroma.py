@@ -22,11 +22,11 @@ import torch
 
 from toma.adapters.engine import EngineAdapter
 from toma.adapters.flux import SPEC as FLUX
-from toma.adapters.flux import IdsGrid
+from toma.adapters.grids import IdsGrid
 
 
 class ChromaGrid(IdsGrid):
-    """:class:`~toma.adapters.flux.IdsGrid`, with the mask the forward takes as ``attention_mask``."""
+    """:class:`~toma.adapters.grids.IdsGrid`, with the mask the forward takes as ``attention_mask``."""
 
     MASK_NAME = "attention_mask"
 

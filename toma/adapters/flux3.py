@@ -24,7 +24,7 @@ import torch
 
 from toma.adapters.attention import key_bias
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
-from toma.adapters.flux import IdsGrid
+from toma.adapters.grids import IdsGrid
 from toma.core.masks import slice_joint_mask
 
 # image_rotary_emb is (cos, sin), each (N, D) in the image's blocks and (text + N, D) in the

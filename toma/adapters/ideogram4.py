@@ -37,7 +37,7 @@ import torch
 
 from toma.adapters.attention import key_bias
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
-from toma.adapters.flux import image_grid, tensor_version
+from toma.adapters.grids import ids_grid, tensor_version
 from toma.core.masks import slice_joint_mask
 
 IMAGE = 2  # diffusers' OUTPUT_IMAGE_INDICATOR
@@ -83,7 +83,7 @@ def read_layout(ids: torch.Tensor, segments: torch.Tensor, indicator: torch.Tens
             "segment_ids that differ over the image tokens make the attention mask structured over them, "
             "which no merged mask fits"
         )
-    h, w = image_grid((rows[0] - POSITION_OFFSET)[:, :3])
+    h, w = ids_grid((rows[0] - POSITION_OFFSET)[:, :3])
     if h * w != tokens:
         return f"position_ids span a {h}x{w} grid but the call has {tokens} image tokens"
     return (1, h, w)

@@ -24,7 +24,7 @@ import torch
 
 from toma.adapters.attention import key_bias
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
-from toma.adapters.flux import image_grid, tensor_version
+from toma.adapters.grids import ids_grid, tensor_version
 from toma.core.masks import slice_joint_mask
 
 # image_rotary_emb is (cos, sin), each (text + N, D): text rows first
@@ -65,7 +65,7 @@ class PositionGrid:
         if known is not None and known[0] is ids and known[1] == tensor_version(ids) and known[2] == lead:
             rows, cols = known[3]
         else:
-            rows, cols = image_grid(ids[lead:])
+            rows, cols = ids_grid(ids[lead:])
             self._known = (ids, tensor_version(ids), lead, (rows, cols))
         if rows * cols != tokens:
             return f"position_ids span a {rows}x{cols} grid but the call has {tokens} image tokens"

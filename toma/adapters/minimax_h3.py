@@ -43,7 +43,7 @@ import torch
 
 from toma.adapters.attention import key_bias
 from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
-from toma.adapters.flux import tensor_version
+from toma.adapters.grids import tensor_version
 
 # rotary_emb is (cos, sin), each (S, D) over the packed sequence: the video's rows last
 _ROTARY = Rotary("rotary_emb", 1, shared=True)
