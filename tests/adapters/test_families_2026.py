@@ -184,7 +184,7 @@ def test_wan_animate_face_adapter_needs_one_frame_tiles(monkeypatch):
 
     fam = FAMILIES["wan-animate"]
     model, kw = fam.make(), fam.divided_inputs(1)
-    monkeypatch.setattr(wan_animate._Adapter, "tile_frames", lambda self, config: 2)
+    monkeypatch.setattr(wan_animate._Quirks, "tile_frames", lambda self, config, frames: 2)
     toma.apply_toma(model, ratio=0.5, **fam.options)
     tiled = output(model, kw)
     monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)

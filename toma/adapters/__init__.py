@@ -1,8 +1,11 @@
 """Model adapters: one per model family.
 
 A family is matched by the class names of the denoiser, so that finding the adapter
-imports only that family's adapter (and the diffusers model code it needs), never the
-others. Families on the engine (:mod:`toma.adapters.engine`) are a short spec each.
+imports only that family's module (and the diffusers model code it needs), never the
+others. A family module declares a ``SPEC`` (:class:`toma.adapters.spec.FamilySpec`) and,
+where data cannot say it all, ``QUIRKS`` (:class:`toma.adapters.spec.Quirks`); the
+registry builds the engine's adapter (:class:`toma.adapters.engine.EngineAdapter`) from
+them, so that no family imports the engine.
 """
 
 from __future__ import annotations
@@ -124,7 +127,10 @@ def adapter_for(model: torch.nn.Module) -> tuple[str, Any] | None:
     names = {cls.__name__ for cls in type(model).__mro__}
     for name, (module, classes) in FAMILIES.items():
         if names.intersection(classes):
-            adapter = importlib.import_module(module)
-            return name, getattr(adapter, "ADAPTER", adapter)
+            family = importlib.import_module(module)
+            # the engine loads with the first family found, not with the registry
+            from toma.adapters.engine import EngineAdapter
+
+            return name, EngineAdapter(family.SPEC, getattr(family, "QUIRKS", None))
     unet = importlib.import_module("toma.adapters.unet")
     return ("unet", unet) if unet.matches(model) else None

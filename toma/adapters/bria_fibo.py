@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from toma.adapters.engine import EngineAdapter
 from toma.adapters.flux import SPEC as FLUX
 
 SPEC = dataclasses.replace(FLUX, name="bria-fibo", classes=("BriaFiboTransformer2DModel",), raster_kwargs=())
-ADAPTER = EngineAdapter(SPEC)

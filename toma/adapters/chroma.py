@@ -20,7 +20,6 @@ import dataclasses
 
 import torch
 
-from toma.adapters.engine import EngineAdapter
 from toma.adapters.flux import SPEC as FLUX
 from toma.adapters.grids import IdsGrid
 
@@ -36,4 +35,3 @@ class ChromaGrid(IdsGrid):
 
 
 SPEC = dataclasses.replace(FLUX, name="chroma", classes=("ChromaTransformer2DModel",), grid=ChromaGrid)
-ADAPTER = EngineAdapter(SPEC)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 
 # one (N, D) table for the whole batch, in the blocks' order (block_rope)
 _ROTARY = Rotary("image_rotary_emb", None, shared=True)
@@ -78,4 +78,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(30, 45),  # 480x720
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
+from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
 
 _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
@@ -49,4 +49,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(44, 80),  # 704x1280 (Predict2 video)
 )
-ADAPTER = EngineAdapter(SPEC)

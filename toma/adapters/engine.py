@@ -73,6 +73,7 @@ from toma.adapters.spec import (
     FamilySpec,
     Grid,
     GridReader,
+    Quirks,
     Rotary,
     Site,
     gather_rows,
@@ -258,10 +259,12 @@ def attach(spec: FamilySpec, model: torch.nn.Module, targets: list[Patched], cac
 
 
 class EngineAdapter:
-    """A family's adapter on the engine: what :func:`toma.apply_toma` calls, for one spec."""
+    """A family's adapter on the engine: what :func:`toma.apply_toma` calls, for one spec
+    and the family's :class:`~toma.adapters.spec.Quirks`, if it has any."""
 
-    def __init__(self, spec: FamilySpec) -> None:
+    def __init__(self, spec: FamilySpec, quirks: Quirks | None = None) -> None:
         self.spec = spec
+        self.quirks = quirks if quirks is not None else Quirks()
 
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` belongs to this family."""
@@ -271,22 +274,21 @@ class EngineAdapter:
         """The placement options this family takes, and how they place merging (see
         :func:`toma.adapters.check_placement`): ``blocks``, and ``tile_frames`` for video."""
         hint = f"blocks={{stack: indices}} with stacks {list(self.spec.stacks)}"
-        return ("blocks", "tile_frames") if self.spec.video else ("blocks",), hint + (
-            " and tile_frames" if self.spec.video else ""
-        )
+        taken = ("blocks", "tile_frames") if self.spec.video else ("blocks",)
+        return self.quirks.placement(taken, hint + (" and tile_frames" if self.spec.video else ""))
 
     def find_targets(self, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
-        """See :func:`find_targets`."""
-        return find_targets(self.spec, model, config)
+        """See :func:`find_targets`, with the settings the family's quirks make of ``config``."""
+        return find_targets(self.spec, model, self.quirks.config(model, config))
 
     def attach(self, model: torch.nn.Module, targets: list[Patched], cache: PlanCache) -> list[torch.nn.Module]:
         """See :func:`attach`; also wraps the dispatched attention of processors that take a
-        key bias (:mod:`toma.adapters.attention`)."""
+        key bias (:mod:`toma.adapters.attention`), then attaches the family's quirks."""
         hooked = attach(self.spec, model, targets, cache)
         if any(bias_setting(cache.config, t.site) for t in targets):
             for name, users in dispatch_modules(targets).items():
                 install(name, users)
-        return hooked
+        return hooked + self.quirks.attach(model, targets, cache)
 
     def detach(self, targets: list[Patched]) -> None:
         """Unwraps what :meth:`attach` wrapped; the hooks go with the patch."""
@@ -308,7 +310,7 @@ class EngineAdapter:
         """
         if not self.spec.video:
             return 1
-        return config.tile_frames if config.tile_frames is not None else 1
+        return self.quirks.tile_frames(config, config.tile_frames if config.tile_frames is not None else 1)
 
 
 class StepHook(Hook):

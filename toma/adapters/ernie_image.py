@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, gather_rows, image_grid, skip_first
+from toma.adapters.spec import FamilySpec, Rotary, Site, gather_rows, image_grid, skip_first
 from toma.core.masks import slice_image_first_mask
 
 # ErnieImageAttention.forward(hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
@@ -59,4 +59,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(64, 64),  # the pipeline's 1024px: 16x VAE latents patchified 2x2 by the pipeline, patch 1
 )
-ADAPTER = EngineAdapter(SPEC)

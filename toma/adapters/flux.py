@@ -28,9 +28,8 @@ from dataclasses import replace
 import torch
 
 from toma.adapters.attention import key_bias
-from toma.adapters.base import Patched, Skipped
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first
 from toma.adapters.grids import IdsGrid
+from toma.adapters.spec import FamilySpec, Quirks, Rotary, Site, skip_first
 from toma.config import ToMAConfig
 from toma.core.masks import slice_joint_mask
 
@@ -94,16 +93,19 @@ SPEC = FamilySpec(
 )
 
 
-class FluxAdapter(EngineAdapter):
-    """The engine adapter for Flux.1, which also takes the ``flux_*_blocks`` aliases."""
+class FluxQuirks(Quirks):
+    """Flux.1 also takes the ``flux_*_blocks`` aliases of ``blocks``."""
 
-    def placement(self) -> tuple[tuple[str, ...], str]:
+    def placement(self, taken: tuple[str, ...], hint: str) -> tuple[tuple[str, ...], str]:
         """``blocks``, or its aliases ``flux_double_blocks`` and ``flux_single_blocks``."""
-        taken, hint = super().placement()
         return (*taken, *STACKS.values()), hint + " (or flux_double_blocks / flux_single_blocks)"
 
-    def find_targets(self, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
-        """See :func:`toma.adapters.engine.find_targets`; the aliases become ``blocks``."""
+    def config(self, model: torch.nn.Module, config: ToMAConfig) -> ToMAConfig:
+        """``config`` with the aliases turned into ``blocks``.
+
+        Raises:
+            ValueError: ``blocks`` and an alias both given, or an alias's index past its stack.
+        """
         aliases = {stack: getattr(config, option) for stack, option in STACKS.items()}
         if any(v is not None for v in aliases.values()):
             if config.blocks is not None:
@@ -115,7 +117,7 @@ class FluxAdapter(EngineAdapter):
                     raise ValueError(f"{option} must hold indices in [0, {count - 1}]; got {bad}")
             blocks = {s: default_blocks(len(model.get_submodule(s))) if v is None else v for s, v in aliases.items()}
             config = replace(config, blocks=blocks, flux_double_blocks=None, flux_single_blocks=None)
-        return super().find_targets(model, config)
+        return config
 
 
-ADAPTER = FluxAdapter(SPEC)
+QUIRKS = FluxQuirks()

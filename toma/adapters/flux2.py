@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first
 from toma.adapters.grids import IdsGrid
 from toma.core.masks import slice_joint_mask
 
@@ -57,4 +57,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -22,15 +22,15 @@ from dataclasses import replace
 
 import torch
 
-from toma.adapters import hunyuanvideo
-from toma.adapters.engine import EngineAdapter, FamilySpec, Site, skip_first, video_grid
+from toma.adapters.hunyuanvideo import SPEC as HUNYUANVIDEO
+from toma.adapters.spec import FamilySpec, Site, skip_first, video_grid
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     # HunyuanVideo's: its key bias already pads the text's keys after the merged ones, and
     # a text-first merge leads them with the history's at log mass 0; its joint mask holds
     # ones over [history; video], so cutting its first N - K keys keeps the text's
-    return [replace(site, text_first=True) for site in hunyuanvideo._sites(stack, block)]
+    return [replace(site, text_first=True) for site in HUNYUANVIDEO.sites(stack, block)]
 
 
 SPEC = FamilySpec(
@@ -46,4 +46,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(45, 80),  # its pipeline's 720x1280, as HunyuanVideo's
 )
-ADAPTER = EngineAdapter(SPEC)

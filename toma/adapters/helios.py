@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, gather_rows, skip_first, video_grid
+from toma.adapters.spec import FamilySpec, Rotary, Site, gather_rows, skip_first, video_grid
 
 
 # rotary_emb: (B, history + N, D), cos then sin; the processor broadcasts it over heads
@@ -62,4 +62,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(24, 40),  # its pipeline's 384x640 (8x VAE, 2x2 patches)
 )
-ADAPTER = EngineAdapter(SPEC)

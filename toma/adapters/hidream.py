@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
-from toma.adapters.spec import gather_rows
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 from toma.core.masks import slice_image_first_mask
 
 # image_rotary_emb (B, N + text, 1, D/2, 2, 2): the image's rows first
@@ -73,4 +72,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: 8x VAE, 2x2 patches
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, Grid
+from toma.adapters.spec import Grid
 from toma.adapters.hunyuanvideo import SPEC as HUNYUANVIDEO
 
 
@@ -35,4 +35,3 @@ SPEC = dataclasses.replace(
     video=False,
     reference=(64, 64),  # 2048px
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias_text_after
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
+from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
 from toma.core.masks import slice_image_first_mask
 
 
@@ -74,4 +74,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(45, 80),  # 720x1280
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
+from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
 
 
 def _text_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor | None:
@@ -59,4 +59,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(45, 80),  # 720x1280
 )
-ADAPTER = EngineAdapter(SPEC)

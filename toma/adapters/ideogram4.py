@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 from toma.adapters.grids import ids_grid, tensor_version
 from toma.core.masks import slice_joint_mask
 
@@ -146,4 +146,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(128, 128),  # the pipeline's 2048px: 8x VAE, 2x2 patches
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -23,7 +23,7 @@ import math
 import torch
 
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 
 # image_rotary_emb is ((cos, sin), text table or None); cos and sin are (N + extra, D)
 _ROTARY = Rotary("image_rotary_emb", 2, shared=True, items=(0,))
@@ -74,4 +74,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: the edit pipeline's bucket base size, VAE /8, patch 2
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 
 # rotations (B, N, 1, D/2, 2, 2) at the attention's call (the forward repeats one table
 # over the batch); its processor calls diffusers' dispatch with no mask of its own
@@ -80,4 +80,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(32, 48),  # the T2V pipeline's 512x768: 8x VAE, 2x2 patches
 )
-ADAPTER = EngineAdapter(SPEC)

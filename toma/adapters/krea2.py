@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.grids import ids_grid, tensor_version
 from toma.core.masks import slice_joint_mask
 
@@ -84,4 +84,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: 8x VAE, 2x2 patches
 )
-ADAPTER = EngineAdapter(SPEC)

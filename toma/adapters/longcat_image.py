@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from toma.adapters.engine import EngineAdapter
 from toma.adapters.flux import SPEC as FLUX
 
 SPEC = dataclasses.replace(FLUX, name="longcat-image", classes=("LongCatImageTransformer2DModel",), raster_kwargs=())
-ADAPTER = EngineAdapter(SPEC)

@@ -17,7 +17,7 @@ import math
 import torch
 
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
@@ -67,4 +67,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(16, 22),  # 512x704
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -45,7 +45,7 @@ import math
 import torch
 
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, gather_token_rows, skip_first
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_token_rows, skip_first
 
 # LTX2Attention.forward(hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, ...)
 QUERY_TABLES = Rotary("query_rotary_emb", 3, gather_token_rows)
@@ -108,4 +108,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(16, 24),  # 768x512: the pipelines' default, VAE 32x
 )
-ADAPTER = EngineAdapter(SPEC)

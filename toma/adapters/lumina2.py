@@ -33,10 +33,8 @@ from typing import Any
 
 import torch
 
-from toma.adapters.base import PREFIX_HOOK_NAME, Hook, register_innermost
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, image_grid, skip_first
-from toma.adapters.spec import gather_rows
-from toma.adapters.state import PlanCache
+from toma.adapters.base import PREFIX_HOOK_NAME, Hook, Patched, register_innermost
+from toma.adapters.spec import FamilySpec, Quirks, Rotary, Site, gather_rows, image_grid, skip_first
 from toma.core.masks import slice_joint_mask
 
 # Lumina2TransformerBlock.forward(hidden_states, attention_mask, image_rotary_emb, temb)
@@ -78,9 +76,10 @@ class AlignPrefixes(Hook):
     sample's padding, so that every image is the last ``N`` tokens (module docstring), and
     its output rolled back. The block's hidden states, key mask and rotary tables are
     rolled; the last mask and tables are remembered with their rolled forms, as every block
-    of a forward gets the same ones."""
+    of a forward gets the same ones. ``cache`` is the model's
+    :class:`~toma.adapters.state.PlanCache`, which says whether the call merges."""
 
-    def __init__(self, cache: PlanCache) -> None:
+    def __init__(self, cache: Any) -> None:
         self.cache = cache
         self.shift: torch.Tensor | None = None  # this call's, from pre_forward to post_forward
         self.memo: tuple[Any, ...] | None = None  # (mask, rotary, shift, rolled mask, rolled rotary)
@@ -126,18 +125,17 @@ SPEC = FamilySpec(
 )
 
 
-class _Adapter(EngineAdapter):
-    """The engine's adapter, with :class:`AlignPrefixes` on every merged main block."""
+class _Quirks(Quirks):
+    """:class:`AlignPrefixes` on every merged main block."""
 
-    def attach(self, model: torch.nn.Module, targets: list, cache: PlanCache) -> list[torch.nn.Module]:
-        """The engine's hooks, then :class:`AlignPrefixes` on each block a target is in
+    def attach(self, model: torch.nn.Module, targets: list[Patched], cache: Any) -> list[torch.nn.Module]:
+        """:class:`AlignPrefixes` on each block a target is in, after the engine's hooks
         (innermost: inside the engine's hooks and any cache's on the block)."""
-        hooked = super().attach(model, targets, cache)
         indices = sorted({int(t.name.split(".")[1]) for t in targets if t.name.startswith("layers.")})
         blocks = [model.layers[i] for i in indices]
         for block in blocks:
             register_innermost(block, AlignPrefixes(cache), PREFIX_HOOK_NAME)
-        return hooked + blocks
+        return blocks
 
 
-ADAPTER = _Adapter(SPEC)
+QUIRKS = _Quirks()

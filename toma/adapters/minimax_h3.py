@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.grids import tensor_version
 
 # rotary_emb is (cos, sin), each (S, D) over the packed sequence: the video's rows last
@@ -166,4 +166,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(24, 42),  # the pipeline's 768x1344 canvas: 16x VAE, 2x2 patches
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, FamilySpec, Site, head_mask, image_grid, skip_first
+from toma.adapters.spec import FamilySpec, Site, head_mask, image_grid, skip_first
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
@@ -32,4 +32,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(64, 64),  # PixArt-Sigma at 1024px
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -17,7 +17,7 @@ import math
 import torch
 
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 
 # image_rotary_emb is (image table (N, D/2), text table (T, D/2)), complex
 _ROTARY = Rotary("image_rotary_emb", None, shared=True, items=(0,))
@@ -67,4 +67,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px
 )
-ADAPTER = EngineAdapter(SPEC)

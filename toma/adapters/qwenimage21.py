@@ -29,7 +29,7 @@ import math
 import torch
 
 from toma.adapters.attention import dispatch_ok, key_bias_prefix
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 from toma.core.masks import slice_joint_mask
 
 # rotary_emb: one complex (N, D/2) table over the target tokens in a cached pass
@@ -82,4 +82,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: the VAE's 16x latents, one token each
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import BIAS_KWARG, attend, key_bias, key_bias_text_after
-from toma.adapters.engine import EngineAdapter, FamilySpec, Site, image_grid, skip_first
+from toma.adapters.spec import FamilySpec, Site, image_grid, skip_first
 
 _STOCK, _FUSED = "JointAttnProcessor2_0", "FusedJointAttnProcessor2_0"
 
@@ -105,4 +105,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px
 )
-ADAPTER = EngineAdapter(SPEC)

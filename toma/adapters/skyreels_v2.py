@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, Grid
+from toma.adapters.spec import Grid
 from toma.adapters.wan import SPEC as WAN
 
 
@@ -30,4 +30,3 @@ def _grid(model: torch.nn.Module, call: dict) -> Grid | str | None:
 
 
 SPEC = dataclasses.replace(WAN, name="skyreels-v2", classes=("SkyReelsV2Transformer3DModel",), grid=_grid)
-ADAPTER = EngineAdapter(SPEC)

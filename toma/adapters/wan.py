@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.attention import key_bias
-from toma.adapters.engine import EngineAdapter, FamilySpec, Rotary, Site, skip_first, video_grid
+from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
 
 
 # rotary tables are (1, N, 1, D); per-batch destinations give (Bp, K, 1, D), which the
@@ -50,4 +50,3 @@ SPEC = FamilySpec(
     video=True,
     reference=(30, 52),  # 480x832
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from toma.adapters.engine import EngineAdapter
+from toma.adapters.spec import Quirks
 from toma.adapters.wan import SPEC as WAN
 from toma.config import ToMAConfig
 
 SPEC = dataclasses.replace(WAN, name="wan-animate", classes=("WanAnimateTransformer3DModel",), enter=("block", ""))
 
 
-class _Adapter(EngineAdapter):
-    """Wan's adapter with tiles of one frame."""
+class _Quirks(Quirks):
+    """Tiles of one frame."""
 
-    def tile_frames(self, config: ToMAConfig) -> int:
+    def tile_frames(self, config: ToMAConfig, frames: int) -> int:
         """1: the face adapter splits the tokens per frame (see the module docstring).
 
         Raises:
@@ -40,4 +40,4 @@ class _Adapter(EngineAdapter):
         return 1
 
 
-ADAPTER = _Adapter(SPEC)
+QUIRKS = _Quirks()

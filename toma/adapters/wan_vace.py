@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from toma.adapters.engine import EngineAdapter, Site
+from toma.adapters.spec import Site
 from toma.adapters.wan import SPEC as WAN
 
 
@@ -35,4 +35,3 @@ SPEC = dataclasses.replace(
     # every call passes it (the model needs it); a call without it would fail in the model
     raster_kwargs=("control_hidden_states",),
 )
-ADAPTER = EngineAdapter(SPEC)

@@ -31,8 +31,7 @@ import math
 import torch
 
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
-from toma.adapters.engine import EngineAdapter, FamilySpec, Grid, Rotary, Site, skip_first
-from toma.adapters.spec import gather_rows
+from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 from toma.core.masks import slice_image_first_mask
 
 SEQ_MULTIPLE = 32  # diffusers' SEQ_MULTI_OF: the forward pads image and caption to it
@@ -99,4 +98,3 @@ SPEC = FamilySpec(
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: 8x VAE, 2x2 patches
 )
-ADAPTER = EngineAdapter(SPEC)
