@@ -52,7 +52,8 @@ def test_applying_to_one_family_imports_only_its_adapter():
         "toma.adapters.state",
         "toma.adapters.chunking",
         "toma.adapters.replay",
-        "toma.adapters.sd3",
+        "toma.adapters.families",
+        "toma.adapters.families.sd3",
         "toma.adapters.parallel",
         "toma.adapters.attention",
     }

@@ -112,7 +112,7 @@ def test_proportional_attention_is_refused_where_a_site_cannot_take_the_bias(mon
     # the bias under None
     import dataclasses
 
-    from toma.adapters import sd3
+    from toma.adapters.families import sd3
     from toma.adapters.spec import Site
 
     spec = dataclasses.replace(sd3.SPEC, sites=lambda stack, block: [Site("attn", "attn")])

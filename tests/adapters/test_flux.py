@@ -8,7 +8,7 @@ import torch
 import toma
 from tests.tiny_models import flux_inputs, make_flux
 from tests.tiny_models import kontext_inputs
-from toma.adapters.flux import default_blocks
+from toma.adapters.families.flux import default_blocks
 from toma.adapters.grids import ids_grid
 
 

@@ -1,6 +1,6 @@
 """Wan-Animate 2.2 (``WanAnimateTransformer3DModel``): Wan's blocks with face-motion residuals between them.
 
-Its blocks (a copy of Wan's) merge as Wan's do (:mod:`toma.adapters.wan`). Every
+Its blocks (a copy of Wan's) merge as Wan's do (:mod:`toma.adapters.families.wan`). Every
 ``inject_face_latents_blocks`` blocks, a face adapter cross-attends the video tokens to a
 motion vector per latent frame: it splits the token sequence into equal runs, one per
 frame. Tile order keeps each frame's tokens together only while tiles span one frame, so
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from toma.adapters.spec import Quirks
-from toma.adapters.wan import SPEC as WAN
+from toma.adapters.families.wan import SPEC as WAN
 from toma.config import ToMAConfig
 
 SPEC = dataclasses.replace(WAN, name="wan-animate", classes=("WanAnimateTransformer3DModel",), enter=("block", ""))

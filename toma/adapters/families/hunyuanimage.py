@@ -3,7 +3,7 @@
 Dual-stream then single-stream blocks whose attention runs over [image; text], text last,
 with one ``(N, D)`` rotary table for the batch and the model's ``(B, 1, 1, N + text)`` mask
 (True over the image): the sites and the mask's fitting to merged tokens are HunyuanVideo's
-(:mod:`toma.adapters.hunyuanvideo`). Latents are ``(B, C, H, W)`` (or ``(B, C, T, H, W)``
+(:mod:`toma.adapters.families.hunyuanvideo`). Latents are ``(B, C, H, W)`` (or ``(B, C, T, H, W)``
 with a 3-D ``patch_size``), patchified by ``config.patch_size``; tiles are 2-D.
 """
 
@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from toma.adapters.spec import Grid
-from toma.adapters.hunyuanvideo import SPEC as HUNYUANVIDEO
+from toma.adapters.families.hunyuanvideo import SPEC as HUNYUANVIDEO
 
 
 def _grid(model: torch.nn.Module, call: dict) -> Grid | None:

@@ -1,7 +1,7 @@
 """SkyReels-V2 (``SkyReelsV2Transformer3DModel``): Wan's block layout, T2V, I2V and diffusion forcing.
 
 Its blocks are Wan's (self-attention with 3-D rotary, cross-attention, MLP) and merge as
-Wan's do (:mod:`toma.adapters.wan`); image-to-video models add image keys to the
+Wan's do (:mod:`toma.adapters.families.wan`); image-to-video models add image keys to the
 cross-attention, whose queries are all that merges there. Diffusion forcing passes one
 timestep per latent frame, which modulates every token by its raster place: those forwards
 merge in raster order. Models with ``num_frame_per_block > 1`` (autoregressive diffusion
@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from toma.adapters.spec import Grid
-from toma.adapters.wan import SPEC as WAN
+from toma.adapters.families.wan import SPEC as WAN
 
 
 def _grid(model: torch.nn.Module, call: dict) -> Grid | str | None:

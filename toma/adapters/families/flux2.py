@@ -10,7 +10,7 @@ processors apply one table to the whole batch, so merged attention runs once per
 when the samples have plans of their own (``Rotary(shared=True)``). Reference images'
 tokens (editing) pass whole, like text. An attention mask in ``joint_attention_kwargs``
 merges where it holds one value over the image (and reference) tokens per sample, sliced
-to the merged tokens; a structured one runs unmerged (:mod:`toma.adapters.flux`).
+to the merged tokens; a structured one runs unmerged (:mod:`toma.adapters.families.flux`).
 Proportional attention is a key bias into the dispatched attention (text keys first, log
 mass 0), applied by the attention backend's rule (:mod:`toma.adapters.attention`).
 """

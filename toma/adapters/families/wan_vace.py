@@ -1,6 +1,6 @@
 """Wan VACE (``WanVACETransformer3DModel``): Wan's blocks, plus control blocks whose hints join them.
 
-The ``blocks`` are Wan's own and merge as Wan's do (:mod:`toma.adapters.wan`). Before them
+The ``blocks`` are Wan's own and merge as Wan's do (:mod:`toma.adapters.families.wan`). Before them
 the ``vace_blocks`` run the same three sub-modules (self-attention with Wan's rotary
 tables, cross-attention to text, MLP) on the control video's tokens, and their outputs
 (hints) are added to the main tokens after the ``config.vace_layers`` blocks. The control
@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from toma.adapters.spec import Site
-from toma.adapters.wan import SPEC as WAN
+from toma.adapters.families.wan import SPEC as WAN
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:

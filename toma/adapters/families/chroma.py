@@ -3,7 +3,7 @@
 Chroma is Flux.1 with pruned modulation (one approximator makes every block's shifts and
 scales): double-stream then single-stream blocks, text first, rotary tables from
 ``cat(txt_ids, img_ids)``, the same sub-module names. The blocks, sites, grid and
-conditioning tokens are Flux.1's (:mod:`toma.adapters.flux`). Its pipelines pass an
+conditioning tokens are Flux.1's (:mod:`toma.adapters.families.flux`). Its pipelines pass an
 ``attention_mask`` ``(B, text + N)`` that hides the text padding but one token and is 1 over
 the image; each block turns it into the outer product ``(B, 1, S, S)``. A mask that holds one
 value over the image per sample (every mask the pipelines make) merges: the grid reader
@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from toma.adapters.flux import SPEC as FLUX
+from toma.adapters.families.flux import SPEC as FLUX
 from toma.adapters.grids import IdsGrid
 
 

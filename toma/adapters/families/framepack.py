@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from toma.adapters.hunyuanvideo import SPEC as HUNYUANVIDEO
+from toma.adapters.families.hunyuanvideo import SPEC as HUNYUANVIDEO
 from toma.adapters.spec import FamilySpec, Site, skip_first, video_grid
 
 
