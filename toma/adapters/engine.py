@@ -88,7 +88,7 @@ from toma.core.plan import profiled
 from toma.adapters.state import PlanCache
 from toma.core.tiling import TileLayout, lead_spans, slot_raster_index, tile_order
 
-# the names family specs take from here
+# the spec's names, re-exported for the engine's users (the UNet adapter, tests); families take them from spec
 __all__ = [
     "EngineAdapter",
     "FamilySpec",
