@@ -48,7 +48,17 @@ def old_tree(old: str) -> Path:
 
 
 def first_float_input(kw: dict) -> str:
-    return next(k for k, v in kw.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 3)
+    """The first input that is a float tensor of 3 or more dimensions, or a list of float
+    tensors (Z-Image takes its latents as one tensor per sample)."""
+
+    def is_float(v) -> bool:
+        return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+    return next(
+        k
+        for k, v in kw.items()
+        if (is_float(v) and v.dim() >= 3) or (isinstance(v, list) and v and all(is_float(t) for t in v))
+    )
 
 
 def run_family(toma, fam) -> dict[str, torch.Tensor]:
@@ -64,11 +74,12 @@ def run_family(toma, fam) -> dict[str, torch.Tensor]:
     if fam.checkpointing and hasattr(model, "enable_gradient_checkpointing"):
         model.enable_gradient_checkpointing()
     name = first_float_input(kw)
-    x = kw[name].clone().requires_grad_(True)
-    loss = model(**{**kw, name: x}).sample.square().mean()
+    given = kw[name]
+    xs = [t.clone().requires_grad_(True) for t in (given if isinstance(given, list) else [given])]
+    loss = fam.sample(model, {**kw, name: xs if isinstance(given, list) else xs[0]}).square().mean()
     fam.output(model, fam.inputs(2))
     loss.backward()
-    out["input gradient"] = x.grad
+    out["input gradient"] = torch.cat([x.grad.flatten() for x in xs])
     param = next(p for p in model.parameters() if p.grad is not None)
     out["a parameter's gradient"] = param.grad
     model.zero_grad(set_to_none=True)

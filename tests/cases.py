@@ -32,7 +32,7 @@ from tests.tiny_models import (
     unet_inputs,
     wan_inputs,
 )
-from toma.adapters import flux as flux_adapter
+from toma.adapters.grids import IdsGrid
 
 
 def _qwen_edit(batch: int) -> dict:
@@ -120,7 +120,7 @@ def read_ids_on_host(model: torch.nn.Module, host: dict, device: dict) -> None:
     call's ids (fake or meta, with no values to read) for the same ids, already read.
     Other families read nothing."""
     reader = getattr(model._diffusers_hook.get_hook("toma"), "grid", None)
-    if isinstance(reader, flux_adapter.IdsGrid):
+    if isinstance(reader, IdsGrid):
         grid = reader(model, host)
         assert not isinstance(grid, str), grid
         ids = device["img_ids"]

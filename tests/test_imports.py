@@ -53,7 +53,8 @@ def test_applying_to_one_family_imports_only_its_adapter():
         "toma.adapters.state",
         "toma.adapters.chunking",
         "toma.adapters.replay",
-        "toma.adapters.sd3",
+        "toma.adapters.families",
+        "toma.adapters.families.sd3",
         "toma.adapters.parallel",
         "toma.adapters.attention",
     }
@@ -239,6 +240,69 @@ def test_core_and_the_kernels_are_leaves():
         if name == "toma.kernels" or name.startswith("toma.kernels."):
             assert all(t.startswith("toma.kernels") for t in targets), (name, targets)
     assert "toma.kernels" in graph["toma.core.plan"] or "toma.kernels.triton_ops" in graph["toma.core.plan"]
+
+
+# what a family module may import: the spec, the shared grid readers, attention's bias
+# forms, the hook base (Lumina 2's own hook), the settings and core maths
+FAMILY_MAY_IMPORT = (
+    "toma.adapters.spec",
+    "toma.adapters.grids",
+    "toma.adapters.attention",
+    "toma.adapters.base",
+    "toma.config",
+    "toma.core",
+)
+
+
+def imported_names(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """Each import statement of ``path``'s source (in functions and under ``TYPE_CHECKING``
+    too) as ``(module, names)``: ``from a import b, c`` is ``("a", ("b", "c"))``, ``import
+    a.b`` is ``("a.b", ())``. Relative imports are refused: toma's modules import absolutely."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert not node.level, f"{path}: relative import"
+            found.append((node.module or "", tuple(alias.name for alias in node.names)))
+    return found
+
+
+def test_families_rest_on_the_spec_and_derive_only_from_a_spec():
+    from toma.adapters import FAMILIES
+
+    package = ROOT / "toma" / "adapters" / "families"
+    family_modules = {f"toma.adapters.families.{p.stem}" for p in package.glob("*.py") if p.stem != "__init__"}
+    # every registered family lives in families/, one module each, and nothing else does
+    assert {module for module, _ in FAMILIES.values()} == family_modules
+    for module in sorted(family_modules):
+        path = package / f"{module.rpartition('.')[2]}.py"
+        for source, names in imported_names(path):
+            if not source.startswith("toma"):
+                continue
+            whole = [f"{source}.{n}" for n in names] if source == "toma.adapters.families" else [source]
+            for target in whole:
+                if target in family_modules:  # another family: its declaration only
+                    assert source == target and set(names) == {"SPEC"}, (
+                        f"{module} imports {names or target} of {target}; a family may take another's SPEC only"
+                    )
+                else:
+                    assert target.startswith(FAMILY_MAY_IMPORT), (
+                        f"{module} imports {target}; a family imports only {', '.join(FAMILY_MAY_IMPORT)}"
+                    )
+
+
+def test_nothing_outside_the_families_imports_or_names_one():
+    # the engine and the tools reach a family only through the registry's FAMILIES table
+    graph = toma_import_graph()
+    for name, targets in graph.items():
+        if name.startswith("toma.adapters.families"):
+            continue
+        assert not [t for t in targets if t.startswith("toma.adapters.families")], (name, sorted(targets))
+    # nor does an engine module name one for a lazy import; the registry is the one that does
+    for path in (ROOT / "toma" / "adapters").glob("*.py"):
+        if path.name != "__init__.py":
+            assert "adapters.families" not in path.read_text(encoding="utf-8"), path
 
 
 def test_lazy_public_names_resolve():

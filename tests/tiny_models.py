@@ -1811,7 +1811,7 @@ FAMILIES: dict[str, Family] = {
             odd=lambda b: zimage_inputs(b, 6, 64),  # 3x32 tokens (a multiple of 32): 2 or 4 rows a tile pad
             odd_tokens=96,
             grid=(1, 8, 8),
-            tile_order=False,  # the forward keeps raster order (see toma/adapters/zimage.py)
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/families/zimage.py)
             timestep="t",
             rising_timestep=True,
         ),
@@ -1836,7 +1836,7 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=35,
             grid=(3, 8, 8),
             text_mask="encoder_attention_mask",
-            tile_order=False,  # the forward keeps raster order (see toma/adapters/framepack.py)
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/families/framepack.py)
         ),
         Family(
             "helios",
@@ -1848,7 +1848,7 @@ FAMILIES: dict[str, Family] = {
             odd=lambda b: helios_inputs(b, 1, 10, 14),  # one frame of 5x7 tokens
             odd_tokens=35,
             grid=(2, 8, 8),
-            tile_order=False,  # the forward keeps raster order (see toma/adapters/helios.py)
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/families/helios.py)
         ),
         Family(
             "hidream",
@@ -1909,7 +1909,7 @@ FAMILIES: dict[str, Family] = {
             odd=lambda b: ernie_image_inputs(b, 5, 7, padded=2),
             odd_tokens=35,
             grid=(1, 8, 10),
-            tile_order=False,  # the forward keeps raster order (see toma/adapters/ernie_image.py)
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/families/ernie_image.py)
         ),
         Family(
             "lumina2",
@@ -1924,7 +1924,7 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=35,
             grid=(1, 8, 10),
             text_mask="encoder_attention_mask",
-            tile_order=False,  # the forward keeps raster order (see toma/adapters/lumina2.py)
+            tile_order=False,  # the forward keeps raster order (see toma/adapters/families/lumina2.py)
             rising_timestep=True,
         ),
         Family(

@@ -112,11 +112,11 @@ def test_proportional_attention_is_refused_where_a_site_cannot_take_the_bias(mon
     # the bias under None
     import dataclasses
 
-    from toma.adapters import sd3
+    from toma.adapters.families import sd3
     from toma.adapters.spec import Site
 
     spec = dataclasses.replace(sd3.SPEC, sites=lambda stack, block: [Site("attn", "attn")])
-    monkeypatch.setattr(sd3.ADAPTER, "spec", spec)
+    monkeypatch.setattr(sd3, "SPEC", spec)
     with pytest.raises(ValueError, match=r"needs an attention mask, which sd3.s transformer_blocks.3.attn cannot"):
         toma.apply_toma(make_sd3(layers=6), proportional_attention=True)
     toma.apply_toma(make_sd3(layers=6), proportional_attention=None)

@@ -520,11 +520,11 @@ def test_full_size_configs_build_as_published():
 
 def test_flux2_reads_its_image_ids_once_per_run(monkeypatch):
     # reading ids waits for the GPU: a run that passes the same ids at every step reads them once
-    from toma.adapters import flux as flux_adapter
+    from toma.adapters import grids
 
     reads = []
-    real = flux_adapter.image_grid
-    monkeypatch.setattr(flux_adapter, "image_grid", lambda ids: reads.append(ids) or real(ids))
+    real = grids.ids_grid
+    monkeypatch.setattr(grids, "ids_grid", lambda ids: reads.append(ids) or real(ids))
     model = make_flux2()
     toma.apply_toma(model, ratio=0.5, **ALL_FLUX2)
     kw = flux2_inputs(1, 8, 8)

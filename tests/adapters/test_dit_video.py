@@ -223,7 +223,7 @@ def test_hunyuan_text_padding_stays_masked():
 
 
 def test_hunyuan_mask_that_does_not_fit_runs_unmerged_with_one_warning(monkeypatch):
-    from toma.adapters import hunyuanvideo
+    from toma.adapters.families import hunyuanvideo
 
     monkeypatch.setattr(hunyuanvideo, "_joint_mask", lambda mask, tokens, kept: None)
     model = make_hunyuan()

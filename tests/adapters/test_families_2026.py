@@ -179,12 +179,12 @@ def test_wan_animate_face_adapter_needs_one_frame_tiles(monkeypatch):
     # why tile_frames is pinned: with 2-frame tiles in tile order the face adapter's
     # per-frame runs hold two frames' tokens, and tile order no longer computes what
     # raster order does (the conformance suite checks that 1-frame tiles do)
-    from toma.adapters import wan_animate
+    from toma.adapters.families import wan_animate
     from toma.adapters.state import PlanCache
 
     fam = FAMILIES["wan-animate"]
     model, kw = fam.make(), fam.divided_inputs(1)
-    monkeypatch.setattr(wan_animate._Adapter, "tile_frames", lambda self, config: 2)
+    monkeypatch.setattr(wan_animate._Quirks, "tile_frames", lambda self, config, frames: 2)
     toma.apply_toma(model, ratio=0.5, **fam.options)
     tiled = output(model, kw)
     monkeypatch.setattr(PlanCache, "tile_order_layout", lambda self, *a, **k: None)

@@ -8,7 +8,8 @@ import torch
 import toma
 from tests.tiny_models import flux_inputs, make_flux
 from tests.tiny_models import kontext_inputs
-from toma.adapters.flux import default_blocks, image_grid
+from toma.adapters.families.flux import default_blocks
+from toma.adapters.grids import ids_grid
 
 
 def run(model, **kw):
@@ -34,7 +35,7 @@ def test_default_blocks_mirror_the_reference():
 
 
 def test_image_grid_from_ids():
-    assert image_grid(flux_inputs(1, 6, 10)["img_ids"]) == (6, 10)
+    assert ids_grid(flux_inputs(1, 6, 10)["img_ids"]) == (6, 10)
 
 
 def test_ratio_zero_and_remove_bitwise(flux):

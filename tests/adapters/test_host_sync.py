@@ -53,11 +53,11 @@ def test_meta_run_does_read_when_plans_outlive_a_step():
 
 
 def test_flux_reads_its_image_ids_once_per_run(monkeypatch):
-    from toma.adapters import flux as flux_adapter
+    from toma.adapters import grids
 
     reads = []
-    real = flux_adapter.image_grid
-    monkeypatch.setattr(flux_adapter, "image_grid", lambda ids: reads.append(ids) or real(ids))
+    real = grids.ids_grid
+    monkeypatch.setattr(grids, "ids_grid", lambda ids: reads.append(ids) or real(ids))
     model = make_flux()
     toma.apply_toma(model, ratio=0.5, flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
     kw = flux_inputs(1, 8, 8)

@@ -1,4 +1,4 @@
-"""Lumina 2's per-sample caption lengths (toma/adapters/lumina2.py); the rest is the
+"""Lumina 2's per-sample caption lengths (toma/adapters/families/lumina2.py); the rest is the
 conformance suite's (tests/tiny_models.py's ``lumina2`` row)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import toma
-from toma.adapters import lumina2
+from toma.adapters.families import lumina2
 from toma.adapters.base import PREFIX_HOOK_NAME, remove_hook
 from tiny_models import FAMILIES, lumina2_inputs
 

@@ -11,7 +11,7 @@ import torch
 
 import toma
 from tests.tiny_models import FAMILIES, minimax_h3_inputs
-from toma.adapters.minimax_h3 import SPEC
+from toma.adapters.families.minimax_h3 import SPEC
 
 FAM = FAMILIES["minimax-h3"]
 GRID = (2, 8, 10)  # 2 latent frames of 16x20 latents, 2x2 patches

@@ -1,8 +1,11 @@
 """Model adapters: one per model family.
 
 A family is matched by the class names of the denoiser, so that finding the adapter
-imports only that family's adapter (and the diffusers model code it needs), never the
-others. Families on the engine (:mod:`toma.adapters.engine`) are a short spec each.
+imports only that family's module (and the diffusers model code it needs), never the
+others. A family module declares a ``SPEC`` (:class:`toma.adapters.spec.FamilySpec`) and,
+where data cannot say it all, ``QUIRKS`` (:class:`toma.adapters.spec.Quirks`); the
+registry builds the engine's adapter (:class:`toma.adapters.engine.EngineAdapter`) from
+them, so that no family imports the engine.
 """
 
 from __future__ import annotations
@@ -14,38 +17,38 @@ import torch
 
 # family -> (adapter module, denoiser class names)
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "flux": ("toma.adapters.flux", ("FluxTransformer2DModel",)),
-    "sd3": ("toma.adapters.sd3", ("SD3Transformer2DModel",)),
-    "wan": ("toma.adapters.wan", ("WanTransformer3DModel",)),
-    "ltx": ("toma.adapters.ltx", ("LTXVideoTransformer3DModel",)),
-    "ltx2": ("toma.adapters.ltx2", ("LTX2VideoTransformer3DModel",)),
-    "pixart": ("toma.adapters.pixart", ("PixArtTransformer2DModel",)),
-    "hunyuanvideo": ("toma.adapters.hunyuanvideo", ("HunyuanVideoTransformer3DModel",)),
-    "cogvideox": ("toma.adapters.cogvideox", ("CogVideoXTransformer3DModel",)),
-    "qwenimage": ("toma.adapters.qwenimage", ("QwenImageTransformer2DModel",)),
-    "flux2": ("toma.adapters.flux2", ("Flux2Transformer2DModel",)),
-    "hunyuanvideo15": ("toma.adapters.hunyuanvideo15", ("HunyuanVideo15Transformer3DModel",)),
-    "wan-vace": ("toma.adapters.wan_vace", ("WanVACETransformer3DModel",)),
-    "skyreels-v2": ("toma.adapters.skyreels_v2", ("SkyReelsV2Transformer3DModel",)),
-    "wan-animate": ("toma.adapters.wan_animate", ("WanAnimateTransformer3DModel",)),
-    "cosmos": ("toma.adapters.cosmos", ("CosmosTransformer3DModel",)),
-    "longcat-image": ("toma.adapters.longcat_image", ("LongCatImageTransformer2DModel",)),
-    "hunyuanimage": ("toma.adapters.hunyuanimage", ("HunyuanImageTransformer2DModel",)),
-    "chroma": ("toma.adapters.chroma", ("ChromaTransformer2DModel",)),
-    "joyimage": ("toma.adapters.joyimage", ("JoyImageEditTransformer3DModel",)),
-    "krea2": ("toma.adapters.krea2", ("Krea2Transformer2DModel",)),
-    "bria-fibo": ("toma.adapters.bria_fibo", ("BriaFiboTransformer2DModel",)),
-    "zimage": ("toma.adapters.zimage", ("ZImageTransformer2DModel",)),
-    "hidream": ("toma.adapters.hidream", ("HiDreamImageTransformer2DModel",)),
-    "framepack": ("toma.adapters.framepack", ("HunyuanVideoFramepackTransformer3DModel",)),
-    "helios": ("toma.adapters.helios", ("HeliosTransformer3DModel",)),
-    "minimax-h3": ("toma.adapters.minimax_h3", ("MiniMaxH3Transformer3DModel",)),
-    "ideogram4": ("toma.adapters.ideogram4", ("Ideogram4Transformer2DModel",)),
-    "kandinsky5": ("toma.adapters.kandinsky5", ("Kandinsky5Transformer3DModel",)),
-    "ernie-image": ("toma.adapters.ernie_image", ("ErnieImageTransformer2DModel",)),
-    "lumina2": ("toma.adapters.lumina2", ("Lumina2Transformer2DModel",)),
-    "qwenimage21": ("toma.adapters.qwenimage21", ("QwenImage21Transformer2DModel",)),
-    "flux3": ("toma.adapters.flux3", ("Flux3Transformer2DModel",)),
+    "flux": ("toma.adapters.families.flux", ("FluxTransformer2DModel",)),
+    "sd3": ("toma.adapters.families.sd3", ("SD3Transformer2DModel",)),
+    "wan": ("toma.adapters.families.wan", ("WanTransformer3DModel",)),
+    "ltx": ("toma.adapters.families.ltx", ("LTXVideoTransformer3DModel",)),
+    "ltx2": ("toma.adapters.families.ltx2", ("LTX2VideoTransformer3DModel",)),
+    "pixart": ("toma.adapters.families.pixart", ("PixArtTransformer2DModel",)),
+    "hunyuanvideo": ("toma.adapters.families.hunyuanvideo", ("HunyuanVideoTransformer3DModel",)),
+    "cogvideox": ("toma.adapters.families.cogvideox", ("CogVideoXTransformer3DModel",)),
+    "qwenimage": ("toma.adapters.families.qwenimage", ("QwenImageTransformer2DModel",)),
+    "flux2": ("toma.adapters.families.flux2", ("Flux2Transformer2DModel",)),
+    "hunyuanvideo15": ("toma.adapters.families.hunyuanvideo15", ("HunyuanVideo15Transformer3DModel",)),
+    "wan-vace": ("toma.adapters.families.wan_vace", ("WanVACETransformer3DModel",)),
+    "skyreels-v2": ("toma.adapters.families.skyreels_v2", ("SkyReelsV2Transformer3DModel",)),
+    "wan-animate": ("toma.adapters.families.wan_animate", ("WanAnimateTransformer3DModel",)),
+    "cosmos": ("toma.adapters.families.cosmos", ("CosmosTransformer3DModel",)),
+    "longcat-image": ("toma.adapters.families.longcat_image", ("LongCatImageTransformer2DModel",)),
+    "hunyuanimage": ("toma.adapters.families.hunyuanimage", ("HunyuanImageTransformer2DModel",)),
+    "chroma": ("toma.adapters.families.chroma", ("ChromaTransformer2DModel",)),
+    "joyimage": ("toma.adapters.families.joyimage", ("JoyImageEditTransformer3DModel",)),
+    "krea2": ("toma.adapters.families.krea2", ("Krea2Transformer2DModel",)),
+    "bria-fibo": ("toma.adapters.families.bria_fibo", ("BriaFiboTransformer2DModel",)),
+    "zimage": ("toma.adapters.families.zimage", ("ZImageTransformer2DModel",)),
+    "hidream": ("toma.adapters.families.hidream", ("HiDreamImageTransformer2DModel",)),
+    "framepack": ("toma.adapters.families.framepack", ("HunyuanVideoFramepackTransformer3DModel",)),
+    "helios": ("toma.adapters.families.helios", ("HeliosTransformer3DModel",)),
+    "minimax-h3": ("toma.adapters.families.minimax_h3", ("MiniMaxH3Transformer3DModel",)),
+    "ideogram4": ("toma.adapters.families.ideogram4", ("Ideogram4Transformer2DModel",)),
+    "kandinsky5": ("toma.adapters.families.kandinsky5", ("Kandinsky5Transformer3DModel",)),
+    "ernie-image": ("toma.adapters.families.ernie_image", ("ErnieImageTransformer2DModel",)),
+    "lumina2": ("toma.adapters.families.lumina2", ("Lumina2Transformer2DModel",)),
+    "qwenimage21": ("toma.adapters.families.qwenimage21", ("QwenImage21Transformer2DModel",)),
+    "flux3": ("toma.adapters.families.flux3", ("Flux3Transformer2DModel",)),
 }
 
 
@@ -124,7 +127,10 @@ def adapter_for(model: torch.nn.Module) -> tuple[str, Any] | None:
     names = {cls.__name__ for cls in type(model).__mro__}
     for name, (module, classes) in FAMILIES.items():
         if names.intersection(classes):
-            adapter = importlib.import_module(module)
-            return name, getattr(adapter, "ADAPTER", adapter)
+            family = importlib.import_module(module)
+            # the engine loads with the first family found, not with the registry
+            from toma.adapters.engine import EngineAdapter
+
+            return name, EngineAdapter(family.SPEC, getattr(family, "QUIRKS", None))
     unet = importlib.import_module("toma.adapters.unet")
     return ("unet", unet) if unet.matches(model) else None

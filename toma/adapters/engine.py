@@ -73,6 +73,7 @@ from toma.adapters.spec import (
     FamilySpec,
     Grid,
     GridReader,
+    Quirks,
     Rotary,
     Site,
     gather_rows,
@@ -87,7 +88,7 @@ from toma.core.plan import profiled
 from toma.adapters.state import PlanCache
 from toma.core.tiling import TileLayout, lead_spans, slot_raster_index, tile_order
 
-# the names family specs take from here
+# the spec's names, re-exported for the engine's users (the UNet adapter, tests); families take them from spec
 __all__ = [
     "EngineAdapter",
     "FamilySpec",
@@ -263,10 +264,12 @@ def attach(
 
 
 class EngineAdapter:
-    """A family's adapter on the engine: what :func:`toma.apply_toma` calls, for one spec."""
+    """A family's adapter on the engine: what :func:`toma.apply_toma` calls, for one spec
+    and the family's :class:`~toma.adapters.spec.Quirks`, if it has any."""
 
-    def __init__(self, spec: FamilySpec) -> None:
+    def __init__(self, spec: FamilySpec, quirks: Quirks | None = None) -> None:
         self.spec = spec
+        self.quirks = quirks if quirks is not None else Quirks()
 
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` belongs to this family."""
@@ -276,25 +279,25 @@ class EngineAdapter:
         """The placement options this family takes, and how they place merging (see
         :func:`toma.adapters.check_placement`): ``blocks``, and ``tile_frames`` for video."""
         hint = f"blocks={{stack: indices}} with stacks {list(self.spec.stacks)}"
-        return ("blocks", "tile_frames") if self.spec.video else ("blocks",), hint + (
-            " and tile_frames" if self.spec.video else ""
-        )
+        taken = ("blocks", "tile_frames") if self.spec.video else ("blocks",)
+        return self.quirks.placement(taken, hint + (" and tile_frames" if self.spec.video else ""))
 
     def find_targets(self, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
-        """See :func:`find_targets`."""
-        return find_targets(self.spec, model, config)
+        """See :func:`find_targets`, with the settings the family's quirks make of ``config``."""
+        return find_targets(self.spec, model, self.quirks.config(model, config))
 
     def attach(
         self, model: torch.nn.Module, targets: list[Patched], cache: PlanCache, ledger: Ledger
     ) -> list[torch.nn.Module]:
         """See :func:`attach`; also wraps the dispatched attention of processors that take a
-        key bias (:mod:`toma.adapters.attention`), recorded in ``ledger`` too."""
+        key bias (:mod:`toma.adapters.attention`), then attaches the family's quirks, each
+        change recorded in ``ledger``."""
         hooked = attach(self.spec, model, targets, cache, ledger)
         if any(bias_setting(cache.config, t.site) for t in targets):
             for name, users in dispatch_modules(targets).items():
                 install(name, users)
                 ledger.record(f"dispatch wrapper in {name}", lambda name=name, users=users: uninstall(name, users))
-        return hooked
+        return hooked + self.quirks.attach(model, targets, cache, ledger)
 
     @property
     def reference_tokens(self) -> int | None:
@@ -311,7 +314,7 @@ class EngineAdapter:
         """
         if not self.spec.video:
             return 1
-        return config.tile_frames if config.tile_frames is not None else 1
+        return self.quirks.tile_frames(config, config.tile_frames if config.tile_frames is not None else 1)
 
 
 class StepHook(Hook):

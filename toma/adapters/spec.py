@@ -10,9 +10,13 @@ mask layouts). Nothing here registers a hook.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from toma.adapters.base import Patched
+    from toma.config import ToMAConfig
 
 Grid = tuple[int, int, int]
 
@@ -295,6 +299,40 @@ class FamilySpec:
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` is (a subclass of) one of this family's classes."""
         return any(cls.__name__ in self.classes for cls in type(model).__mro__)
+
+
+class Quirks:
+    """A family's own steps around the engine's, for what a :class:`FamilySpec` cannot
+    state as data: Flux.1's block aliases, Lumina 2's per-sample roll, Wan-Animate's tiles
+    of one frame.
+
+    A family module that needs one declares ``QUIRKS``, an instance of a subclass, beside
+    its ``SPEC``; the registry (:func:`toma.adapters.adapter_for`) hands both to the
+    engine's adapter, which calls each method at its step. So the family's code stays in
+    its own file and imports nothing of the engine. Every default changes nothing. A family
+    derived from another's ``SPEC`` does not inherit its quirks.
+    """
+
+    def placement(self, taken: tuple[str, ...], hint: str) -> tuple[tuple[str, ...], str]:
+        """The placement options the family takes and how they place merging, given the
+        engine's (see :func:`toma.adapters.check_placement`)."""
+        return taken, hint
+
+    def config(self, model: torch.nn.Module, config: ToMAConfig) -> ToMAConfig:
+        """The settings the engine finds the merged sub-modules with, given the user's:
+        a family's own options become the engine's here. Touches nothing."""
+        return config
+
+    def attach(self, model: torch.nn.Module, targets: list[Patched], cache: Any, ledger: Any) -> list[torch.nn.Module]:
+        """Registers the family's own hooks, after the engine's, given the model's plan cache
+        (a :class:`toma.adapters.state.PlanCache`), each through ``ledger`` (a
+        :class:`toma.adapters.ledger.Ledger`, whose ``hook`` records it for undo); returns
+        the modules that got one."""
+        return []
+
+    def tile_frames(self, config: ToMAConfig, frames: int) -> int:
+        """Frames a tile spans, given the engine's choice ``frames``."""
+        return frames
 
 
 def image_grid(model: torch.nn.Module, call: dict) -> Grid | None:

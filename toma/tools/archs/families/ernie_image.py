@@ -1,0 +1,51 @@
+"""The bench's ernie-image architecture: its configs, the config keys ``--depth``
+divides and one denoiser call's inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toma.tools.archs.arch import Call
+
+
+# ERNIE-Image (8B; Turbo has the same transformer): baidu's transformer/config.json (diffusers'
+# class defaults describe a smaller model: hidden 3072, 24 layers)
+ERNIE_IMAGE: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_layers": 36,
+    "ffn_hidden_size": 12288,
+    "in_channels": 128,
+    "out_channels": 128,
+    "patch_size": 1,
+    "text_in_dim": 3072,
+    "rope_theta": 256,
+    "rope_axes_dim": (32, 48, 48),
+    "eps": 1e-06,
+    "qk_layernorm": True,
+}
+
+# the config keys that count blocks (what --depth divides)
+DEPTH_KEYS: tuple[str, ...] = ("num_layers",)
+
+
+def inputs(c: Call) -> dict[str, Any]:
+    """One token per 16x latent pixel; every prompt its full length. See :func:`toma.tools.archs.make_inputs`."""
+    import torch
+
+    arch = c.arch
+    batch = c.batch
+    device = c.device
+    lh = c.lh
+    lw = c.lw
+    rand = c.rand
+    text = c.text
+    channels = c.channels
+    timestep = c.timestep
+    return {
+        "hidden_states": rand(batch, channels, lh, lw),
+        "timestep": timestep,
+        "text_bth": text,
+        "text_lens": torch.full((batch,), arch.text_tokens, device=device, dtype=torch.long),
+        "return_dict": False,
+    }

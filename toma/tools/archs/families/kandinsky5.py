@@ -1,0 +1,57 @@
+"""The bench's kandinsky5 architecture: its configs, the config keys ``--depth``
+divides and one denoiser call's inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toma.tools.archs.arch import Call, latent_frames
+
+
+# Kandinsky 5.0 T2V Lite (2B), its 5 s SFT checkpoint: kandinskylab's configs/config_5s_sft.yaml
+# (dit_params; diffusers' class defaults otherwise). The 10 s checkpoints add NABLA attention,
+# which ToMA runs unmerged
+KANDINSKY5_LITE: dict[str, Any] = {
+    "in_visual_dim": 16,
+    "out_visual_dim": 16,
+    "time_dim": 512,
+    "patch_size": (1, 2, 2),
+    "model_dim": 1792,
+    "ff_dim": 7168,
+    "num_text_blocks": 2,
+    "num_visual_blocks": 32,
+    "axes_dims": (16, 24, 24),
+    "visual_cond": True,
+    "in_text_dim": 3584,
+    "in_text_dim2": 768,
+}
+
+# the config keys that count blocks (what --depth divides); its 2 text blocks run on the text alone
+DEPTH_KEYS: tuple[str, ...] = ("num_visual_blocks",)
+
+
+def inputs(c: Call) -> dict[str, Any]:
+    """Channel-last latents (with visual_cond: + conditioning + its mask). See :func:`toma.tools.archs.make_inputs`."""
+    import torch
+
+    arch = c.arch
+    batch = c.batch
+    dtype = c.dtype
+    device = c.device
+    frames = c.frames
+    lh = c.lh
+    lw = c.lw
+    rand = c.rand
+    text = c.text
+    count, cfg = latent_frames(arch, frames), arch.config
+    channels = cfg["in_visual_dim"] * (2 if cfg.get("visual_cond") else 1) + bool(cfg.get("visual_cond"))
+    return {
+        "hidden_states": rand(batch, count, lh, lw, channels),
+        "encoder_hidden_states": text,
+        "pooled_projections": rand(batch, arch.pooled_dim),
+        "timestep": torch.full((batch,), 999.0, device=device, dtype=dtype),
+        "visual_rope_pos": [torch.arange(n, device=device) for n in (count, lh // 2, lw // 2)],
+        "text_rope_pos": torch.arange(arch.text_tokens, device=device),
+        "scale_factor": (1, 2, 2),  # the pipeline's at 480-854 pixels a side
+        "return_dict": False,
+    }

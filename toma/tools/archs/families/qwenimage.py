@@ -1,0 +1,56 @@
+"""The bench's qwenimage architecture: its configs, the config keys ``--depth``
+divides and one denoiser call's inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toma.tools.archs.arch import Call
+
+
+# Qwen-Image (20B): Qwen/Qwen-Image transformer/config.json, which matches diffusers'
+# QwenImageTransformer2DModel defaults (60 blocks of width 24 x 128; text width 3584, the
+# Qwen2.5-VL-7B encoder's hidden size)
+QWEN_IMAGE: dict[str, Any] = {
+    "patch_size": 2,
+    "in_channels": 64,
+    "out_channels": 16,
+    "num_layers": 60,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 3584,
+    "guidance_embeds": False,
+    "axes_dims_rope": (16, 56, 56),
+}
+
+TINY_QWEN_IMAGE: dict[str, Any] = {
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 4,
+    "num_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "axes_dims_rope": (4, 6, 6),
+}
+
+# the config keys that count blocks (what --depth divides)
+DEPTH_KEYS: tuple[str, ...] = ("num_layers",)
+
+
+def inputs(c: Call) -> dict[str, Any]:
+    """No text mask: the pipeline drops an all-ones mask. See :func:`toma.tools.archs.make_inputs`."""
+    batch = c.batch
+    rand = c.rand
+    text = c.text
+    channels = c.channels
+    timestep = c.timestep
+    th = c.th
+    tw = c.tw
+    return {
+        "hidden_states": rand(batch, th * tw, channels),
+        "encoder_hidden_states": text,
+        "timestep": timestep / 1000,
+        "img_shapes": [[(1, th, tw)]] * batch,
+        "return_dict": False,
+    }

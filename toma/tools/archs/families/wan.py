@@ -1,0 +1,61 @@
+"""The bench's wan architecture: its configs, the config keys ``--depth``
+divides and one denoiser call's inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toma.tools.archs.arch import Call, latent_frames
+
+
+WAN21_1_3B: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 12,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 8960,
+    "num_layers": 30,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+}
+
+TINY_WAN: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 8,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 32,
+    "freq_dim": 16,
+    "ffn_dim": 32,
+    "num_layers": 2,
+    "rope_max_seq_len": 32,
+}
+
+# the config keys that count blocks (what --depth divides)
+DEPTH_KEYS: tuple[str, ...] = ("num_layers",)
+
+
+def inputs(c: Call) -> dict[str, Any]:
+    """One denoiser call. See :func:`toma.tools.archs.make_inputs`."""
+    arch = c.arch
+    batch = c.batch
+    frames = c.frames
+    lh = c.lh
+    lw = c.lw
+    rand = c.rand
+    text = c.text
+    channels = c.channels
+    timestep = c.timestep
+    count = latent_frames(arch, frames)
+    return {
+        "hidden_states": rand(batch, channels, count, lh, lw),
+        "timestep": timestep,
+        "encoder_hidden_states": text,
+        "return_dict": False,
+    }

@@ -1,0 +1,55 @@
+"""The bench's zimage architecture: its configs, the config keys ``--depth``
+divides and one denoiser call's inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toma.tools.archs.arch import Call
+
+
+# Z-Image-Turbo: the published transformer/config.json (Tongyi-MAI/Z-Image-Turbo); 6B.
+# The 2 noise- and 2 context-refiner blocks are not divided by --depth (never merged)
+ZIMAGE: dict[str, Any] = {
+    "all_patch_size": (2,),
+    "all_f_patch_size": (1,),
+    "in_channels": 16,
+    "dim": 3840,
+    "n_layers": 30,
+    "n_refiner_layers": 2,
+    "n_heads": 30,
+    "n_kv_heads": 30,
+    "norm_eps": 1e-05,
+    "qk_norm": True,
+    "cap_feat_dim": 2560,
+    "rope_theta": 256.0,
+    "t_scale": 1000.0,
+    "axes_dims": [32, 48, 48],
+    "axes_lens": [1536, 512, 512],
+}
+
+# the config keys that count blocks (what --depth divides)
+DEPTH_KEYS: tuple[str, ...] = ("n_layers",)
+
+
+def inputs(c: Call) -> dict[str, Any]:
+    """Lists of per-sample (C, 1, H/8, W/8) latents and captions; t = 1 - sigma.
+
+    See :func:`toma.tools.archs.make_inputs`.
+    """
+    import torch
+
+    arch = c.arch
+    batch = c.batch
+    dtype = c.dtype
+    device = c.device
+    lh = c.lh
+    lw = c.lw
+    rand = c.rand
+    channels = c.channels
+    return {
+        "x": [rand(channels, 1, lh, lw) for _ in range(batch)],
+        "t": torch.zeros(batch, device=device, dtype=dtype),
+        "cap_feats": [rand(arch.text_tokens, arch.text_dim) for _ in range(batch)],
+        "return_dict": False,
+    }
