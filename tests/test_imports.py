@@ -41,9 +41,10 @@ def test_applying_to_one_family_imports_only_its_adapter():
     )
     adapters = {m for m in mods if m.startswith("toma.adapters.")}
     # the engine (its spec types, merge hooks, MLP-chunking, checkpoint-replay and
-    # context-parallel parts), the guard of the model's hook (caches), the ledger of changes
-    # and SD3's spec; no other family's
+    # context-parallel parts), the guard of the model's hook (caches), the ledger of changes,
+    # the names of other projects' private attributes and SD3's spec; no other family's
     assert adapters == {
+        "toma.adapters._private",
         "toma.adapters.base",
         "toma.adapters.caches",
         "toma.adapters.ledger",
