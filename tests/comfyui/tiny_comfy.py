@@ -1,0 +1,180 @@
+"""Tiny ComfyUI models (Flux, SD-style UNets) with seeded weights, and a sampling helper
+through ComfyUI's own sampler (``comfy.sample.sample``)."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import tempfile
+import types
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+
+class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Stand-ins for torchvision and torchaudio and their submodules (no build of either
+    imports beside this torch): modules whose every attribute is a mock."""
+
+    PACKAGES = ("torchvision", "torchaudio")
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.PACKAGES:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = mock.MagicMock(name=spec.name)
+        module.__spec__ = spec
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def import_comfyui(root: Path, base: Path) -> types.SimpleNamespace:
+    """Import the ComfyUI at ``root`` as SOURCE.md says, its writable folders under ``base``."""
+    if not any(isinstance(f, _Stubs) for f in sys.meta_path):
+        for name in _Stubs.PACKAGES:
+            if importlib.util.find_spec(name) is None:
+                sys.meta_path.append(_Stubs())
+                break
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import comfy.cli_args
+
+    args = comfy.cli_args.args
+    args.cpu = True
+    # torch's SDPA rather than sub-quadratic attention, as on a GPU
+    args.use_pytorch_cross_attention = True
+    args.base_directory = str(base)
+    import comfy.model_management  # noqa: F401
+    import comfy.model_patcher
+    import comfy.patcher_extension
+    import comfy.sample
+    import comfy.samplers
+    import folder_paths
+    import nodes
+
+    for setter in ("set_output_directory", "set_temp_directory", "set_input_directory", "set_user_directory"):
+        getattr(folder_paths, setter)(tempfile.mkdtemp(dir=base))
+    return types.SimpleNamespace(
+        comfy=comfy, nodes=nodes, folder_paths=folder_paths, root=root, model_patcher=comfy.model_patcher
+    )
+
+
+def seed_weights(module: torch.nn.Module, seed: int = 0, scale: float = 0.2) -> None:
+    """Seeded random weights: ComfyUI's layers skip initialisation (``torch.empty``)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            elif "norm" in name and p.ndim == 1:
+                p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.02)
+            else:
+                fan_in = p[0].numel() if p.ndim > 1 else p.numel()
+                p.copy_(torch.randn(p.shape, generator=g) * (scale / max(fan_in, 1) ** 0.5) * 4)
+
+
+FLUX_CONTEXT = 32
+FLUX_VEC = 16
+UNET_CONTEXT = 32
+
+
+def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.Flux`` (hidden 64, 2 heads)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "flux",
+        "in_channels": 4,
+        "out_channels": 4,
+        "vec_in_dim": FLUX_VEC,
+        "context_in_dim": FLUX_CONTEXT,
+        "hidden_size": 64,
+        "mlp_ratio": 2.0,
+        "num_heads": 2,
+        "depth": double,
+        "depth_single_blocks": single,
+        "axes_dim": [8, 12, 12],
+        "theta": 10000,
+        "patch_size": 2,
+        "qkv_bias": True,
+        "guidance_embed": False,
+        "txt_ids_dims": [],
+    }
+    config = comfy.supported_models.FluxSchnell(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()  # 4 channels, no scaling
+    model = comfy.model_base.Flux(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def unet_patcher(comfy, sdxl_like: bool = True, seed: int = 0):
+    """A ModelPatcher around a tiny ``UNetModel`` in a ``comfy.model_base.BaseModel``: with
+    ``sdxl_like``, no attention at full resolution (attention at downsample 2 and 4, as SDXL);
+    else attention at 1 and 2 (as SD 1.x)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    depth = [0, 1, 1] if sdxl_like else [1, 1, 0]
+    unet_config = {
+        "image_size": 32,
+        "in_channels": 4,
+        "out_channels": 4,
+        "model_channels": 32,
+        "num_res_blocks": [1, 1, 1],
+        "channel_mult": [1, 2, 2],
+        "transformer_depth": depth,
+        "transformer_depth_output": [d for d in depth for _ in range(2)],
+        "transformer_depth_middle": 1,
+        "num_head_channels": 16,
+        "num_heads": -1,
+        "context_dim": UNET_CONTEXT,
+        "use_linear_in_transformer": True,
+        "use_spatial_transformer": True,
+        "legacy": False,
+        "adm_in_channels": None,
+        "use_temporal_attention": False,
+    }
+    config = comfy.supported_models.SD15(unet_config)
+    config.unet_config = dict(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.BaseModel(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def conds(kind: str, batch: int = 1, seed: int = 1):
+    """Seeded positive and negative conditioning for a tiny ``"flux"`` or ``"unet"``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make() -> list:
+        if kind == "flux":
+            pooled = torch.randn(batch, FLUX_VEC, generator=g)
+            return [[torch.randn(batch, 6, FLUX_CONTEXT, generator=g), {"pooled_output": pooled}]]
+        return [[torch.randn(batch, 5, UNET_CONTEXT, generator=g), {}]]
+
+    return make(), make()
+
+
+def sample(comfy, patcher, kind: str, h: int = 16, w: int = 16, steps: int = 3, cfg: float = 2.0, batch: int = 1, **kw):
+    """Sample ``steps`` Euler steps on a seeded ``(batch, 4, h, w)`` latent through ``comfy.sample.sample``."""
+    import comfy.sample
+
+    pos, neg = conds(kind, batch)
+    latent = torch.zeros(batch, 4, h, w)
+    noise = torch.randn(batch, 4, h, w, generator=torch.Generator().manual_seed(7))
+    return comfy.sample.sample(
+        patcher, noise, steps, cfg, "euler", "normal", pos, neg, latent, disable_pbar=True, seed=7, **kw
+    )

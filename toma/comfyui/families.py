@@ -1,0 +1,120 @@
+"""ComfyUI model families, one short record each: which denoiser class, how toma merges
+there, or why it does not.
+
+A family is found from the class of ``model.model.diffusion_model``, compared by name
+(module and qualified name), so that importing this module imports nothing of ComfyUI and
+a subclass (another architecture built on a family's class) is never taken for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toma.comfyui import hooks
+
+
+@dataclass(frozen=True)
+class ComfyFamily:
+    """One ComfyUI denoiser family.
+
+    Attributes:
+        name: short name, shown in logs and errors.
+        classes: the denoiser classes, ``"module:QualName"``.
+        hook: how toma merges: ``"dit_blocks"`` (block replacement around Flux-style double
+            and single blocks) or ``"unet_attn1"`` (attn1 patches in the UNet's transformer
+            blocks); None where it is refused.
+        reason: why the family is refused (one line naming the missing hook), or None.
+        needs: the ComfyUI hooks the family's merging needs (:mod:`toma.comfyui.hooks`).
+        patch: latent pixels per token side (the denoiser's patchify).
+        reference: image tokens of the family's reference frame, which ``tile_size`` "auto"
+            scales tiles to (None: 4x4 tiles always).
+        stacks: the block stacks the ``blocks`` input may name, with what each indexes.
+    """
+
+    name: str
+    classes: tuple[str, ...]
+    hook: str | None = None
+    reason: str | None = None
+    needs: tuple[hooks.Need, ...] = ()
+    patch: int = 1
+    reference: int | None = None
+    stacks: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def merges(self) -> bool:
+        """Whether toma merges this family in ComfyUI."""
+        return self.hook is not None
+
+
+_BLOCK_REPLACE_TODO = (
+    "has ComfyUI's block replacement (patches_replace['dit']), but toma's ComfyUI node does not "
+    "merge it yet; only Flux and the SD/SDXL UNet merge in this version"
+)
+
+FAMILIES: tuple[ComfyFamily, ...] = (
+    ComfyFamily(
+        "flux",
+        (hooks.FLUX,),  # Flux.1 dev/schnell/Kontext and Flux.2 share this class
+        hook="dit_blocks",
+        needs=hooks.FLUX_NEEDS,
+        patch=2,
+        reference=64 * 64,  # 1024x1024 pixels
+        stacks={"double": "double-stream blocks", "single": "single-stream blocks"},
+    ),
+    ComfyFamily(
+        "unet",
+        (hooks.UNET,),  # SD 1.x, 2.x and SDXL
+        hook="unet_attn1",
+        needs=hooks.UNET_NEEDS,
+        stacks={"levels": "attention levels, 1 = the highest resolution with self-attention"},
+    ),
+    ComfyFamily("chroma", ("comfy.ldm.chroma.model:Chroma",), reason=f"Chroma {_BLOCK_REPLACE_TODO}"),
+    ComfyFamily(
+        "sd3",
+        ("comfy.ldm.modules.diffusionmodules.mmdit:OpenAISignatureMMDITWrapper",),
+        reason=f"SD3 {_BLOCK_REPLACE_TODO}",
+    ),
+    ComfyFamily("wan", ("comfy.ldm.wan.model:WanModel",), reason=f"Wan {_BLOCK_REPLACE_TODO}"),
+    ComfyFamily(
+        "hunyuanvideo", ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), reason=f"HunyuanVideo {_BLOCK_REPLACE_TODO}"
+    ),
+    ComfyFamily(
+        "qwenimage",
+        ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",),
+        reason=f"Qwen-Image {_BLOCK_REPLACE_TODO}",
+    ),
+    ComfyFamily(
+        "ltx",
+        ("comfy.ldm.lightricks.model:LTXVModel", "comfy.ldm.lightricks.av_model:LTXAVModel"),
+        reason=f"LTX-Video {_BLOCK_REPLACE_TODO}",
+    ),
+    ComfyFamily(
+        "zimage",
+        ("comfy.ldm.lumina.model:NextDiT",),
+        reason=(
+            "Z-Image / Lumina 2 (NextDiT) has no block replacement (no patches_replace['dit'] in its "
+            "forward) and no attn1 patches; only the attention override could reach it, not done yet"
+        ),
+    ),
+)
+
+
+def class_name(cls: type) -> str:
+    """``"module:QualName"`` of a class."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def family_of(diffusion_model: object) -> ComfyFamily | None:
+    """The family of a ComfyUI denoiser (``model.model.diffusion_model``), or None for a
+    class toma does not know."""
+    name = class_name(type(diffusion_model))
+    for family in FAMILIES:
+        if name in family.classes:
+            return family
+    return None
+
+
+def supported() -> list[dict[str, object]]:
+    """Every ComfyUI family toma knows: ``name``, ``classes``, ``merges`` and, where it does
+    not merge, ``reason``."""
+    return [{"name": f.name, "classes": list(f.classes), "merges": f.merges, "reason": f.reason} for f in FAMILIES]

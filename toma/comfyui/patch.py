@@ -1,0 +1,540 @@
+"""Patching a ComfyUI MODEL with ToMA: validation, the hooks, and the per-run state.
+
+:func:`patch_model` checks every input, finds the denoiser's family
+(:mod:`toma.comfyui.families`), checks the hooks it needs (:mod:`toma.comfyui.hooks`) and
+returns a patched clone of the ModelPatcher; the model it was given is never changed.
+
+The maths is :mod:`toma.core`'s, through :class:`toma.adapters.state.PlanCache` (the same
+plans as on the diffusers path): facility-location selection in tiles, merge and unmerge
+as matmuls, one plan per sample (cond and uncond of a CFG batch get their own), built at
+the first merged block of a denoiser call and reused by the rest of that call.
+
+Where state lives: a :class:`ComfyRun` per patched clone holds the plans of the current
+denoiser call (reset by the APPLY_MODEL wrapper at each call) and the counts of the current
+sampling run (reset and logged by the OUTER_SAMPLE wrapper).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+
+from toma.adapters.state import PlanCache
+from toma.comfyui import hooks
+from toma.comfyui.families import ComfyFamily, class_name, family_of
+from toma.config import ToMAConfig
+from toma.core.plan import Plan
+
+log = logging.getLogger("toma.comfyui")
+
+MLP_CHOICES = ("auto", "on", "off")
+# the authors' Flux default: every block but the first few, which lay out the image
+FLUX_SKIPPED_BLOCKS = 5
+
+
+def _check_inputs(
+    ratio: Any, tile_size: Any, start_percent: Any, end_percent: Any, merge_mlp: Any, proportional_attention: Any
+) -> None:
+    """Raise a ValueError or TypeError naming the first bad input (API prompts bypass the
+    widgets' limits)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
+        raise ValueError(f"ratio must be a number in [0, 1) (the fraction of image tokens merged away); got {ratio!r}")
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 0:
+        raise ValueError(
+            f"tile_size must be a positive integer (tokens per tile side), or 0 for auto; got {tile_size!r}"
+        )
+    for name, value in (("start_percent", start_percent), ("end_percent", end_percent)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be a number in [0, 1]; got {value!r}")
+    if start_percent > end_percent:
+        raise ValueError(
+            f"start_percent ({start_percent}) is after end_percent ({end_percent}): the merging window would be empty"
+        )
+    if merge_mlp not in MLP_CHOICES:
+        raise ValueError(f"merge_mlp must be one of {', '.join(MLP_CHOICES)}; got {merge_mlp!r}")
+    if not isinstance(proportional_attention, bool):
+        raise ValueError(f"proportional_attention must be true or false; got {proportional_attention!r}")
+
+
+def parse_blocks(text: Any, stacks: dict[str, int], defaults: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The blocks to merge, from the node's ``blocks`` input.
+
+    ``text`` is empty or ``"auto"`` for the family's ``defaults``, else whitespace-separated
+    ``stack:indices`` groups, indices being comma-separated ints and inclusive ranges
+    (``double:5-18 single:0,2,4-37``), ``all`` or ``none``. ``stacks`` maps each stack name
+    to its number of blocks. Stacks left out merge nothing.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"blocks must be a string such as 'double:5-18 single:all'; got {text!r}")
+    text = text.strip()
+    if text in ("", "auto"):
+        return dict(defaults)
+    out: dict[str, tuple[int, ...]] = {}
+    allowed = ", ".join(stacks)
+    for group in text.split():
+        stack, sep, spec = group.partition(":")
+        if not sep or not spec:
+            raise ValueError(f"blocks: {group!r} is not 'stack:indices' (stacks here: {allowed})")
+        if stack not in stacks:
+            raise ValueError(f"blocks: unknown block stack {stack!r} for this model; allowed: {allowed}")
+        count = stacks[stack]
+        if spec == "all":
+            out[stack] = tuple(range(count))
+            continue
+        if spec == "none":
+            out[stack] = ()
+            continue
+        picked: set[int] = set()
+        for item in spec.split(","):
+            lo, dash, hi = item.partition("-")
+            try:
+                first, last = int(lo), int(hi) if dash else int(lo)
+            except ValueError:
+                raise ValueError(f"blocks: {item!r} in {group!r} is not an index or a range a-b") from None
+            if first > last or first < 0 or last >= count:
+                raise ValueError(f"blocks: {stack} {item!r} is outside 0-{count - 1} ({count} {stack} blocks here)")
+            picked.update(range(first, last + 1))
+        out[stack] = tuple(sorted(picked))
+    return out
+
+
+def _ranges(indices: Any) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
+    parts, run = [], []
+    for i in sorted(indices):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [i]
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts)
+
+
+def unet_attention_levels(unet: torch.nn.Module) -> list[int]:
+    """The spatial downsample factors (1, 2, 4, ...) of a ComfyUI UNet's input blocks that hold
+    a SpatialTransformer, ascending: SD 1.x has ``[1, 2, 4]``, SDXL ``[2, 4]``."""
+    spatial = hooks.resolve(hooks.SPATIAL_TRANSFORMER)
+    down = hooks.resolve(hooks.UNET_DOWNSAMPLE)
+    ds, levels = 1, []
+    for block in unet.input_blocks:
+        mods = list(block.modules())
+        if any(isinstance(m, spatial) for m in mods) and ds not in levels:
+            levels.append(ds)
+        if any(isinstance(m, down) for m in mods):
+            ds *= 2
+    return levels
+
+
+class ComfyRun:
+    """The state of one patched model: settings, the current call's plans, the run's counts.
+
+    Args:
+        family: the model's family.
+        config: the ToMA settings (ratio, tile size, proportional attention).
+        blocks: the blocks to merge, ``{stack: indices}``.
+        window: ``(sigma_start, sigma_end)``: calls whose sigma is outside merge nothing.
+        patch: latent pixels per token side.
+        levels: UNet only: downsample factors whose self-attention merges.
+    """
+
+    def __init__(
+        self,
+        family: ComfyFamily,
+        config: ToMAConfig,
+        blocks: dict[str, tuple[int, ...]],
+        window: tuple[float, float],
+        patch: int = 1,
+        levels: tuple[int, ...] = (),
+    ) -> None:
+        self.family = family
+        self.config = config
+        self.blocks = blocks
+        self.window = window
+        self.patch = patch
+        self.levels = levels
+        self.cache = PlanCache(config, reference=family.reference)
+        self.latent_hw: tuple[int, int] | None = None
+        self.merging = False
+        self.pending: list[tuple[Plan, int]] = []  # UNet: plans whose attn1 output awaits unmerging
+        self.bias: torch.Tensor | None = None  # UNet: log-mass key bias of the attention running now
+        self.begin_run()
+
+    # -- per run ---------------------------------------------------------------------------
+    def begin_run(self) -> None:
+        """Forget the counts of the previous sampling run."""
+        self.calls = 0
+        self.merged_calls = 0
+        self.tokens: tuple[int, int] | None = None
+        self.merged_blocks: dict[str, set] = {}
+        self.skipped: str | None = None
+
+    def report(self) -> None:
+        """Log the run's one line: what merged, or a warning saying why nothing did."""
+        name = self.family.name
+        if self.merged_calls == 0:
+            reason = self.skipped or self._why_nothing()
+            log.warning("ToMA (%s): nothing merged in this run: %s", name, reason)
+            return
+        where = "; ".join(f"{stack} {_ranges(idx)}" for stack, idx in sorted(self.merged_blocks.items()))
+        n, k = self.tokens or (0, 0)
+        log.info(
+            "ToMA (%s): merged %s in %d of %d denoiser calls; image tokens %d -> %d; ratio %g",
+            name,
+            where,
+            self.merged_calls,
+            self.calls,
+            n,
+            k,
+            self.config.ratio,
+        )
+
+    def _why_nothing(self) -> str:
+        if self.config.ratio == 0:
+            return "ratio is 0"
+        if not any(self.blocks.values()):
+            return "no block selected (see the blocks input; the default skips the first blocks)"
+        if self.calls and not any(self._in_window(s) for s in getattr(self, "_sigmas", ())):
+            return "no step fell inside start_percent / end_percent"
+        return "the selected blocks never ran with a grid that merges"
+
+    # -- per denoiser call -----------------------------------------------------------------
+    def _in_window(self, sigma: float) -> bool:
+        start, end = self.window
+        return end <= sigma <= start
+
+    def begin_call(self, x: torch.Tensor, sigma: torch.Tensor) -> None:
+        """Start a denoiser call on latent ``x`` at ``sigma``: drop the last call's plans."""
+        s = float(sigma.max()) if isinstance(sigma, torch.Tensor) else float(sigma)
+        self._sigmas = (*getattr(self, "_sigmas", ()), s)[-64:]
+        self.calls += 1
+        self.latent_hw = (int(x.shape[-2]), int(x.shape[-1]))
+        self.merging = self.config.ratio > 0 and self._in_window(s)
+        self.pending.clear()
+        self.bias = None
+        p = self.patch
+        self.cache.begin_forward((math.ceil(self.latent_hw[0] / p), math.ceil(self.latent_hw[1] / p)), None)
+        self._counted = False
+
+    def plan(self, tokens: torch.Tensor, grid: tuple[int, int], group: Any) -> Plan | None:
+        """The plan for image tokens ``(B, N, C)`` on ``grid``, or None where nothing merges
+        (outside the window, ratio 0, or a grid too small to lose a token)."""
+        if not self.merging:
+            return None
+        plan = self.cache.get(tokens, grid, group)
+        if plan is None:
+            return None
+        if plan.num_merged >= tokens.shape[1]:
+            self.skipped = f"the {grid[0]}x{grid[1]} token grid is too small to merge at ratio {self.config.ratio}"
+            return None
+        return plan
+
+    def count(self, stack: str, index: int, n: int, k: int) -> None:
+        """Record that block ``index`` of ``stack`` merged ``n`` image tokens into ``k``."""
+        if not self._counted:
+            self.merged_calls += 1
+            self._counted = True
+        if self.tokens is None:
+            self.tokens = (n, k)
+        self.merged_blocks.setdefault(stack, set()).add(index)
+
+
+# -- wrappers ---------------------------------------------------------------------------------
+def _outer_sample(run: ComfyRun) -> Callable:
+    def wrapper(executor: Any, *args: Any, **kwargs: Any) -> Any:
+        run.begin_run()
+        out = executor(*args, **kwargs)
+        run.report()
+        return out
+
+    return wrapper
+
+
+def _apply_model(run: ComfyRun, override: Callable | None) -> Callable:
+    def wrapper(executor: Any, x: torch.Tensor, t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        run.begin_call(x, t)
+        if override is not None:
+            options = kwargs.get("transformer_options")
+            if options is None:  # positional: (c_concat, c_crossattn, control, transformer_options)
+                options = next((a for a in reversed(args) if isinstance(a, dict)), None)
+            if options is not None:
+                _chain_override(options, override)
+        try:
+            return executor(x, t, *args, **kwargs)
+        finally:
+            run.pending.clear()
+            run.bias = None
+
+    return wrapper
+
+
+def _chain_override(options: dict, ours: Callable) -> None:
+    """Put ``ours`` in front of whatever attention override this call has: one slot, which
+    other nodes fill too, so it is re-chained at every call rather than set once."""
+    found = options.get(hooks.TO_ATTENTION_OVERRIDE)
+    if getattr(found, "toma_run", None) is ours:
+        return
+
+    def chained(func: Callable, *args: Any, **kwargs: Any) -> Any:
+        inner = func if found is None else (lambda *a, **k: found(func, *a, **k))
+        return ours(inner, *args, **kwargs)
+
+    chained.toma_inner = found  # type: ignore[attr-defined]
+    chained.toma_run = ours  # type: ignore[attr-defined]
+    options[hooks.TO_ATTENTION_OVERRIDE] = chained
+
+
+# -- Flux -------------------------------------------------------------------------------------
+def _gather_pe(pe: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` ``(Bp, L')`` of Flux's rotary table ``pe`` ``(B or 1, 1, L, ...)``."""
+    b = max(pe.shape[0], index.shape[0])
+    pe = pe.expand(b, *pe.shape[1:])
+    index = index.expand(b, -1)
+    shaped = index.view(b, 1, -1, *([1] * (pe.ndim - 3))).expand(b, pe.shape[1], -1, *pe.shape[3:])
+    return torch.gather(pe, 2, shaped)
+
+
+def _kept_rows(plan: Plan, text: int, n: int, total: int, device: torch.device) -> torch.Tensor:
+    """``(Bp, text + K + total - text - n)``: the sequence positions a merged sequence keeps
+    (text, each merged token's destination, the tokens after the image)."""
+    dest = plan.dest_tokens.to(device) + text
+    bp = dest.shape[0]
+    head = torch.arange(text, device=device).expand(bp, -1)
+    tail = torch.arange(text + n, total, device=device).expand(bp, -1)
+    return torch.cat((head, dest, tail), 1)
+
+
+def _key_bias(plan: Plan, text: int, tail: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(Bp, 1, 1, text + K + tail)`` additive key bias of proportional attention: each merged
+    key's log mass, 0 for the others."""
+    lm = plan.log_mass.to(dtype)
+    bp = lm.shape[0]
+    zeros = lm.new_zeros
+    return torch.cat((zeros(bp, text), lm, zeros(bp, tail)), 1)[:, None, None, :]
+
+
+class FluxBlock:
+    """Flux's block replacement: merge the image tokens entering a double or single block,
+    run the block on ``K`` of them, and add the unmerged change to the full-size stream.
+
+    The rotary table ``pe`` gets each merged token's destination's row, so that positions
+    stay those of real tokens; text and any tokens after the image (Kontext's reference)
+    pass whole. ControlNet residuals are added by Flux after the block, on full-size tokens.
+    """
+
+    def __init__(self, run: ComfyRun, kind: str, index: int, proportional: bool) -> None:
+        self.run, self.kind, self.index, self.proportional = run, kind, index, proportional
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        """The replacement, as ComfyUI calls it: ``args`` of the block, ``extra["original_block"]``."""
+        original = extra[hooks.ORIGINAL_BLOCK]
+        run = self.run
+        if not run.merging or run.latent_hw is None:
+            return original(args)
+        p = run.patch
+        grid = (math.ceil(run.latent_hw[0] / p), math.ceil(run.latent_hw[1] / p))
+        n = grid[0] * grid[1]
+        seq = args["img"]
+        text = 0
+        if self.kind == hooks.SINGLE_BLOCK:
+            text = (args.get(hooks.TO_TRANSFORMER_OPTIONS) or {}).get(hooks.TO_IMG_SLICE, [0])[0]
+        if seq.shape[1] < text + n or args.get("attn_mask") is not None:
+            if args.get("attn_mask") is not None:
+                run.skipped = "the model was given an attention mask, which toma does not merge yet"
+            return original(args)
+        image = seq[:, text : text + n]
+        plan = run.plan(image, grid, "dit")
+        if plan is None:
+            return original(args)
+        merged = plan.merge(image)
+        k = merged.shape[1]
+        pe_len = seq.shape[1] + (0 if self.kind == hooks.SINGLE_BLOCK else args["txt"].shape[1])
+        pe_text = text if self.kind == hooks.SINGLE_BLOCK else args["txt"].shape[1]
+        tail = seq.shape[1] - text - n
+        new = dict(args)
+        if args.get("pe") is not None:
+            new["pe"] = _gather_pe(args["pe"], _kept_rows(plan, pe_text, n, pe_len, seq.device))
+        if self.proportional:
+            new["attn_mask"] = _key_bias(plan, pe_text, tail, seq.dtype)
+        # the block adds to its input in place: it gets a copy, ``merged`` stays M x
+        new["img"] = torch.cat((seq[:, :text], merged, seq[:, text + n :]), 1)
+        out = original(new)
+        y = out["img"]
+        delta = y[:, text : text + k] - merged
+        image_out = plan.unmerge(delta, residual=image)
+        run.count(self.kind.split("_")[0], self.index, n, k)
+        result = dict(out)
+        result["img"] = torch.cat((y[:, :text], image_out, y[:, text + k :]), 1)
+        return result
+
+
+# -- SD / SDXL UNet ---------------------------------------------------------------------------
+class UNetAttn1:
+    """The UNet's self-attention, merged: ``attn1_patch`` merges the normed tokens (queries,
+    keys and values alike, unlike ComfyUI's TomePatchModel) before the projections, and
+    ``attn1_output_patch`` unmerges the attention's output before the residual add."""
+
+    def __init__(self, run: ComfyRun, proportional: bool) -> None:
+        self.run, self.proportional = run, proportional
+
+    def _level(self, tokens: int) -> tuple[int, tuple[int, int]] | None:
+        h, w = self.run.latent_hw
+        for ds in self.run.levels:
+            grid = (math.ceil(h / ds), math.ceil(w / ds))
+            if grid[0] * grid[1] == tokens:
+                return ds, grid
+        return None
+
+    def before(self, n: torch.Tensor, context: Any, value: Any, extra_options: dict) -> tuple:
+        """``attn1_patch``: merge ``n`` (and the keys and values where they are ``n``)."""
+        run = self.run
+        if not run.merging or run.latent_hw is None:
+            return n, context, value
+        found = self._level(n.shape[1])
+        if found is None:
+            return n, context, value
+        ds, grid = found
+        plan = run.plan(n, grid, ("unet", ds))
+        if plan is None:
+            return n, context, value
+        merged = plan.merge(n)
+        run.pending.append((plan, merged.shape[1]))
+        if self.proportional:
+            run.bias = plan.log_mass
+        run.count("levels", run.levels.index(ds) + 1, n.shape[1], merged.shape[1])
+        return merged, merged if context is n else context, merged if value is n else value
+
+    def after(self, n: torch.Tensor, extra_options: dict) -> torch.Tensor:
+        """``attn1_output_patch``: unmerge the attention output merged by :meth:`before`."""
+        run = self.run
+        if not run.pending or run.pending[-1][1] != n.shape[1]:
+            return n
+        plan, _ = run.pending.pop()
+        run.bias = None
+        return plan.unmerge(n)
+
+    def attention(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
+        """The attention override: proportional attention's key bias on the merged attn1."""
+        bias = self.run.bias
+        keys = k.shape[-2]
+        if (
+            bias is not None
+            and kwargs.get("mask") is None
+            and bias.shape[-1] == keys
+            and not kwargs.get("skip_reshape")
+        ):
+            kwargs["mask"] = bias.to(q.dtype)[:, None, None, :]
+        return func(q, k, v, *args, **kwargs)
+
+
+# -- the node's work --------------------------------------------------------------------------
+def _refuse(model: Any, reason: str) -> Any:
+    log.warning("ToMA: not patching this model: %s (tested on ComfyUI %s)", reason, hooks.TESTED_VERSION)
+    return model
+
+
+def patch_model(
+    model: Any,
+    ratio: float = 0.5,
+    tile_size: int = 0,
+    start_percent: float = 0.0,
+    end_percent: float = 1.0,
+    blocks: str = "",
+    merge_mlp: str = "auto",
+    proportional_attention: bool = True,
+) -> Any:
+    """A clone of ComfyUI ModelPatcher ``model`` that merges tokens with ToMA; ``model``
+    itself is left as it was.
+
+    Bad input raises a ValueError naming it, before anything is cloned. A family toma does
+    not merge, or a ComfyUI whose hooks differ from what toma expects, is refused: one
+    warning with the reason, and ``model`` comes back unpatched.
+
+    Args:
+        model: a ComfyUI MODEL (``comfy.model_patcher.ModelPatcher``).
+        ratio: fraction of image tokens merged away, in [0, 1).
+        tile_size: tile side in tokens; 0 scales it to the grid (auto).
+        start_percent, end_percent: the part of the schedule that merges, read as ComfyUI's
+            own nodes read them (``percent_to_sigma``, compared with each call's sigma).
+        blocks: which blocks merge (:func:`parse_blocks`); empty: the family's default.
+        merge_mlp: "auto" (the family's way), "on" or "off"; refused where the family's
+            hook cannot honour it.
+        proportional_attention: weight merged keys by the tokens they stand for.
+    """
+    _check_inputs(ratio, tile_size, start_percent, end_percent, merge_mlp, proportional_attention)
+    base = getattr(model, hooks.PATCHER_MODEL, None)
+    dm = getattr(base, hooks.DIFFUSION_MODEL, None)
+    if dm is None:
+        raise ValueError("model must be a ComfyUI MODEL (a ModelPatcher whose model has a diffusion_model)")
+    family = family_of(dm)
+    if family is None:
+        return _refuse(model, f"toma does not know the denoiser class {class_name(type(dm))}")
+    if not family.merges:
+        return _refuse(model, family.reason or "no hook")
+    problem = hooks.first_problem(hooks.COMMON + family.needs)
+    if problem is None and proportional_attention and family.hook == "unet_attn1":
+        problem = hooks.first_problem(hooks.ATTENTION_OVERRIDE_NEEDS)
+    if problem is not None:
+        return _refuse(model, problem)
+
+    levels: tuple[int, ...] = ()
+    if family.hook == "dit_blocks":
+        if merge_mlp == "off":
+            raise ValueError(
+                "merge_mlp: 'off' is not available on Flux: toma merges around whole blocks there "
+                "(attention and MLP together); use 'auto' or 'on'"
+            )
+        counts = {"double": len(dm.double_blocks), "single": len(dm.single_blocks)}
+        defaults = {s: tuple(range(min(FLUX_SKIPPED_BLOCKS, c), c)) for s, c in counts.items()}
+        chosen = parse_blocks(blocks, counts, defaults)
+        patch = int(getattr(dm, "patch_size", family.patch))
+    else:
+        if merge_mlp == "on":
+            raise ValueError(
+                "merge_mlp: 'on' is not available on the SD/SDXL UNet: ComfyUI's transformer block has no "
+                "hook around its feed-forward; use 'auto' or 'off'"
+            )
+        attention_levels = unet_attention_levels(dm)
+        # SDXL (no attention at full resolution) merges its top two levels, SD 1.x its top one
+        default = 2 if attention_levels and attention_levels[0] > 1 else 1
+        counts = {"levels": len(attention_levels)}
+        chosen = parse_blocks(blocks, counts, {"levels": tuple(range(min(default, len(attention_levels))))})
+        # "levels" count from 1 in logs and the input's docs, from 0 in indices
+        levels = tuple(attention_levels[i] for i in chosen.get("levels", ()))
+        chosen = {"levels": tuple(i + 1 for i in chosen.get("levels", ()))}
+        patch = 1
+
+    sampling = model.get_model_object(hooks.MODEL_SAMPLING)
+    to_sigma = getattr(sampling, hooks.PERCENT_TO_SIGMA)
+    window = (float(to_sigma(start_percent)), float(to_sigma(end_percent)))
+    config = ToMAConfig(
+        ratio=float(ratio),
+        tile_size="auto" if tile_size == 0 else int(tile_size),
+        proportional_attention=proportional_attention,
+    )
+    run = ComfyRun(family, config, chosen, window, patch=patch, levels=levels)
+
+    clone = model.clone()
+    override = None
+    if family.hook == "dit_blocks":
+        for stack, kind in (("double", hooks.DOUBLE_BLOCK), ("single", hooks.SINGLE_BLOCK)):
+            for i in chosen.get(stack, ()):
+                clone.set_model_patch_replace(
+                    FluxBlock(run, kind, i, proportional_attention), hooks.DIT_REPLACE, kind, i
+                )
+    else:
+        attn = UNetAttn1(run, proportional_attention)
+        clone.set_model_attn1_patch(attn.before)
+        clone.set_model_attn1_output_patch(attn.after)
+        if proportional_attention:
+            override = attn.attention
+    wrappers = hooks.resolve(hooks.WRAPPERS)
+    clone.add_wrapper_with_key(getattr(wrappers, hooks.OUTER_SAMPLE), hooks.WRAPPER_KEY, _outer_sample(run))
+    clone.add_wrapper_with_key(getattr(wrappers, hooks.APPLY_MODEL), hooks.WRAPPER_KEY, _apply_model(run, override))
+    clone.toma_run = run  # for tests and for nodes that want to read what merged
+    return clone
