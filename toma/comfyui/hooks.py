@@ -30,6 +30,8 @@ UNET_DOWNSAMPLE = "comfy.ldm.modules.diffusionmodules.openaimodel:Downsample"
 SPATIAL_TRANSFORMER = "comfy.ldm.modules.attention:SpatialTransformer"
 TRANSFORMER_BLOCK = "comfy.ldm.modules.attention:BasicTransformerBlock"
 WRAP_ATTN = "comfy.ldm.modules.attention:wrap_attn"
+BASE_MODEL = "comfy.model_base:BaseModel"
+CFG_GUIDER = "comfy.samplers:CFGGuider"
 
 # ModelPatcher's methods toma calls, with the parameters it passes them
 PATCHER_METHODS: dict[str, tuple[str, ...]] = {
@@ -141,6 +143,15 @@ COMMON: tuple[Need, ...] = (
     ),
     Need(f"{WRAPPERS}.{OUTER_SAMPLE}", "the OUTER_SAMPLE wrapper"),
     Need(f"{WRAPPERS}.{APPLY_MODEL}", "the APPLY_MODEL wrapper"),
+    # where ComfyUI runs them: apply_model(x, t, ...) with t the sigma, and the guider's sample
+    Need(
+        f"{BASE_MODEL}.apply_model",
+        "the APPLY_MODEL wrapper's call",
+        params=("x", "t", "transformer_options"),
+        source=(f"WrappersMP.{APPLY_MODEL}",),
+    ),
+    Need(f"{CFG_GUIDER}.sample", "the OUTER_SAMPLE wrapper's call", source=(f"WrappersMP.{OUTER_SAMPLE}",)),
+    Need(f"{BASE_MODEL}._apply_model", "the sigma passed to apply_model", source=("sigma = t",)),
 )
 
 # Flux: block replacement around each double and single block, whose args carry pe and

@@ -172,6 +172,7 @@ class ComfyRun:
         self.merged_calls = 0
         self.tokens: tuple[int, int] | None = None
         self.merged_blocks: dict[str, set] = {}
+        self.window_calls = 0
         self.skipped: str | None = None
 
     def report(self) -> None:
@@ -199,7 +200,7 @@ class ComfyRun:
             return "ratio is 0"
         if not any(self.blocks.values()):
             return "no block selected (see the blocks input; the default skips the first blocks)"
-        if self.calls and not any(self._in_window(s) for s in getattr(self, "_sigmas", ())):
+        if self.calls and not self.window_calls:
             return "no step fell inside start_percent / end_percent"
         return "the selected blocks never ran with a grid that merges"
 
@@ -210,11 +211,13 @@ class ComfyRun:
 
     def begin_call(self, x: torch.Tensor, sigma: torch.Tensor) -> None:
         """Start a denoiser call on latent ``x`` at ``sigma``: drop the last call's plans."""
+        # one sigma per call (cond and uncond share it); max() reads it whatever the batch
         s = float(sigma.max()) if isinstance(sigma, torch.Tensor) else float(sigma)
-        self._sigmas = (*getattr(self, "_sigmas", ()), s)[-64:]
         self.calls += 1
+        inside = self._in_window(s)
+        self.window_calls += inside
         self.latent_hw = (int(x.shape[-2]), int(x.shape[-1]))
-        self.merging = self.config.ratio > 0 and self._in_window(s)
+        self.merging = self.config.ratio > 0 and inside
         self.pending.clear()
         self.bias = None
         p = self.patch
@@ -415,7 +418,7 @@ class UNetAttn1:
         if not run.pending or run.pending[-1][1] != n.shape[1]:
             return n
         plan, _ = run.pending.pop()
-        run.bias = None
+        run.bias = None  # in case no attention call took it
         return plan.unmerge(n)
 
     def attention(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
