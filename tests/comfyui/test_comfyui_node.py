@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from tiny_comfy import flux_patcher, sample, unet_patcher
+from tiny_comfy import flux_patcher, sample, sample_video, unet_patcher, wan_patcher
 
 from toma.adapters import state
 from toma.comfyui import hooks
@@ -68,7 +68,7 @@ def _options_snapshot(patcher) -> tuple:
 
 # -- names and hooks ----------------------------------------------------------------------------
 def test_every_named_internal_is_in_the_vendored_comfyui(comfy):
-    for need in hooks.COMMON + hooks.FLUX_NEEDS + hooks.UNET_NEEDS + hooks.ATTENTION_OVERRIDE_NEEDS:
+    for need in hooks.COMMON + hooks.FLUX_NEEDS + hooks.WAN_NEEDS + hooks.UNET_NEEDS + hooks.ATTENTION_OVERRIDE_NEEDS:
         assert hooks.problem(need) is None, need
     for family in FAMILIES:
         for target in family.classes:
@@ -84,7 +84,7 @@ def test_supported_lists_every_family_with_a_reason_where_refused():
     assert {r["name"] for r in rows} >= {"flux", "unet", "wan", "qwenimage", "zimage", "ltx", "hunyuanvideo"}
     for r in rows:
         assert r["merges"] == (r["reason"] is None)
-    assert [r["name"] for r in rows if r["merges"]] == ["flux", "unet"]
+    assert [r["name"] for r in rows if r["merges"]] == ["flux", "unet", "wan"]
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if not f.merges], ids=lambda f: f.name)
@@ -292,6 +292,64 @@ def test_flux_odd_latent(comfy, flux):
     assert layout_k < math.prod(grid)
     assert seen["double1.qkv"] == [layout_k] * 2
     assert out.shape == (1, 4, 15, 13) and torch.isfinite(out).all()
+
+
+# -- Wan ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def wan(comfy):
+    return wan_patcher(comfy)
+
+
+def _wan_modules(patcher) -> dict[str, torch.nn.Module]:
+    out = {}
+    for i, b in enumerate(patcher.model.diffusion_model.blocks):
+        out[f"{i}.self_q"] = b.self_attn.q
+        out[f"{i}.cross_q"] = b.cross_attn.q
+        out[f"{i}.ffn"] = b.ffn[0]
+    return out
+
+
+@pytest.mark.parametrize("size", [(3, 8, 8), (2, 7, 9)], ids=["3x8x8", "odd-2x7x9"])
+def test_wan_blocks_see_k_video_tokens(comfy, wan, size, caplog):
+    frames, h, w = size
+    reference = sample_video(comfy, wan, frames, h, w)
+    patched = patch_model(wan, 0.5, blocks="blocks:all")
+    assert torch.equal(sample_video(comfy, patch_model(wan, 0.0, blocks="blocks:all"), frames, h, w), reference)
+    seen, handles = _record(_wan_modules(wan))
+    try:
+        with caplog.at_level(logging.INFO, logger="toma.comfyui"):
+            out = sample_video(comfy, patched, frames, h, w)
+    finally:
+        for hd in handles:
+            hd.remove()
+    grid = (frames, math.ceil(h / 2), math.ceil(w / 2))  # patch (1, 2, 2), padded up
+    n, k = math.prod(grid), patched.toma_run.cache.layout(*grid).num_merged
+    assert k < n
+    for i in range(2):  # self-attention, cross-attention queries and the MLP all run on K
+        for part in ("self_q", "cross_q", "ffn"):
+            assert seen[f"{i}.{part}"] == [k] * 2, (i, part)
+    assert f"ToMA (wan): merged blocks 0-1 in 2 of 2 denoiser calls; image tokens {n} -> {k}; ratio 0.5" in caplog.text
+    assert out.shape == (1, 4, frames, h, w) and torch.isfinite(out).all()
+    assert not torch.equal(out, reference)
+    assert torch.equal(sample_video(comfy, wan, frames, h, w), reference)
+
+
+def test_wan_proportional_bias_reaches_self_attention_only(comfy, wan):
+    masks = []
+
+    def other_override(*args, **kwargs):  # another node's attention, set before toma
+        mask = kwargs.get("mask")
+        masks.append(None if mask is None else (args[1].shape[1], mask.shape[-1]))
+        return hooks.resolve("comfy.ldm.modules.attention:attention_pytorch")(*args, **kwargs)
+
+    before = wan.clone()
+    before.set_model_optimized_attention(other_override)
+    sample_video(comfy, patch_model(before, 0.5, blocks="blocks:all"), steps=1)
+    # per block: self-attention (24 merged keys, biased), then cross-attention (text, not)
+    assert masks == [(24, 24), None] * 2
+    masks.clear()
+    sample_video(comfy, patch_model(before, 0.5, blocks="blocks:all", proportional_attention=False), steps=1)
+    assert masks == [None, None] * 2
 
 
 # -- SD / SDXL UNet -----------------------------------------------------------------------------

@@ -178,3 +178,48 @@ def sample(comfy, patcher, kind: str, h: int = 16, w: int = 16, steps: int = 3, 
     return comfy.sample.sample(
         patcher, noise, steps, cfg, "euler", "normal", pos, neg, latent, disable_pbar=True, seed=7, **kw
     )
+
+
+WAN_TEXT = 32
+
+
+def wan_patcher(comfy, layers: int = 2, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.WAN21`` (T2V, dim 64, 2 heads)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "wan2.1",
+        "model_type": "t2v",
+        "patch_size": (1, 2, 2),
+        "text_len": 8,
+        "in_dim": 4,
+        "dim": 64,
+        "ffn_dim": 128,
+        "freq_dim": 32,
+        "text_dim": WAN_TEXT,
+        "out_dim": 4,
+        "num_heads": 2,
+        "num_layers": layers,
+    }
+    config = comfy.supported_models.WAN21_T2V(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.WAN21(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sample_video(comfy, patcher, frames: int = 3, h: int = 8, w: int = 8, steps: int = 2, cfg: float = 2.0, **kw):
+    """``sample`` for a tiny Wan: a seeded ``(1, 4, frames, h, w)`` latent, text conditioning."""
+    import comfy.sample
+
+    g = torch.Generator().manual_seed(1)
+    pos = [[torch.randn(1, 5, WAN_TEXT, generator=g), {}]]
+    neg = [[torch.randn(1, 5, WAN_TEXT, generator=g), {}]]
+    shape = (1, 4, frames, h, w)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    return comfy.sample.sample(
+        patcher, noise, steps, cfg, "euler", "normal", pos, neg, torch.zeros(shape), disable_pbar=True, seed=7, **kw
+    )

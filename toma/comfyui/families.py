@@ -20,15 +20,17 @@ class ComfyFamily:
     Attributes:
         name: short name, shown in logs and errors.
         classes: the denoiser classes, ``"module:QualName"``.
-        hook: how toma merges: ``"dit_blocks"`` (block replacement around Flux-style double
-            and single blocks) or ``"unet_attn1"`` (attn1 patches in the UNet's transformer
-            blocks); None where it is refused.
+        hook: how toma merges: ``"flux_blocks"`` (block replacement around Flux's double
+            and single blocks), ``"wan_blocks"`` (block replacement around Wan's blocks) or
+            ``"unet_attn1"`` (attn1 patches in the UNet's transformer blocks); None where it
+            is refused.
         reason: why the family is refused (one line naming the missing hook), or None.
         needs: the ComfyUI hooks the family's merging needs (:mod:`toma.comfyui.hooks`).
         patch: latent pixels per token side (the denoiser's patchify).
         reference: image tokens of the family's reference frame, which ``tile_size`` "auto"
             scales tiles to (None: 4x4 tiles always).
         stacks: the block stacks the ``blocks`` input may name, with what each indexes.
+        label: the family's name in messages (default: ``name``).
     """
 
     name: str
@@ -39,6 +41,12 @@ class ComfyFamily:
     patch: int = 1
     reference: int | None = None
     stacks: dict[str, str] = field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def title(self) -> str:
+        """The family's name in messages."""
+        return self.label or self.name
 
     @property
     def merges(self) -> bool:
@@ -48,18 +56,19 @@ class ComfyFamily:
 
 _BLOCK_REPLACE_TODO = (
     "has ComfyUI's block replacement (patches_replace['dit']), but toma's ComfyUI node does not "
-    "merge it yet; only Flux and the SD/SDXL UNet merge in this version"
+    "merge it yet; only Flux, Wan and the SD/SDXL UNet merge in this version"
 )
 
 FAMILIES: tuple[ComfyFamily, ...] = (
     ComfyFamily(
         "flux",
         (hooks.FLUX,),  # Flux.1 dev/schnell/Kontext and Flux.2 share this class
-        hook="dit_blocks",
+        hook="flux_blocks",
         needs=hooks.FLUX_NEEDS,
         patch=2,
         reference=64 * 64,  # 1024x1024 pixels
         stacks={"double": "double-stream blocks", "single": "single-stream blocks"},
+        label="Flux",
     ),
     ComfyFamily(
         "unet",
@@ -67,6 +76,7 @@ FAMILIES: tuple[ComfyFamily, ...] = (
         hook="unet_attn1",
         needs=hooks.UNET_NEEDS,
         stacks={"levels": "attention levels, 1 = the highest resolution with self-attention"},
+        label="the SD/SDXL UNet",
     ),
     ComfyFamily("chroma", ("comfy.ldm.chroma.model:Chroma",), reason=f"Chroma {_BLOCK_REPLACE_TODO}"),
     ComfyFamily(
@@ -74,7 +84,16 @@ FAMILIES: tuple[ComfyFamily, ...] = (
         ("comfy.ldm.modules.diffusionmodules.mmdit:OpenAISignatureMMDITWrapper",),
         reason=f"SD3 {_BLOCK_REPLACE_TODO}",
     ),
-    ComfyFamily("wan", ("comfy.ldm.wan.model:WanModel",), reason=f"Wan {_BLOCK_REPLACE_TODO}"),
+    ComfyFamily(
+        "wan",
+        (hooks.WAN,),  # Wan 2.1 / 2.2 T2V and I2V (VACE, Camera, Animate and the others are subclasses)
+        hook="wan_blocks",
+        needs=hooks.WAN_NEEDS,
+        patch=2,
+        reference=30 * 52,  # 480x832 pixels
+        stacks={"blocks": "transformer blocks"},
+        label="Wan",
+    ),
     ComfyFamily(
         "hunyuanvideo", ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), reason=f"HunyuanVideo {_BLOCK_REPLACE_TODO}"
     ),

@@ -25,6 +25,8 @@ WRAPPERS = "comfy.patcher_extension:WrappersMP"
 FLUX = "comfy.ldm.flux.model:Flux"
 FLUX_DOUBLE_BLOCK = "comfy.ldm.flux.layers:DoubleStreamBlock"
 FLUX_SINGLE_BLOCK = "comfy.ldm.flux.layers:SingleStreamBlock"
+WAN = "comfy.ldm.wan.model:WanModel"
+WAN_BLOCK = "comfy.ldm.wan.model:WanAttentionBlock"
 UNET = "comfy.ldm.modules.diffusionmodules.openaimodel:UNetModel"
 UNET_DOWNSAMPLE = "comfy.ldm.modules.diffusionmodules.openaimodel:Downsample"
 SPATIAL_TRANSFORMER = "comfy.ldm.modules.attention:SpatialTransformer"
@@ -173,6 +175,24 @@ FLUX_NEEDS: tuple[Need, ...] = (
     ),
     Need(f"{FLUX_DOUBLE_BLOCK}.forward", "Flux's double block", params=("img", "txt", "vec", "pe", "attn_mask")),
     Need(f"{FLUX_SINGLE_BLOCK}.forward", "Flux's single block", params=("x", "vec", "pe", "attn_mask")),
+)
+
+# Wan: block replacement under ("double_block", i), whose args carry the rotary table
+WAN_NEEDS: tuple[Need, ...] = (
+    Need(
+        f"{WAN}.forward_orig",
+        "Wan's block replacement (patches_replace['dit'])",
+        params=("x", "t", "context", "freqs", "transformer_options"),
+        source=(
+            f'patches_replace.get("{DIT_REPLACE}"',
+            f'("{DOUBLE_BLOCK}", i)',
+            f'"{ORIGINAL_BLOCK}"',
+            'freqs=args["pe"]',
+            'e=args["vec"]',
+            '"img": x',
+        ),
+    ),
+    Need(f"{WAN_BLOCK}.forward", "Wan's block", params=("x", "e", "freqs", "context")),
 )
 
 # SD / SDXL: attn1_patch before self-attention's projections, attn1_output_patch after

@@ -31,8 +31,9 @@ from toma.core.plan import Plan
 log = logging.getLogger("toma.comfyui")
 
 MLP_CHOICES = ("auto", "on", "off")
-# the authors' Flux default: every block but the first few, which lay out the image
-FLUX_SKIPPED_BLOCKS = 5
+# the authors' Flux default, which toma's diffusers path keeps for Wan too: every block but
+# the first few, which lay out the image
+SKIPPED_BLOCKS = 5
 
 
 def _check_inputs(
@@ -139,7 +140,7 @@ class ComfyRun:
         config: the ToMA settings (ratio, tile size, proportional attention).
         blocks: the blocks to merge, ``{stack: indices}``.
         window: ``(sigma_start, sigma_end)``: calls whose sigma is outside merge nothing.
-        patch: latent pixels per token side.
+        patch: latent pixels per token side, or ``(frames, height, width)`` for video.
         levels: UNet only: downsample factors whose self-attention merges.
     """
 
@@ -149,7 +150,7 @@ class ComfyRun:
         config: ToMAConfig,
         blocks: dict[str, tuple[int, ...]],
         window: tuple[float, float],
-        patch: int = 1,
+        patch: int | tuple[int, int, int] = 1,
         levels: tuple[int, ...] = (),
     ) -> None:
         self.family = family
@@ -160,6 +161,7 @@ class ComfyRun:
         self.levels = levels
         self.cache = PlanCache(config, reference=family.reference)
         self.latent_hw: tuple[int, int] | None = None
+        self.grid: tuple[int, ...] | None = None  # the denoiser's token grid at this call
         self.merging = False
         self.pending: list[tuple[Plan, int]] = []  # UNet: plans whose attn1 output awaits unmerging
         self.bias: torch.Tensor | None = None  # UNet: log-mass key bias of the attention running now
@@ -220,8 +222,12 @@ class ComfyRun:
         self.merging = self.config.ratio > 0 and inside
         self.pending.clear()
         self.bias = None
-        p = self.patch
-        self.cache.begin_forward((math.ceil(self.latent_hw[0] / p), math.ceil(self.latent_hw[1] / p)), None)
+        # the denoisers pad the latent up to whole patches: tokens are ceil(size / patch)
+        if isinstance(self.patch, tuple):
+            self.grid = tuple(math.ceil(int(size) / p) for size, p in zip(x.shape[-3:], self.patch))
+        else:
+            self.grid = tuple(math.ceil(size / self.patch) for size in self.latent_hw)
+        self.cache.begin_forward(self.grid, None)
         self._counted = False
 
     def plan(self, tokens: torch.Tensor, grid: tuple[int, int], group: Any) -> Plan | None:
@@ -293,13 +299,16 @@ def _chain_override(options: dict, ours: Callable) -> None:
 
 
 # -- Flux -------------------------------------------------------------------------------------
-def _gather_pe(pe: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``index`` ``(Bp, L')`` of Flux's rotary table ``pe`` ``(B or 1, 1, L, ...)``."""
-    b = max(pe.shape[0], index.shape[0])
-    pe = pe.expand(b, *pe.shape[1:])
-    index = index.expand(b, -1)
-    shaped = index.view(b, 1, -1, *([1] * (pe.ndim - 3))).expand(b, pe.shape[1], -1, *pe.shape[3:])
-    return torch.gather(pe, 2, shaped)
+def _gather_rows(table: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows ``index`` ``(Bp, L')`` along ``dim`` of a rotary table ``(B or 1, ..., L, ...)``,
+    per sample: ``(max(B, Bp), ..., L', ...)``."""
+    b = max(table.shape[0], index.shape[0])
+    table = table.expand(b, *table.shape[1:])
+    view = [b] + [1] * (table.ndim - 1)
+    view[dim] = index.shape[1]
+    sizes = list(table.shape)
+    sizes[dim] = index.shape[1]
+    return torch.gather(table, dim, index.expand(b, -1).reshape(view).expand(sizes))
 
 
 def _kept_rows(plan: Plan, text: int, n: int, total: int, device: torch.device) -> torch.Tensor:
@@ -337,11 +346,10 @@ class FluxBlock:
         """The replacement, as ComfyUI calls it: ``args`` of the block, ``extra["original_block"]``."""
         original = extra[hooks.ORIGINAL_BLOCK]
         run = self.run
-        if not run.merging or run.latent_hw is None:
+        if not run.merging or run.grid is None:
             return original(args)
-        p = run.patch
-        grid = (math.ceil(run.latent_hw[0] / p), math.ceil(run.latent_hw[1] / p))
-        n = grid[0] * grid[1]
+        grid = run.grid
+        n = math.prod(grid)
         seq = args["img"]
         text = 0
         if self.kind == hooks.SINGLE_BLOCK:
@@ -361,7 +369,7 @@ class FluxBlock:
         tail = seq.shape[1] - text - n
         new = dict(args)
         if args.get("pe") is not None:
-            new["pe"] = _gather_pe(args["pe"], _kept_rows(plan, pe_text, n, pe_len, seq.device))
+            new["pe"] = _gather_rows(args["pe"], _kept_rows(plan, pe_text, n, pe_len, seq.device), dim=2)
         if self.proportional:
             new["attn_mask"] = _key_bias(plan, pe_text, tail, seq.dtype)
         # the block adds to its input in place: it gets a copy, ``merged`` stays M x
@@ -376,7 +384,73 @@ class FluxBlock:
         return result
 
 
+# -- Wan -------------------------------------------------------------------------------------
+class WanBlock:
+    """Wan's block replacement: the block (self-attention, cross-attention queries and the
+    MLP) runs on ``K`` merged video tokens, and its change is unmerged onto the full stream.
+
+    The rotary table ``pe`` (``(1, N, 1, ...)``, tokens on dim 1) gets each merged token's
+    destination's row. Proportional attention goes through the attention override: the key
+    bias is armed for the block's first attention call, its self-attention.
+    """
+
+    def __init__(self, run: ComfyRun, index: int, proportional: bool) -> None:
+        self.run, self.index, self.proportional = run, index, proportional
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        """The replacement, as ComfyUI calls it: ``args`` of the block, ``extra["original_block"]``."""
+        original = extra[hooks.ORIGINAL_BLOCK]
+        run = self.run
+        if not run.merging or run.grid is None:
+            return original(args)
+        x, vec = args["img"], args["vec"]
+        n = math.prod(run.grid)
+        if x.shape[1] != n:
+            run.skipped = "the sequence holds tokens besides the video's (reference or context latents)"
+            return original(args)
+        if vec.ndim >= 3 and vec.shape[1] != 1:
+            run.skipped = "the timestep embedding is per token (Wan 2.2 TI2V), which toma does not merge yet"
+            return original(args)
+        plan = run.plan(x, run.grid, "dit")
+        if plan is None:
+            return original(args)
+        merged = plan.merge(x)
+        new = dict(args)
+        new["img"] = merged
+        if args.get("pe") is not None:
+            new["pe"] = _gather_rows(args["pe"], plan.dest_tokens.to(x.device), dim=1)
+        if self.proportional:
+            run.bias = plan.log_mass
+        try:
+            out = original(new)
+        finally:
+            run.bias = None
+        result = dict(out)
+        result["img"] = plan.unmerge(out["img"] - merged, residual=x)
+        run.count("blocks", self.index, n, merged.shape[1])
+        return result
+
+
 # -- SD / SDXL UNet ---------------------------------------------------------------------------
+class KeyBias:
+    """The attention override of proportional attention: adds the armed key bias
+    (``run.bias``, ``(Bp, K)`` log masses) to the first attention call whose keys are the
+    ``K`` merged tokens, then disarms it, so no other attention call ever gets it."""
+
+    def __init__(self, run: ComfyRun) -> None:
+        self.run = run
+
+    def __call__(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
+        """As ComfyUI calls an override: the attention function, then its arguments."""
+        bias = self.run.bias
+        keys = k.shape[-2]
+        flat = not kwargs.get("skip_reshape")
+        if bias is not None and kwargs.get("mask") is None and bias.shape[-1] == keys and flat:
+            self.run.bias = None
+            kwargs["mask"] = bias.to(q.dtype)[:, None, None, :]
+        return func(q, k, v, *args, **kwargs)
+
+
 class UNetAttn1:
     """The UNet's self-attention, merged: ``attn1_patch`` merges the normed tokens (queries,
     keys and values alike, unlike ComfyUI's TomePatchModel) before the projections, and
@@ -420,19 +494,6 @@ class UNetAttn1:
         plan, _ = run.pending.pop()
         run.bias = None  # in case no attention call took it
         return plan.unmerge(n)
-
-    def attention(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
-        """The attention override: proportional attention's key bias on the merged attn1."""
-        bias = self.run.bias
-        keys = k.shape[-2]
-        if (
-            bias is not None
-            and kwargs.get("mask") is None
-            and bias.shape[-1] == keys
-            and not kwargs.get("skip_reshape")
-        ):
-            kwargs["mask"] = bias.to(q.dtype)[:, None, None, :]
-        return func(q, k, v, *args, **kwargs)
 
 
 # -- the node's work --------------------------------------------------------------------------
@@ -480,22 +541,27 @@ def patch_model(
     if not family.merges:
         return _refuse(model, family.reason or "no hook")
     problem = hooks.first_problem(hooks.COMMON + family.needs)
-    if problem is None and proportional_attention and family.hook == "unet_attn1":
+    if problem is None and proportional_attention and family.hook in ("unet_attn1", "wan_blocks"):
         problem = hooks.first_problem(hooks.ATTENTION_OVERRIDE_NEEDS)
     if problem is not None:
         return _refuse(model, problem)
 
     levels: tuple[int, ...] = ()
-    if family.hook == "dit_blocks":
+    patch: int | tuple[int, int, int]
+    if family.hook in ("flux_blocks", "wan_blocks"):
         if merge_mlp == "off":
             raise ValueError(
-                "merge_mlp: 'off' is not available on Flux: toma merges around whole blocks there "
+                f"merge_mlp: 'off' is not available on {family.title}: toma merges around whole blocks there "
                 "(attention and MLP together); use 'auto' or 'on'"
             )
-        counts = {"double": len(dm.double_blocks), "single": len(dm.single_blocks)}
-        defaults = {s: tuple(range(min(FLUX_SKIPPED_BLOCKS, c), c)) for s, c in counts.items()}
+        if family.hook == "flux_blocks":
+            counts = {"double": len(dm.double_blocks), "single": len(dm.single_blocks)}
+            patch = int(getattr(dm, "patch_size", family.patch))
+        else:
+            counts = {"blocks": len(dm.blocks)}
+            patch = tuple(int(p) for p in getattr(dm, "patch_size", (1, 2, 2)))
+        defaults = {s: tuple(range(min(SKIPPED_BLOCKS, c), c)) for s, c in counts.items()}
         chosen = parse_blocks(blocks, counts, defaults)
-        patch = int(getattr(dm, "patch_size", family.patch))
     else:
         if merge_mlp == "on":
             raise ValueError(
@@ -524,18 +590,26 @@ def patch_model(
 
     clone = model.clone()
     override = None
-    if family.hook == "dit_blocks":
+    if family.hook == "flux_blocks":
         for stack, kind in (("double", hooks.DOUBLE_BLOCK), ("single", hooks.SINGLE_BLOCK)):
             for i in chosen.get(stack, ()):
                 clone.set_model_patch_replace(
                     FluxBlock(run, kind, i, proportional_attention), hooks.DIT_REPLACE, kind, i
                 )
+    elif family.hook == "wan_blocks":
+        # Wan's blocks are replaced under the name Flux's double blocks have
+        for i in chosen.get("blocks", ()):
+            clone.set_model_patch_replace(
+                WanBlock(run, i, proportional_attention), hooks.DIT_REPLACE, hooks.DOUBLE_BLOCK, i
+            )
+        if proportional_attention:
+            override = KeyBias(run)
     else:
         attn = UNetAttn1(run, proportional_attention)
         clone.set_model_attn1_patch(attn.before)
         clone.set_model_attn1_output_patch(attn.after)
         if proportional_attention:
-            override = attn.attention
+            override = KeyBias(run)
     wrappers = hooks.resolve(hooks.WRAPPERS)
     clone.add_wrapper_with_key(getattr(wrappers, hooks.OUTER_SAMPLE), hooks.WRAPPER_KEY, _outer_sample(run))
     clone.add_wrapper_with_key(getattr(wrappers, hooks.APPLY_MODEL), hooks.WRAPPER_KEY, _apply_model(run, override))
