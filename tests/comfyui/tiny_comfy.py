@@ -169,11 +169,13 @@ def conds(kind: str, batch: int = 1, seed: int = 1):
 
 
 def sample(comfy, patcher, kind: str, h: int = 16, w: int = 16, steps: int = 3, cfg: float = 2.0, batch: int = 1, **kw):
-    """Sample ``steps`` Euler steps on a seeded ``(batch, 4, h, w)`` latent through ``comfy.sample.sample``."""
+    """Sample ``steps`` Euler steps on a seeded ``(batch, 4, h, w)`` latent through
+    ``comfy.sample.sample`` (from ``latent``, zeros by default; ``kw`` goes to it)."""
     import comfy.sample
 
     pos, neg = conds(kind, batch)
-    latent = torch.zeros(batch, 4, h, w)
+    latent = kw.pop("latent", None)
+    latent = torch.zeros(batch, 4, h, w) if latent is None else latent
     noise = torch.randn(batch, 4, h, w, generator=torch.Generator().manual_seed(7))
     return comfy.sample.sample(
         patcher, noise, steps, cfg, "euler", "normal", pos, neg, latent, disable_pbar=True, seed=7, **kw

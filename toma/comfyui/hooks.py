@@ -70,6 +70,10 @@ ORIGINAL_BLOCK = "original_block"
 ATTN1_PATCH = "attn1_patch"
 ATTN1_OUTPUT_PATCH = "attn1_output_patch"
 
+# ComfyUI's own token merging node (comfy_extras/nodes_tomesd.py): its patches are closures
+# of this method, whatever module name ComfyUI loaded the file under
+TOME_PATCH_QUALNAME = "TomePatchModel.execute.<locals>."
+
 # wrapper keys toma registers under (ModelPatcher.add_wrapper_with_key)
 WRAPPER_KEY = "toma"
 

@@ -253,6 +253,16 @@ class ComfyRun:
         self.merged_blocks.setdefault(stack, set()).add(index)
 
 
+def tome_patch_in(options: dict) -> bool:
+    """Whether ``transformer_options`` hold ComfyUI's TomePatchModel's attn1 patches."""
+    patches = (options or {}).get(hooks.TO_PATCHES, {})
+    found = [*patches.get(hooks.ATTN1_PATCH, ()), *patches.get(hooks.ATTN1_OUTPUT_PATCH, ())]
+    return any(getattr(p, "__qualname__", "").startswith(hooks.TOME_PATCH_QUALNAME) for p in found)
+
+
+_TOME = "ComfyUI's TomePatchModel is applied to this model too: two token mergings do not compose"
+
+
 # -- wrappers ---------------------------------------------------------------------------------
 def _outer_sample(run: ComfyRun) -> Callable:
     def wrapper(executor: Any, *args: Any, **kwargs: Any) -> Any:
@@ -267,12 +277,15 @@ def _outer_sample(run: ComfyRun) -> Callable:
 def _apply_model(run: ComfyRun, override: Callable | None) -> Callable:
     def wrapper(executor: Any, x: torch.Tensor, t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         run.begin_call(x, t)
-        if override is not None:
-            options = kwargs.get("transformer_options")
-            if options is None:  # positional: (c_concat, c_crossattn, control, transformer_options)
-                options = next((a for a in reversed(args) if isinstance(a, dict)), None)
-            if options is not None:
-                _chain_override(options, override)
+        options = kwargs.get("transformer_options")
+        if options is None:  # positional: (c_concat, c_crossattn, control, transformer_options)
+            options = next((a for a in reversed(args) if isinstance(a, dict)), None)
+        if options is not None and tome_patch_in(options):
+            # TomePatchModel was put on after toma: toma steps aside, and says so
+            run.merging = False
+            run.skipped = _TOME
+        if override is not None and options is not None:
+            _chain_override(options, override)
         try:
             return executor(x, t, *args, **kwargs)
         finally:
@@ -540,6 +553,8 @@ def patch_model(
         return _refuse(model, f"toma does not know the denoiser class {class_name(type(dm))}")
     if not family.merges:
         return _refuse(model, family.reason or "no hook")
+    if tome_patch_in(getattr(model, hooks.MODEL_OPTIONS, {}).get(hooks.TO_TRANSFORMER_OPTIONS, {})):
+        return _refuse(model, _TOME + "; remove one of them")
     problem = hooks.first_problem(hooks.COMMON + family.needs)
     if problem is None and proportional_attention and family.hook in ("unet_attn1", "wan_blocks"):
         problem = hooks.first_problem(hooks.ATTENTION_OVERRIDE_NEEDS)

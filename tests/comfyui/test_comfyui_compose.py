@@ -1,0 +1,120 @@
+"""The ComfyUI node with what else a workflow puts on a model: LoRA weight patches, img2img,
+another attention override, ComfyUI's own TomePatchModel."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_comfyui_node import ALL_FLUX, _flux_modules, _record, _unet_modules
+from tiny_comfy import flux_patcher, sample, unet_patcher
+
+from toma.comfyui import hooks
+from toma.comfyui.patch import patch_model
+
+
+@pytest.fixture(scope="module")
+def flux(comfy):
+    return flux_patcher(comfy, seed=3)
+
+
+@pytest.fixture(scope="module")
+def sd1(comfy):
+    return unet_patcher(comfy, sdxl_like=False, seed=3)
+
+
+def test_lora_weight_patch_composes(comfy, flux):
+    key = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
+    weight = flux.model.state_dict()[key]
+    lora = flux.clone()
+    assert lora.add_patches(
+        {key: ("diff", (0.5 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)),))}
+    )
+    with_lora = sample(comfy, lora, "flux", steps=2)
+    assert not torch.equal(with_lora, sample(comfy, flux, "flux", steps=2))  # the patch changes the model
+    # toma at ratio 0 on the LoRA'd model is that model, bitwise; merged, the blocks see K
+    assert torch.equal(sample(comfy, patch_model(lora, 0.0, blocks=ALL_FLUX), "flux", steps=2), with_lora)
+    merged = patch_model(lora, 0.5, blocks=ALL_FLUX)
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        out = sample(comfy, merged, "flux", steps=2)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen["double0.qkv"] == [32] * 2
+    # the LoRA stays applied under merging: removing it changes the merged output
+    assert not torch.equal(out, sample(comfy, patch_model(flux, 0.5, blocks=ALL_FLUX), "flux", steps=2))
+
+
+def test_img2img_window_reads_sigmas_like_comfyui(comfy, flux):
+    """With denoise < 1 the run starts part-way down the schedule; the window is still read
+    against the model's whole schedule (percent_to_sigma), as ComfyUI's own nodes read it."""
+    import comfy.samplers
+
+    steps, denoise, start = 4, 0.6, 0.5
+    ksampler = comfy.samplers.KSampler(
+        flux, steps=steps, device="cpu", sampler="euler", scheduler="normal", denoise=denoise
+    )
+    threshold = flux.get_model_object("model_sampling").percent_to_sigma(start)
+    expected = [64 if float(s) > threshold else 32 for s in ksampler.sigmas[:-1]]
+    assert 64 in expected and 32 in expected
+    patched = patch_model(flux, 0.5, blocks=ALL_FLUX, start_percent=start)
+    init = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(2))
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        out = sample(comfy, patched, "flux", steps=steps, denoise=denoise, latent=init)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen["double0.qkv"] == expected
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_attention_override_set_before_or_after_keeps_working(comfy, sd1, order):
+    calls = []
+
+    def other(*args, **kwargs):  # another node's attention, as set_model_optimized_attention takes it
+        calls.append((args[1].shape[1], kwargs.get("mask") is not None))
+        return hooks.resolve("comfy.ldm.modules.attention:attention_pytorch")(*args, **kwargs)
+
+    if order == "before":
+        model = sd1.clone()
+        model.set_model_optimized_attention(other)
+        model = patch_model(model, 0.5)
+    else:
+        model = patch_model(sd1, 0.5).clone()
+        model.set_model_optimized_attention(other)
+    sample(comfy, model, "unet", h=8, w=8, steps=1)
+    # the other override ran for every attention call, and toma's bias reached exactly the
+    # merged self-attentions (32 keys: the 64 tokens of the top level, halved)
+    assert calls and {keys for keys, biased in calls if biased} == {32}
+    assert all(biased for keys, biased in calls if keys == 32)
+
+
+def test_tome_patch_model_is_refused_before_and_stepped_aside_after(comfy, sd1, caplog):
+    from comfy_extras.nodes_tomesd import TomePatchModel
+
+    tome = TomePatchModel.execute(sd1, 0.5).result[0]
+    with caplog.at_level(logging.WARNING, logger="toma.comfyui"):
+        assert patch_model(tome, 0.5) is tome
+    assert "TomePatchModel is applied to this model too" in caplog.text
+    caplog.clear()
+
+    both = TomePatchModel.execute(patch_model(sd1, 0.5), 0.5).result[0]
+    seen, handles = _record(_unet_modules(sd1))
+    try:
+        with caplog.at_level(logging.WARNING, logger="toma.comfyui"):
+            out = sample(comfy, both, "unet", h=8, w=8, steps=2)
+    finally:
+        for h in handles:
+            h.remove()
+    # toma steps aside and its run's warning says why: TomePatchModel merges the top level's
+    # queries (fewer than its 64 tokens; it picks at random, so its output is no reference),
+    # while keys, which toma would have merged to 32, stay whole
+    assert "nothing merged in this run: ComfyUI's TomePatchModel is applied to this model too" in caplog.text
+    top = [name for name, counts in seen.items() if name.endswith("attn1.to_k") and counts[0] == 64]
+    assert top and all(seen[name] == [64, 64] for name in top)
+    assert all(0 < c < 64 for name in top for c in seen[name.replace("to_k", "to_q")])
+    assert torch.isfinite(out).all()
