@@ -42,3 +42,16 @@ def comfy(tmp_path_factory):
             pytest.fail(f"CI must run the ComfyUI tests: a ComfyUI dependency is missing ({e})")
         pytest.skip(f"a ComfyUI dependency is missing ({e}); see the comfyui extra in pyproject.toml")
     return import_comfyui(root, tmp_path_factory.mktemp("comfyui_base"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread while these tests run: the tiny models' ops are too small to
+    share, and on a busy machine two threads stall on each other (a tiny UNet's sampling
+    took 25 s instead of 0.5 s)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
