@@ -71,6 +71,54 @@ def test_img2img_window_reads_sigmas_like_comfyui(comfy, flux):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("layout", ["flux1", "flux2"])
+def test_kontext_reference_tokens_pass_whole(comfy, flux, layout, caplog):
+    """Reference latents (Kontext, Flux.2) join the image tokens in the sequence: they pass
+    whole, only the generated image's tokens merge."""
+    if layout == "flux2":  # global modulation, no pooled vector: where index_timestep_zero runs
+        flux = flux_patcher(comfy, seed=3, global_modulation=True, vec_in_dim=None)
+    import comfy.sample
+    from tiny_comfy import conds
+
+    pos, neg = conds("flux")
+    ref = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(4))  # 4x4 = 16 tokens
+    for c in (pos, neg):
+        c[0][1]["reference_latents"] = [ref]
+    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(7))
+
+    def run(model, method=None):
+        p, n = pos, neg
+        if method is not None:
+            p = [[pos[0][0], {**pos[0][1], "reference_latents_method": method}]]
+            n = [[neg[0][0], {**neg[0][1], "reference_latents_method": method}]]
+        return comfy.sample.sample(
+            model, noise, 2, 2.0, "euler", "normal", p, n, torch.zeros_like(noise), disable_pbar=True, seed=7
+        )
+
+    patched = patch_model(flux, 0.5, blocks=ALL_FLUX)
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        out = run(patched)
+        seen_plain = {k: list(v) for k, v in seen.items()}
+        for v in seen.values():
+            v.clear()
+        if layout == "flux2":
+            with caplog.at_level(logging.WARNING, logger="toma.comfyui"):
+                zero = run(patched, "index_timestep_zero")
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen_plain["double0.qkv"] == [32 + 16] * 2  # K image tokens, then the 16 reference ones
+    assert seen_plain["single1.linear1"] == [6 + 32 + 16] * 2
+    assert torch.isfinite(out).all()
+    if layout == "flux2":
+        # references at their own timestep are modulated by position: toma runs the call
+        # unmerged, and says so
+        assert seen["double0.qkv"] == [64 + 16] * 2
+        assert torch.equal(zero, run(flux, "index_timestep_zero"))
+        assert "index_timestep_zero" in caplog.text
+
+
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_attention_override_set_before_or_after_keeps_working(comfy, sd1, order):
     calls = []

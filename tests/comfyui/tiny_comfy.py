@@ -86,8 +86,9 @@ FLUX_VEC = 16
 UNET_CONTEXT = 32
 
 
-def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0):
-    """A ModelPatcher around a tiny ``comfy.model_base.Flux`` (hidden 64, 2 heads)."""
+def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, **overrides):
+    """A ModelPatcher around a tiny ``comfy.model_base.Flux`` (hidden 64, 2 heads); ``overrides``
+    change its config (``global_modulation=True, vec_in_dim=None``: Flux.2's layout)."""
     import comfy.model_base
     import comfy.model_patcher
     import comfy.supported_models
@@ -109,6 +110,7 @@ def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0):
         "qkv_bias": True,
         "guidance_embed": False,
         "txt_ids_dims": [],
+        **overrides,
     }
     config = comfy.supported_models.FluxSchnell(unet_config)
     config.latent_format = comfy.latent_formats.LatentFormat()  # 4 channels, no scaling

@@ -343,6 +343,27 @@ def _key_bias(plan: Plan, text: int, tail: int, dtype: torch.dtype) -> torch.Ten
     return torch.cat((zeros(bp, text), lm, zeros(bp, tail)), 1)[:, None, None, :]
 
 
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in a block's ``vec``: a tensor, a tuple of them, or of ComfyUI's
+    modulation records (whose ``shift`` is one)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+        return None
+    return _first_tensor(getattr(value, "shift", None))
+
+
+def _segment_modulation(vec: Any, batch: int) -> bool:
+    """Whether Flux modulates spans of the sequence apart (Kontext's reference tokens at
+    timestep zero): the modulation then addresses tokens by position, which merging moves."""
+    t = _first_tensor(vec)
+    return t is not None and (t.shape[0] != batch or (t.ndim == 3 and t.shape[1] > 1))
+
+
 class FluxBlock:
     """Flux's block replacement: merge the image tokens entering a double or single block,
     run the block on ``K`` of them, and add the unmerged change to the full-size stream.
@@ -370,6 +391,9 @@ class FluxBlock:
         if seq.shape[1] < text + n or args.get("attn_mask") is not None:
             if args.get("attn_mask") is not None:
                 run.skipped = "the model was given an attention mask, which toma does not merge yet"
+            return original(args)
+        if _segment_modulation(args.get("vec"), seq.shape[0]):
+            run.skipped = "reference tokens are modulated at their own timestep (index_timestep_zero), not merged yet"
             return original(args)
         image = seq[:, text : text + n]
         plan = run.plan(image, grid, "dit")
