@@ -20,10 +20,10 @@ class ComfyFamily:
     Attributes:
         name: short name, shown in logs and errors.
         classes: the denoiser classes, ``"module:QualName"``.
-        hook: how toma merges: ``"flux_blocks"`` (block replacement around Flux's double
-            and single blocks), ``"wan_blocks"`` (block replacement around Wan's blocks) or
-            ``"unet_attn1"`` (attn1 patches in the UNet's transformer blocks); None where it
-            is refused.
+        hook: how toma merges: ``"flux_blocks"`` / ``"hunyuan_blocks"`` (block replacement
+            around Flux's or HunyuanVideo's double and single blocks), ``"wan_blocks"``
+            (block replacement around Wan's blocks) or ``"unet_attn1"`` (attn1 patches in
+            the UNet's transformer blocks); None where it is refused.
         reason: why the family is refused (one line naming the missing hook), or None.
         needs: the ComfyUI hooks the family's merging needs (:mod:`toma.comfyui.hooks`).
         patch: latent pixels per token side (the denoiser's patchify).
@@ -56,7 +56,7 @@ class ComfyFamily:
 
 _BLOCK_REPLACE_TODO = (
     "has ComfyUI's block replacement (patches_replace['dit']), but toma's ComfyUI node does not "
-    "merge it yet; only Flux, Wan and the SD/SDXL UNet merge in this version"
+    "merge it yet; only Flux, Wan, HunyuanVideo and the SD/SDXL UNet merge in this version"
 )
 
 FAMILIES: tuple[ComfyFamily, ...] = (
@@ -95,7 +95,14 @@ FAMILIES: tuple[ComfyFamily, ...] = (
         label="Wan",
     ),
     ComfyFamily(
-        "hunyuanvideo", ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), reason=f"HunyuanVideo {_BLOCK_REPLACE_TODO}"
+        "hunyuanvideo",
+        (hooks.HUNYUAN_VIDEO,),  # HunyuanVideo (T2V; I2V's guiding frame runs unmerged) and 1.5
+        hook="hunyuan_blocks",
+        needs=hooks.HUNYUAN_NEEDS,
+        patch=2,
+        reference=45 * 80,  # 720x1280 pixels
+        stacks={"double": "double-stream blocks", "single": "single-stream blocks"},
+        label="HunyuanVideo",
     ),
     ComfyFamily(
         "qwenimage",

@@ -27,6 +27,7 @@ FLUX_DOUBLE_BLOCK = "comfy.ldm.flux.layers:DoubleStreamBlock"
 FLUX_SINGLE_BLOCK = "comfy.ldm.flux.layers:SingleStreamBlock"
 WAN = "comfy.ldm.wan.model:WanModel"
 WAN_BLOCK = "comfy.ldm.wan.model:WanAttentionBlock"
+HUNYUAN_VIDEO = "comfy.ldm.hunyuan_video.model:HunyuanVideo"
 UNET = "comfy.ldm.modules.diffusionmodules.openaimodel:UNetModel"
 UNET_DOWNSAMPLE = "comfy.ldm.modules.diffusionmodules.openaimodel:Downsample"
 SPATIAL_TRANSFORMER = "comfy.ldm.modules.attention:SpatialTransformer"
@@ -179,6 +180,25 @@ FLUX_NEEDS: tuple[Need, ...] = (
     ),
     Need(f"{FLUX_DOUBLE_BLOCK}.forward", "Flux's double block", params=("img", "txt", "vec", "pe", "attn_mask")),
     Need(f"{FLUX_SINGLE_BLOCK}.forward", "Flux's single block", params=("x", "vec", "pe", "attn_mask")),
+)
+
+# HunyuanVideo: block replacement as Flux's, its mask under "attention_mask"
+HUNYUAN_NEEDS: tuple[Need, ...] = (
+    Need(
+        f"{HUNYUAN_VIDEO}.forward_orig",
+        "HunyuanVideo's block replacement (patches_replace['dit'])",
+        params=("img", "img_ids", "txt", "txt_ids", "transformer_options"),
+        source=(
+            f'patches_replace.get("{DIT_REPLACE}"',
+            f'("{DOUBLE_BLOCK}", i)',
+            f'("{SINGLE_BLOCK}", i)',
+            f'"{ORIGINAL_BLOCK}"',
+            'pe=args["pe"]',
+            'attn_mask=args["attention_mask"]',
+            f'"{TO_IMG_SLICE}"',
+            "img = torch.cat((txt, img), 1)",
+        ),
+    ),
 )
 
 # Wan: block replacement under ("double_block", i), whose args carry the rotary table

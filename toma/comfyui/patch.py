@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -364,57 +365,103 @@ def _segment_modulation(vec: Any, batch: int) -> bool:
     return t is not None and (t.shape[0] != batch or (t.ndim == 3 and t.shape[1] > 1))
 
 
-class FluxBlock:
-    """Flux's block replacement: merge the image tokens entering a double or single block,
-    run the block on ``K`` of them, and add the unmerged change to the full-size stream.
+@dataclass(frozen=True)
+class JointLayout:
+    """How a joint-stream family's block replacement passes its block (Flux, HunyuanVideo).
 
-    The rotary table ``pe`` gets each merged token's destination's row, so that positions
-    stay those of real tokens; text and any tokens after the image (Kontext's reference)
-    pass whole. ControlNet residuals are added by Flux after the block, on full-size tokens.
+    Attributes:
+        mask_key: the ``args`` key of the attention mask (an additive key mask over
+            ``[text; image]``, or None).
+        fixed_keys: ``args`` keys which, when set, address tokens by position (modulation
+            spans): such a call runs unmerged, with the reason.
+        tail: whether tokens may follow the image's (Kontext's references, passed whole).
     """
 
-    def __init__(self, run: ComfyRun, kind: str, index: int, proportional: bool) -> None:
-        self.run, self.kind, self.index, self.proportional = run, kind, index, proportional
+    mask_key: str
+    fixed_keys: tuple[str, ...] = ()
+    tail: bool = True
+
+
+FLUX_LAYOUT = JointLayout("attn_mask")
+HUNYUAN_LAYOUT = JointLayout("attention_mask", fixed_keys=("modulation_dims_img", "modulation_dims"), tail=False)
+
+
+def _slice_key_mask(mask: torch.Tensor, text: int, n: int, image_bias: torch.Tensor) -> torch.Tensor | None:
+    """A key mask ``(B', 1, text + n + tail)`` over ``[text; image; tail]`` rebuilt for the
+    merged sequence with ``image_bias`` ``(Bp, K)`` on the image's keys: ``(B, 1, 1, L')``.
+    None where the mask is not such a key mask or is not 0 over the image's keys (a mask
+    on the image itself, which merging cannot keep)."""
+    if mask.ndim != 3 or mask.shape[1] != 1 or not mask.is_floating_point():
+        return None
+    if bool(mask[..., text : text + n].any()):
+        return None
+    b = max(mask.shape[0], image_bias.shape[0])
+    head = mask[..., :text].expand(b, -1, -1)
+    tail = mask[..., text + n :].expand(b, -1, -1)
+    return torch.cat((head, image_bias.to(mask.dtype).expand(b, -1)[:, None], tail), -1)[:, :, None]
+
+
+class JointBlock:
+    """A joint-stream family's block replacement (Flux, HunyuanVideo): merge the image tokens
+    entering a double or single block, run the block on ``K`` of them, and add the unmerged
+    change to the full-size stream.
+
+    The rotary table ``pe`` (over ``[text; image; tail]``) gets each merged token's
+    destination's row, so that positions stay those of real tokens; text and any tokens
+    after the image (Kontext's references) pass whole. Single blocks carry ``[text; image]``
+    in ``img`` (``img_slice`` says where the image starts). ControlNet residuals are added
+    by the model after the block, on full-size tokens. Proportional attention is the key
+    mask the block takes anyway: the family's text mask, with ``log(mass)`` on merged keys.
+    """
+
+    def __init__(self, run: ComfyRun, layout: JointLayout, kind: str, index: int, proportional: bool) -> None:
+        self.run, self.layout, self.kind, self.index, self.proportional = run, layout, kind, index, proportional
 
     def __call__(self, args: dict, extra: dict) -> dict:
         """The replacement, as ComfyUI calls it: ``args`` of the block, ``extra["original_block"]``."""
         original = extra[hooks.ORIGINAL_BLOCK]
-        run = self.run
+        run, layout = self.run, self.layout
         if not run.merging or run.grid is None:
             return original(args)
         grid = run.grid
         n = math.prod(grid)
         seq = args["img"]
-        text = 0
-        if self.kind == hooks.SINGLE_BLOCK:
-            text = (args.get(hooks.TO_TRANSFORMER_OPTIONS) or {}).get(hooks.TO_IMG_SLICE, [0])[0]
-        if seq.shape[1] < text + n or args.get("attn_mask") is not None:
-            if args.get("attn_mask") is not None:
-                run.skipped = "the model was given an attention mask, which toma does not merge yet"
+        single = self.kind == hooks.SINGLE_BLOCK
+        text = (args.get(hooks.TO_TRANSFORMER_OPTIONS) or {}).get(hooks.TO_IMG_SLICE, [0])[0] if single else 0
+        tail = seq.shape[1] - text - n
+        if tail < 0 or (tail and not layout.tail):
+            run.skipped = "the sequence holds tokens besides the image's where this family keeps none"
             return original(args)
-        if _segment_modulation(args.get("vec"), seq.shape[0]):
-            run.skipped = "reference tokens are modulated at their own timestep (index_timestep_zero), not merged yet"
+        if any(args.get(key) is not None for key in layout.fixed_keys) or _segment_modulation(
+            args.get("vec"), seq.shape[0]
+        ):
+            run.skipped = "parts of the sequence are modulated apart (reference or guiding-frame timesteps)"
             return original(args)
         image = seq[:, text : text + n]
         plan = run.plan(image, grid, "dit")
         if plan is None:
             return original(args)
+        pe_text = text if single else args["txt"].shape[1]
+        mask = args.get(layout.mask_key)
+        bias = plan.log_mass if self.proportional else plan.log_mass.new_zeros(plan.log_mass.shape)
+        new = dict(args)
+        if mask is not None:
+            new[layout.mask_key] = _slice_key_mask(mask, pe_text, n, bias)
+            if new[layout.mask_key] is None:
+                run.skipped = "the attention mask covers image tokens, which toma does not merge yet"
+                return original(args)
+        elif self.proportional:
+            new[layout.mask_key] = _key_bias(plan, pe_text, tail, seq.dtype)
         merged = plan.merge(image)
         k = merged.shape[1]
-        pe_len = seq.shape[1] + (0 if self.kind == hooks.SINGLE_BLOCK else args["txt"].shape[1])
-        pe_text = text if self.kind == hooks.SINGLE_BLOCK else args["txt"].shape[1]
-        tail = seq.shape[1] - text - n
-        new = dict(args)
         if args.get("pe") is not None:
+            pe_len = pe_text + n + tail
             new["pe"] = _gather_rows(args["pe"], _kept_rows(plan, pe_text, n, pe_len, seq.device), dim=2)
-        if self.proportional:
-            new["attn_mask"] = _key_bias(plan, pe_text, tail, seq.dtype)
         # the block adds to its input in place: it gets a copy, ``merged`` stays M x
         new["img"] = torch.cat((seq[:, :text], merged, seq[:, text + n :]), 1)
         out = original(new)
         y = out["img"]
-        delta = y[:, text : text + k] - merged
-        image_out = plan.unmerge(delta, residual=image)
+        image_out = plan.unmerge(y[:, text : text + k] - merged, residual=image)
         run.count(self.kind.split("_")[0], self.index, n, k)
         result = dict(out)
         result["img"] = torch.cat((y[:, :text], image_out, y[:, text + k :]), 1)
@@ -587,7 +634,7 @@ def patch_model(
 
     levels: tuple[int, ...] = ()
     patch: int | tuple[int, int, int]
-    if family.hook in ("flux_blocks", "wan_blocks"):
+    if family.hook in ("flux_blocks", "hunyuan_blocks", "wan_blocks"):
         if merge_mlp == "off":
             raise ValueError(
                 f"merge_mlp: 'off' is not available on {family.title}: toma merges around whole blocks there "
@@ -596,6 +643,9 @@ def patch_model(
         if family.hook == "flux_blocks":
             counts = {"double": len(dm.double_blocks), "single": len(dm.single_blocks)}
             patch = int(getattr(dm, "patch_size", family.patch))
+        elif family.hook == "hunyuan_blocks":
+            counts = {"double": len(dm.double_blocks), "single": len(dm.single_blocks)}
+            patch = tuple(int(p) for p in getattr(dm, "patch_size", (1, 2, 2)))
         else:
             counts = {"blocks": len(dm.blocks)}
             patch = tuple(int(p) for p in getattr(dm, "patch_size", (1, 2, 2)))
@@ -629,12 +679,12 @@ def patch_model(
 
     clone = model.clone()
     override = None
-    if family.hook == "flux_blocks":
+    if family.hook in ("flux_blocks", "hunyuan_blocks"):
+        layout = FLUX_LAYOUT if family.hook == "flux_blocks" else HUNYUAN_LAYOUT
         for stack, kind in (("double", hooks.DOUBLE_BLOCK), ("single", hooks.SINGLE_BLOCK)):
             for i in chosen.get(stack, ()):
-                clone.set_model_patch_replace(
-                    FluxBlock(run, kind, i, proportional_attention), hooks.DIT_REPLACE, kind, i
-                )
+                block = JointBlock(run, layout, kind, i, proportional_attention)
+                clone.set_model_patch_replace(block, hooks.DIT_REPLACE, kind, i)
     elif family.hook == "wan_blocks":
         # Wan's blocks are replaced under the name Flux's double blocks have
         for i in chosen.get("blocks", ()):
