@@ -13,7 +13,15 @@ import math
 
 import pytest
 import torch
-from tiny_comfy import flux_patcher, sample, sample_video, unet_patcher, wan_patcher
+from tiny_comfy import (
+    flux_patcher,
+    hunyuan_patcher,
+    sample,
+    sample_hunyuan,
+    sample_video,
+    unet_patcher,
+    wan_patcher,
+)
 
 from toma.adapters import state
 from toma.comfyui import hooks
@@ -352,6 +360,31 @@ def test_wan_proportional_bias_reaches_self_attention_only(comfy, wan):
     assert masks == [None, None] * 2
 
 
+# -- HunyuanVideo -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mask", [True, False], ids=["text-mask-cfg1", "cfg2"])
+def test_hunyuanvideo_blocks_see_k_video_tokens(comfy, mask, caplog):
+    model = hunyuan_patcher(comfy)
+    reference = sample_hunyuan(comfy, model, mask=mask)
+    assert torch.equal(sample_hunyuan(comfy, patch_model(model, 0.0, blocks=ALL_FLUX), mask=mask), reference)
+    patched = patch_model(model, 0.5, blocks=ALL_FLUX)
+    seen, handles = _record(_flux_modules(model))  # HunyuanVideo's blocks are Flux's layers
+    try:
+        with caplog.at_level(logging.INFO, logger="toma.comfyui"):
+            out = sample_hunyuan(comfy, patched, mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+    n, k = 2 * 4 * 4, 16  # 2 frames of 8x8 latents, patch (1, 2, 2); each frame's 16 tokens keep 8
+    calls = 2
+    for i in range(2):
+        assert seen[f"double{i}.qkv"] == [k] * calls
+        assert seen[f"double{i}.mlp"] == [k] * calls
+        assert seen[f"single{i}.linear1"] == [7 + k] * calls  # [text; image]
+    assert f"image tokens {n} -> {k}; ratio 0.5" in caplog.text
+    assert torch.isfinite(out).all() and not torch.equal(out, reference)
+    assert torch.equal(sample_hunyuan(comfy, model, mask=mask), reference)
+
+
 # -- SD / SDXL UNet -----------------------------------------------------------------------------
 def _unet_modules(patcher) -> dict[str, torch.nn.Module]:
     block_cls = hooks.resolve(hooks.TRANSFORMER_BLOCK)
@@ -432,6 +465,36 @@ def test_unet_proportional_attention_chains_an_override_set_before(comfy, sdxl):
     without = patch_model(before, 0.5, proportional_attention=False)
     sample(comfy, without, "unet", steps=1)
     assert calls and not any(calls)
+
+
+# -- the plumbing, exactly --------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["flux", "wan", "hunyuanvideo", "unet"])
+def test_keeping_every_token_reproduces_the_unpatched_model(comfy, family, monkeypatch):
+    """Where every tile keeps all its tokens (K = N, which toma itself skips as pointless),
+    each token is its own destination: the merge is a permutation into tiles, the rotary
+    rows, masks and key biases (log 1 = 0) follow it, and the unmerge puts tokens back. So
+    the output is the unpatched one up to float reassociation of the near one-hot weights
+    (off-destination weights are below exp(-1000 * (1 - similarity)))."""
+    from toma.comfyui import patch as patch_module
+
+    monkeypatch.setattr(
+        patch_module.ComfyRun,
+        "plan",
+        lambda self, x, grid, group: self.cache.get(x, grid, group) if self.merging else None,
+    )
+    if family == "flux":
+        model, run, blocks = flux_patcher(comfy, seed=1), lambda m: sample(comfy, m, "flux", steps=2), ALL_FLUX
+    elif family == "wan":
+        model, run, blocks = wan_patcher(comfy, seed=1), lambda m: sample_video(comfy, m), "blocks:all"
+    elif family == "hunyuanvideo":
+        model, run, blocks = hunyuan_patcher(comfy, seed=1), lambda m: sample_hunyuan(comfy, m), ALL_FLUX
+    else:
+        model, run, blocks = unet_patcher(comfy, seed=1), lambda m: sample(comfy, m, "unet", h=8, w=8, steps=2), ""
+    reference = run(model)
+    patched = patch_model(model, 0.01, tile_size=4, blocks=blocks, proportional_attention=True)
+    out = run(patched)
+    assert patched.toma_run.merged_calls == 2 and patched.toma_run.tokens[0] == patched.toma_run.tokens[1]
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-4)
 
 
 # -- the node folder ----------------------------------------------------------------------------

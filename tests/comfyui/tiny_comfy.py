@@ -227,3 +227,76 @@ def sample_video(comfy, patcher, frames: int = 3, h: int = 8, w: int = 8, steps:
     return comfy.sample.sample(
         patcher, noise, steps, cfg, "euler", "normal", pos, neg, torch.zeros(shape), disable_pbar=True, seed=7, **kw
     )
+
+
+HUNYUAN_TEXT = 32
+HUNYUAN_VEC = 16
+
+
+def hunyuan_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.HunyuanVideo`` (hidden 64, 2 heads,
+    2 double and 2 single blocks)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "hunyuan_video",
+        "in_channels": 4,
+        "out_channels": 4,
+        "vec_in_dim": HUNYUAN_VEC,
+        "context_in_dim": HUNYUAN_TEXT,
+        "hidden_size": 64,
+        "mlp_ratio": 2.0,
+        "num_heads": 2,
+        "depth": 2,
+        "depth_single_blocks": 2,
+        "axes_dim": [8, 12, 12],
+        "theta": 256,
+        "patch_size": [1, 2, 2],
+        "qkv_bias": True,
+        "guidance_embed": False,
+        "byt5": False,
+        "meanflow": False,
+        "use_cond_type_embedding": False,
+        "vision_in_dim": None,
+        "meanflow_sum": False,
+    }
+    config = comfy.supported_models.HunyuanVideo(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.HunyuanVideo(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sample_hunyuan(comfy, patcher, frames: int = 2, h: int = 8, w: int = 8, steps: int = 2, mask: bool = True):
+    """``sample`` for a tiny HunyuanVideo, with ``mask``: text with a padding mask (the last 2
+    of 7 tokens) and cfg 1 (ComfyUI's HunyuanVideo builds its mask for a batch of one: with
+    cond and uncond in one batch it fails, patched or not); without: cfg 2."""
+    import comfy.sample
+
+    g = torch.Generator().manual_seed(1)
+
+    def cond() -> list:
+        extra = {"pooled_output": torch.randn(1, HUNYUAN_VEC, generator=g)}
+        if mask:
+            extra["attention_mask"] = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
+        return [[torch.randn(1, 7, HUNYUAN_TEXT, generator=g), extra]]
+
+    pos, neg = cond(), cond()
+    shape = (1, 4, frames, h, w)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    return comfy.sample.sample(
+        patcher,
+        noise,
+        steps,
+        1.0 if mask else 2.0,
+        "euler",
+        "normal",
+        pos,
+        neg,
+        torch.zeros(shape),
+        disable_pbar=True,
+        seed=7,
+    )

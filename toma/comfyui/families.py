@@ -86,7 +86,7 @@ FAMILIES: tuple[ComfyFamily, ...] = (
     ),
     ComfyFamily(
         "wan",
-        (hooks.WAN,),  # Wan 2.1 / 2.2 T2V and I2V (VACE, Camera, Animate and the others are subclasses)
+        (hooks.WAN,),  # Wan 2.1 / 2.2 T2V and I2V; subclasses (VACE, Camera, ...) are not taken for it
         hook="wan_blocks",
         needs=hooks.WAN_NEEDS,
         patch=2,
