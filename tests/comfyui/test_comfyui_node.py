@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import inspect
 import logging
 import math
 
@@ -85,6 +87,25 @@ def test_every_named_internal_is_in_the_vendored_comfyui(comfy):
     assert all(hooks.resolve(n) for n in names)
     wrappers = hooks.resolve(hooks.WRAPPERS)
     assert getattr(wrappers, hooks.OUTER_SAMPLE) and getattr(wrappers, hooks.APPLY_MODEL)
+    # the denoisers' attributes toma reads, on ComfyUI's own classes (tiny instances)
+    flux_dm, wan_dm = flux_patcher(comfy).model.diffusion_model, wan_patcher(comfy).model.diffusion_model
+    unet_dm, hunyuan_dm = unet_patcher(comfy).model.diffusion_model, hunyuan_patcher(comfy).model.diffusion_model
+    for dm in (flux_dm, hunyuan_dm):
+        assert len(getattr(dm, hooks.DOUBLE_BLOCKS)) and len(getattr(dm, hooks.SINGLE_BLOCKS))
+        assert getattr(dm, hooks.PATCH_SIZE)
+    assert len(getattr(wan_dm, hooks.WAN_BLOCKS)) and tuple(getattr(wan_dm, hooks.PATCH_SIZE)) == (1, 2, 2)
+    assert len(getattr(unet_dm, hooks.UNET_INPUT_BLOCKS))
+    fields = dataclasses.fields(hooks.resolve(hooks.FLUX_MODULATION_OUT))
+    assert hooks.MODULATION_SHIFT in {f.name for f in fields}
+    # the args and attention keywords, where ComfyUI's sources pass them
+    flux_src = inspect.getsource(hooks.resolve(hooks.FLUX).forward_orig)
+    for key in (hooks.ARG_IMG, hooks.ARG_TXT, hooks.ARG_PE, hooks.ARG_VEC, hooks.ARG_FLUX_MASK):
+        assert f'"{key}"' in flux_src, key
+    hunyuan_src = inspect.getsource(hooks.resolve(hooks.HUNYUAN_VIDEO).forward_orig)
+    for key in (hooks.ARG_HUNYUAN_MASK, *hooks.ARG_HUNYUAN_SPANS):
+        assert f"'{key}'" in hunyuan_src or f'"{key}"' in hunyuan_src, key
+    attention = inspect.signature(hooks.resolve("comfy.ldm.modules.attention:attention_pytorch")).parameters
+    assert hooks.ATTN_MASK in attention and hooks.ATTN_SKIP_RESHAPE in attention
 
 
 def test_supported_lists_every_family_with_a_reason_where_refused():

@@ -25,6 +25,7 @@ WRAPPERS = "comfy.patcher_extension:WrappersMP"
 FLUX = "comfy.ldm.flux.model:Flux"
 FLUX_DOUBLE_BLOCK = "comfy.ldm.flux.layers:DoubleStreamBlock"
 FLUX_SINGLE_BLOCK = "comfy.ldm.flux.layers:SingleStreamBlock"
+FLUX_MODULATION_OUT = "comfy.ldm.flux.layers:ModulationOut"
 WAN = "comfy.ldm.wan.model:WanModel"
 WAN_BLOCK = "comfy.ldm.wan.model:WanAttentionBlock"
 HUNYUAN_VIDEO = "comfy.ldm.hunyuan_video.model:HunyuanVideo"
@@ -51,6 +52,27 @@ DIFFUSION_MODEL = "diffusion_model"
 MODEL_SAMPLING = "model_sampling"  # get_model_object name; has percent_to_sigma(percent)
 PERCENT_TO_SIGMA = "percent_to_sigma"
 MODEL_OPTIONS = "model_options"
+
+# denoiser attributes read
+UNET_INPUT_BLOCKS = "input_blocks"
+DOUBLE_BLOCKS = "double_blocks"  # Flux, HunyuanVideo
+SINGLE_BLOCKS = "single_blocks"
+WAN_BLOCKS = "blocks"
+PATCH_SIZE = "patch_size"
+MODULATION_SHIFT = "shift"  # a field of Flux's ModulationOut records
+
+# the args a block replacement gets (and passes to "original_block")
+ARG_IMG = "img"
+ARG_TXT = "txt"
+ARG_PE = "pe"
+ARG_VEC = "vec"
+ARG_FLUX_MASK = "attn_mask"
+ARG_HUNYUAN_MASK = "attention_mask"
+ARG_HUNYUAN_SPANS = ("modulation_dims_img", "modulation_dims")  # modulation addressed by position
+
+# keyword arguments of ComfyUI's attention functions, as an override receives them
+ATTN_MASK = "mask"
+ATTN_SKIP_RESHAPE = "skip_reshape"
 
 # wrapper kinds (attributes of WrappersMP)
 OUTER_SAMPLE = "OUTER_SAMPLE"  # once per sampling run: toma resets and logs there

@@ -124,7 +124,7 @@ def unet_attention_levels(unet: torch.nn.Module) -> list[int]:
     spatial = hooks.resolve(hooks.SPATIAL_TRANSFORMER)
     down = hooks.resolve(hooks.UNET_DOWNSAMPLE)
     ds, levels = 1, []
-    for block in unet.input_blocks:
+    for block in getattr(unet, hooks.UNET_INPUT_BLOCKS):
         mods = list(block.modules())
         if any(isinstance(m, spatial) for m in mods) and ds not in levels:
             levels.append(ds)
@@ -278,7 +278,7 @@ def _outer_sample(run: ComfyRun) -> Callable:
 def _apply_model(run: ComfyRun, override: Callable | None) -> Callable:
     def wrapper(executor: Any, x: torch.Tensor, t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         run.begin_call(x, t)
-        options = kwargs.get("transformer_options")
+        options = kwargs.get(hooks.TO_TRANSFORMER_OPTIONS)
         if options is None:  # positional: (c_concat, c_crossattn, control, transformer_options)
             options = next((a for a in reversed(args) if isinstance(a, dict)), None)
         if options is not None and tome_patch_in(options):
@@ -355,7 +355,7 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
             if found is not None:
                 return found
         return None
-    return _first_tensor(getattr(value, "shift", None))
+    return _first_tensor(getattr(value, hooks.MODULATION_SHIFT, None))
 
 
 def _segment_modulation(vec: Any, batch: int) -> bool:
@@ -382,8 +382,8 @@ class JointLayout:
     tail: bool = True
 
 
-FLUX_LAYOUT = JointLayout("attn_mask")
-HUNYUAN_LAYOUT = JointLayout("attention_mask", fixed_keys=("modulation_dims_img", "modulation_dims"), tail=False)
+FLUX_LAYOUT = JointLayout(hooks.ARG_FLUX_MASK)
+HUNYUAN_LAYOUT = JointLayout(hooks.ARG_HUNYUAN_MASK, fixed_keys=hooks.ARG_HUNYUAN_SPANS, tail=False)
 
 
 def _slice_key_mask(mask: torch.Tensor, text: int, n: int, image_bias: torch.Tensor) -> torch.Tensor | None:
@@ -425,7 +425,7 @@ class JointBlock:
             return original(args)
         grid = run.grid
         n = math.prod(grid)
-        seq = args["img"]
+        seq = args[hooks.ARG_IMG]
         single = self.kind == hooks.SINGLE_BLOCK
         text = (args.get(hooks.TO_TRANSFORMER_OPTIONS) or {}).get(hooks.TO_IMG_SLICE, [0])[0] if single else 0
         tail = seq.shape[1] - text - n
@@ -433,7 +433,7 @@ class JointBlock:
             run.skipped = "the sequence holds tokens besides the image's where this family keeps none"
             return original(args)
         if any(args.get(key) is not None for key in layout.fixed_keys) or _segment_modulation(
-            args.get("vec"), seq.shape[0]
+            args.get(hooks.ARG_VEC), seq.shape[0]
         ):
             run.skipped = "parts of the sequence are modulated apart (reference or guiding-frame timesteps)"
             return original(args)
@@ -441,7 +441,7 @@ class JointBlock:
         plan = run.plan(image, grid, "dit")
         if plan is None:
             return original(args)
-        pe_text = text if single else args["txt"].shape[1]
+        pe_text = text if single else args[hooks.ARG_TXT].shape[1]
         mask = args.get(layout.mask_key)
         bias = plan.log_mass if self.proportional else plan.log_mass.new_zeros(plan.log_mass.shape)
         new = dict(args)
@@ -454,17 +454,19 @@ class JointBlock:
             new[layout.mask_key] = _key_bias(plan, pe_text, tail, seq.dtype)
         merged = plan.merge(image)
         k = merged.shape[1]
-        if args.get("pe") is not None:
+        if args.get(hooks.ARG_PE) is not None:
             pe_len = pe_text + n + tail
-            new["pe"] = _gather_rows(args["pe"], _kept_rows(plan, pe_text, n, pe_len, seq.device), dim=2)
+            new[hooks.ARG_PE] = _gather_rows(
+                args[hooks.ARG_PE], _kept_rows(plan, pe_text, n, pe_len, seq.device), dim=2
+            )
         # the block adds to its input in place: it gets a copy, ``merged`` stays M x
-        new["img"] = torch.cat((seq[:, :text], merged, seq[:, text + n :]), 1)
+        new[hooks.ARG_IMG] = torch.cat((seq[:, :text], merged, seq[:, text + n :]), 1)
         out = original(new)
-        y = out["img"]
+        y = out[hooks.ARG_IMG]
         image_out = plan.unmerge(y[:, text : text + k] - merged, residual=image)
         run.count(self.kind.split("_")[0], self.index, n, k)
         result = dict(out)
-        result["img"] = torch.cat((y[:, :text], image_out, y[:, text + k :]), 1)
+        result[hooks.ARG_IMG] = torch.cat((y[:, :text], image_out, y[:, text + k :]), 1)
         return result
 
 
@@ -487,7 +489,7 @@ class WanBlock:
         run = self.run
         if not run.merging or run.grid is None:
             return original(args)
-        x, vec = args["img"], args["vec"]
+        x, vec = args[hooks.ARG_IMG], args[hooks.ARG_VEC]
         n = math.prod(run.grid)
         if x.shape[1] != n:
             run.skipped = "the sequence holds tokens besides the video's (reference or context latents)"
@@ -500,9 +502,9 @@ class WanBlock:
             return original(args)
         merged = plan.merge(x)
         new = dict(args)
-        new["img"] = merged
-        if args.get("pe") is not None:
-            new["pe"] = _gather_rows(args["pe"], plan.dest_tokens.to(x.device), dim=1)
+        new[hooks.ARG_IMG] = merged
+        if args.get(hooks.ARG_PE) is not None:
+            new[hooks.ARG_PE] = _gather_rows(args[hooks.ARG_PE], plan.dest_tokens.to(x.device), dim=1)
         if self.proportional:
             run.bias = plan.log_mass
         try:
@@ -510,7 +512,7 @@ class WanBlock:
         finally:
             run.bias = None
         result = dict(out)
-        result["img"] = plan.unmerge(out["img"] - merged, residual=x)
+        result[hooks.ARG_IMG] = plan.unmerge(out[hooks.ARG_IMG] - merged, residual=x)
         run.count("blocks", self.index, n, merged.shape[1])
         return result
 
@@ -528,10 +530,10 @@ class KeyBias:
         """As ComfyUI calls an override: the attention function, then its arguments."""
         bias = self.run.bias
         keys = k.shape[-2]
-        flat = not kwargs.get("skip_reshape")
-        if bias is not None and kwargs.get("mask") is None and bias.shape[-1] == keys and flat:
+        flat = not kwargs.get(hooks.ATTN_SKIP_RESHAPE)
+        if bias is not None and kwargs.get(hooks.ATTN_MASK) is None and bias.shape[-1] == keys and flat:
             self.run.bias = None
-            kwargs["mask"] = bias.to(q.dtype)[:, None, None, :]
+            kwargs[hooks.ATTN_MASK] = bias.to(q.dtype)[:, None, None, :]
         return func(q, k, v, *args, **kwargs)
 
 
@@ -641,14 +643,14 @@ def patch_model(
                 "(attention and MLP together); use 'auto' or 'on'"
             )
         if family.hook == "flux_blocks":
-            counts = {"double": len(dm.double_blocks), "single": len(dm.single_blocks)}
-            patch = int(getattr(dm, "patch_size", family.patch))
+            counts = {"double": len(getattr(dm, hooks.DOUBLE_BLOCKS)), "single": len(getattr(dm, hooks.SINGLE_BLOCKS))}
+            patch = int(getattr(dm, hooks.PATCH_SIZE, family.patch))
         elif family.hook == "hunyuan_blocks":
-            counts = {"double": len(dm.double_blocks), "single": len(dm.single_blocks)}
-            patch = tuple(int(p) for p in getattr(dm, "patch_size", (1, 2, 2)))
+            counts = {"double": len(getattr(dm, hooks.DOUBLE_BLOCKS)), "single": len(getattr(dm, hooks.SINGLE_BLOCKS))}
+            patch = tuple(int(p) for p in getattr(dm, hooks.PATCH_SIZE, (1, 2, 2)))
         else:
-            counts = {"blocks": len(dm.blocks)}
-            patch = tuple(int(p) for p in getattr(dm, "patch_size", (1, 2, 2)))
+            counts = {"blocks": len(getattr(dm, hooks.WAN_BLOCKS))}
+            patch = tuple(int(p) for p in getattr(dm, hooks.PATCH_SIZE, (1, 2, 2)))
         defaults = {s: tuple(range(min(SKIPPED_BLOCKS, c), c)) for s, c in counts.items()}
         chosen = parse_blocks(blocks, counts, defaults)
     else:
