@@ -18,8 +18,10 @@ import torch
 from tiny_comfy import (
     flux_patcher,
     hunyuan_patcher,
+    qwen_patcher,
     sample,
     sample_hunyuan,
+    sample_qwen,
     sample_video,
     unet_patcher,
     wan_patcher,
@@ -78,7 +80,8 @@ def _options_snapshot(patcher) -> tuple:
 
 # -- names and hooks ----------------------------------------------------------------------------
 def test_every_named_internal_is_in_the_vendored_comfyui(comfy):
-    for need in hooks.COMMON + hooks.FLUX_NEEDS + hooks.WAN_NEEDS + hooks.UNET_NEEDS + hooks.ATTENTION_OVERRIDE_NEEDS:
+    every = hooks.COMMON + hooks.FLUX_NEEDS + hooks.HUNYUAN_NEEDS + hooks.QWEN_NEEDS + hooks.WAN_NEEDS
+    for need in every + hooks.UNET_NEEDS + hooks.ATTENTION_OVERRIDE_NEEDS:
         assert hooks.problem(need) is None, need
     for family in FAMILIES:
         for target in family.classes:
@@ -113,7 +116,7 @@ def test_supported_lists_every_family_with_a_reason_where_refused():
     assert {r["name"] for r in rows} >= {"flux", "unet", "wan", "qwenimage", "zimage", "ltx", "hunyuanvideo"}
     for r in rows:
         assert r["merges"] == (r["reason"] is None)
-    assert [r["name"] for r in rows if r["merges"]] == ["flux", "unet", "wan", "hunyuanvideo"]
+    assert [r["name"] for r in rows if r["merges"]] == ["flux", "unet", "wan", "hunyuanvideo", "qwenimage"]
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if not f.merges], ids=lambda f: f.name)
@@ -406,6 +409,47 @@ def test_hunyuanvideo_blocks_see_k_video_tokens(comfy, mask, caplog):
     assert torch.equal(sample_hunyuan(comfy, model, mask=mask), reference)
 
 
+# -- Qwen-Image ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mask", [False, True], ids=["cfg2", "text-mask-cfg1"])
+def test_qwenimage_blocks_see_k_tokens_and_the_bias_joins_the_text_mask(comfy, mask, caplog):
+    model = qwen_patcher(comfy)
+    cfg = 1.0 if mask else 2.0
+    reference = sample_qwen(comfy, model, mask=mask, cfg=cfg)
+    assert torch.equal(sample_qwen(comfy, patch_model(model, 0.0, blocks="blocks:all"), mask=mask, cfg=cfg), reference)
+    masks = []
+
+    def other(*args, **kwargs):  # another node's attention: sees the mask toma hands on
+        m = args[4] if len(args) > 4 else kwargs.get("mask")
+        masks.append(m)
+        return hooks.resolve("comfy.ldm.modules.attention:attention_pytorch")(*args, **kwargs)
+
+    observed = model.clone()
+    observed.set_model_optimized_attention(other)
+    patched = patch_model(observed, 0.5, blocks="blocks:all")
+    modules = {}
+    for i, b in enumerate(model.model.diffusion_model.transformer_blocks):
+        modules[f"{i}.to_q"], modules[f"{i}.mlp"] = b.attn.to_q, b.img_mlp
+    seen, handles = _record(modules)
+    try:
+        with caplog.at_level(logging.INFO, logger="toma.comfyui"):
+            out = sample_qwen(comfy, patched, mask=mask, cfg=cfg)
+    finally:
+        for h in handles:
+            h.remove()
+    k, text = 32, 7  # 8x8 image tokens halved; 7 text tokens
+    for i in range(2):
+        assert seen[f"{i}.to_q"] == [k] * 2 and seen[f"{i}.mlp"] == [k] * 2
+    assert "ToMA (qwenimage): merged blocks 0-1 in 2 of 2 denoiser calls; image tokens 64 -> 32" in caplog.text
+    # every joint attention got [text mask; log masses of the merged keys]
+    assert len(masks) == 4 and all(m is not None and m.shape[-1] == text + k for m in masks)
+    for m in masks:
+        image_part = m[..., text:]
+        assert (image_part >= 0).all() and (image_part > 0).any()  # log of masses >= 1
+        assert bool((m[..., :text] < -1e30).any()) == mask  # the padding stays masked
+    assert not torch.equal(out, reference) and torch.isfinite(out).all()
+    assert torch.equal(sample_qwen(comfy, model, mask=mask, cfg=cfg), reference)
+
+
 # -- SD / SDXL UNet -----------------------------------------------------------------------------
 def _unet_modules(patcher) -> dict[str, torch.nn.Module]:
     block_cls = hooks.resolve(hooks.TRANSFORMER_BLOCK)
@@ -489,7 +533,7 @@ def test_unet_proportional_attention_chains_an_override_set_before(comfy, sdxl):
 
 
 # -- the plumbing, exactly --------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["flux", "wan", "hunyuanvideo", "unet"])
+@pytest.mark.parametrize("family", ["flux", "wan", "hunyuanvideo", "qwenimage", "unet"])
 def test_keeping_every_token_reproduces_the_unpatched_model(comfy, family, monkeypatch):
     """Where every tile keeps all its tokens (K = N, which toma itself skips as pointless),
     each token is its own destination: the merge is a permutation into tiles, the rotary
@@ -507,6 +551,8 @@ def test_keeping_every_token_reproduces_the_unpatched_model(comfy, family, monke
         model, run, blocks = flux_patcher(comfy, seed=1), lambda m: sample(comfy, m, "flux", steps=2), ALL_FLUX
     elif family == "wan":
         model, run, blocks = wan_patcher(comfy, seed=1), lambda m: sample_video(comfy, m), "blocks:all"
+    elif family == "qwenimage":
+        model, run, blocks = qwen_patcher(comfy, seed=1), lambda m: sample_qwen(comfy, m), "blocks:all"
     elif family == "hunyuanvideo":
         model, run, blocks = hunyuan_patcher(comfy, seed=1), lambda m: sample_hunyuan(comfy, m), ALL_FLUX
     else:

@@ -300,3 +300,50 @@ def sample_hunyuan(comfy, patcher, frames: int = 2, h: int = 8, w: int = 8, step
         disable_pbar=True,
         seed=7,
     )
+
+
+QWEN_TEXT = 32
+
+
+def qwen_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.QwenImage`` (2 heads of 32, 2 blocks)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "qwen_image",
+        "patch_size": 2,
+        "in_channels": 16,
+        "out_channels": 4,
+        "num_layers": 2,
+        "attention_head_dim": 32,
+        "num_attention_heads": 2,
+        "joint_attention_dim": QWEN_TEXT,
+        "axes_dims_rope": (8, 12, 12),
+    }
+    config = comfy.supported_models.QwenImage(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.QwenImage(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sample_qwen(comfy, patcher, h: int = 16, w: int = 16, steps: int = 2, mask: bool = False, cfg: float = 2.0):
+    """``sample`` for a tiny Qwen-Image on a ``(1, 4, 1, h, w)`` latent; with ``mask``, text
+    with a padding mask (its last 2 of 7 tokens)."""
+    import comfy.sample
+
+    g = torch.Generator().manual_seed(1)
+
+    def cond() -> list:
+        extra = {"attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0, 0]])} if mask else {}
+        return [[torch.randn(1, 7, QWEN_TEXT, generator=g), extra]]
+
+    pos, neg = cond(), cond()
+    shape = (1, 4, 1, h, w)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    return comfy.sample.sample(
+        patcher, noise, steps, cfg, "euler", "normal", pos, neg, torch.zeros(shape), disable_pbar=True, seed=7
+    )

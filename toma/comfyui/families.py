@@ -20,8 +20,9 @@ class ComfyFamily:
     Attributes:
         name: short name, shown in logs and errors.
         classes: the denoiser classes, ``"module:QualName"``.
-        hook: how toma merges: ``"flux_blocks"`` / ``"hunyuan_blocks"`` (block replacement
-            around Flux's or HunyuanVideo's double and single blocks), ``"wan_blocks"``
+        hook: how toma merges: ``"flux_blocks"`` / ``"hunyuan_blocks"`` / ``"qwen_blocks"``
+            (block replacement around Flux's, HunyuanVideo's or Qwen-Image's joint blocks),
+            ``"wan_blocks"``
             (block replacement around Wan's blocks) or ``"unet_attn1"`` (attn1 patches in
             the UNet's transformer blocks); None where it is refused.
         reason: why the family is refused (one line naming the missing hook), or None.
@@ -56,7 +57,7 @@ class ComfyFamily:
 
 _BLOCK_REPLACE_TODO = (
     "has ComfyUI's block replacement (patches_replace['dit']), but toma's ComfyUI node does not "
-    "merge it yet; only Flux, Wan, HunyuanVideo and the SD/SDXL UNet merge in this version"
+    "merge it yet; only Flux, Wan, HunyuanVideo, Qwen-Image and the SD/SDXL UNet merge in this version"
 )
 
 FAMILIES: tuple[ComfyFamily, ...] = (
@@ -106,8 +107,13 @@ FAMILIES: tuple[ComfyFamily, ...] = (
     ),
     ComfyFamily(
         "qwenimage",
-        ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",),
-        reason=f"Qwen-Image {_BLOCK_REPLACE_TODO}",
+        (hooks.QWEN_IMAGE,),  # Qwen-Image and Edit (references pass whole)
+        hook="qwen_blocks",
+        needs=hooks.QWEN_NEEDS,
+        patch=2,
+        reference=64 * 64,  # 1024x1024 pixels
+        stacks={"blocks": "transformer blocks"},
+        label="Qwen-Image",
     ),
     ComfyFamily(
         "ltx",

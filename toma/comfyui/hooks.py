@@ -29,6 +29,7 @@ FLUX_MODULATION_OUT = "comfy.ldm.flux.layers:ModulationOut"
 WAN = "comfy.ldm.wan.model:WanModel"
 WAN_BLOCK = "comfy.ldm.wan.model:WanAttentionBlock"
 HUNYUAN_VIDEO = "comfy.ldm.hunyuan_video.model:HunyuanVideo"
+QWEN_IMAGE = "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel"
 UNET = "comfy.ldm.modules.diffusionmodules.openaimodel:UNetModel"
 UNET_DOWNSAMPLE = "comfy.ldm.modules.diffusionmodules.openaimodel:Downsample"
 SPATIAL_TRANSFORMER = "comfy.ldm.modules.attention:SpatialTransformer"
@@ -58,6 +59,7 @@ UNET_INPUT_BLOCKS = "input_blocks"
 DOUBLE_BLOCKS = "double_blocks"  # Flux, HunyuanVideo
 SINGLE_BLOCKS = "single_blocks"
 WAN_BLOCKS = "blocks"
+QWEN_BLOCKS = "transformer_blocks"
 PATCH_SIZE = "patch_size"
 MODULATION_SHIFT = "shift"  # a field of Flux's ModulationOut records
 
@@ -220,6 +222,28 @@ HUNYUAN_NEEDS: tuple[Need, ...] = (
             f'"{TO_IMG_SLICE}"',
             "img = torch.cat((txt, img), 1)",
         ),
+    ),
+)
+
+# Qwen-Image: joint blocks replaced under ("double_block", i), [text; image] in attention
+QWEN_NEEDS: tuple[Need, ...] = (
+    Need(
+        f"{QWEN_IMAGE}._forward",
+        "Qwen-Image's block replacement (patches_replace['dit'])",
+        params=("x", "timesteps", "context", "transformer_options"),
+        source=(
+            f'patches_replace.get("{DIT_REPLACE}"',
+            f'("{DOUBLE_BLOCK}", i)',
+            f'"{ORIGINAL_BLOCK}"',
+            'image_rotary_emb=args["pe"]',
+            'temb=args["vec"]',
+            "ids = torch.cat((txt_ids, img_ids), dim=1)",
+        ),
+    ),
+    Need(
+        "comfy.ldm.qwen_image.model:Attention.forward",
+        "Qwen-Image's joint attention",
+        source=("torch.cat([txt_query, img_query], dim=2)", "transformer_options=transformer_options"),
     ),
 )
 

@@ -371,19 +371,21 @@ class JointLayout:
 
     Attributes:
         mask_key: the ``args`` key of the attention mask (an additive key mask over
-            ``[text; image]``, or None).
+            ``[text; image]``), or None where the block takes none: proportional attention
+            then goes through the attention override (:class:`KeyBias`).
         fixed_keys: ``args`` keys which, when set, address tokens by position (modulation
             spans): such a call runs unmerged, with the reason.
         tail: whether tokens may follow the image's (Kontext's references, passed whole).
     """
 
-    mask_key: str
+    mask_key: str | None
     fixed_keys: tuple[str, ...] = ()
     tail: bool = True
 
 
 FLUX_LAYOUT = JointLayout(hooks.ARG_FLUX_MASK)
 HUNYUAN_LAYOUT = JointLayout(hooks.ARG_HUNYUAN_MASK, fixed_keys=hooks.ARG_HUNYUAN_SPANS, tail=False)
+QWEN_LAYOUT = JointLayout(None)
 
 
 def _slice_key_mask(mask: torch.Tensor, text: int, n: int, image_bias: torch.Tensor) -> torch.Tensor | None:
@@ -414,8 +416,11 @@ class JointBlock:
     mask the block takes anyway: the family's text mask, with ``log(mass)`` on merged keys.
     """
 
-    def __init__(self, run: ComfyRun, layout: JointLayout, kind: str, index: int, proportional: bool) -> None:
+    def __init__(
+        self, run: ComfyRun, layout: JointLayout, kind: str, index: int, proportional: bool, stack: str = ""
+    ) -> None:
         self.run, self.layout, self.kind, self.index, self.proportional = run, layout, kind, index, proportional
+        self.stack = stack or kind.split("_")[0]  # the blocks input's name for the block's stack
 
     def __call__(self, args: dict, extra: dict) -> dict:
         """The replacement, as ComfyUI calls it: ``args`` of the block, ``extra["original_block"]``."""
@@ -442,7 +447,7 @@ class JointBlock:
         if plan is None:
             return original(args)
         pe_text = text if single else args[hooks.ARG_TXT].shape[1]
-        mask = args.get(layout.mask_key)
+        mask = args.get(layout.mask_key) if layout.mask_key is not None else None
         bias = plan.log_mass if self.proportional else plan.log_mass.new_zeros(plan.log_mass.shape)
         new = dict(args)
         if mask is not None:
@@ -450,7 +455,7 @@ class JointBlock:
             if new[layout.mask_key] is None:
                 run.skipped = "the attention mask covers image tokens, which toma does not merge yet"
                 return original(args)
-        elif self.proportional:
+        elif self.proportional and layout.mask_key is not None:
             new[layout.mask_key] = _key_bias(plan, pe_text, tail, seq.dtype)
         merged = plan.merge(image)
         k = merged.shape[1]
@@ -461,10 +466,15 @@ class JointBlock:
             )
         # the block adds to its input in place: it gets a copy, ``merged`` stays M x
         new[hooks.ARG_IMG] = torch.cat((seq[:, :text], merged, seq[:, text + n :]), 1)
-        out = original(new)
+        if self.proportional and layout.mask_key is None:  # the block's joint attention takes it
+            run.bias = _key_bias(plan, pe_text, tail, seq.dtype)[:, 0, 0]
+        try:
+            out = original(new)
+        finally:
+            run.bias = None
         y = out[hooks.ARG_IMG]
         image_out = plan.unmerge(y[:, text : text + k] - merged, residual=image)
-        run.count(self.kind.split("_")[0], self.index, n, k)
+        run.count(self.stack, self.index, n, k)
         result = dict(out)
         result[hooks.ARG_IMG] = torch.cat((y[:, :text], image_out, y[:, text + k :]), 1)
         return result
@@ -527,13 +537,26 @@ class KeyBias:
         self.run = run
 
     def __call__(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
-        """As ComfyUI calls an override: the attention function, then its arguments."""
+        """As ComfyUI calls an override: the attention function, then its arguments
+        ``(q, k, v, heads, mask=None, ...)``, the mask by keyword or by position."""
         bias = self.run.bias
-        keys = k.shape[-2]
-        flat = not kwargs.get(hooks.ATTN_SKIP_RESHAPE)
-        if bias is not None and kwargs.get(hooks.ATTN_MASK) is None and bias.shape[-1] == keys and flat:
-            self.run.bias = None
-            kwargs[hooks.ATTN_MASK] = bias.to(q.dtype)[:, None, None, :]
+        if bias is None or bias.shape[-1] != k.shape[-2]:  # keys on dim -2 flat or per head
+            return func(q, k, v, *args, **kwargs)
+        positional = len(args) > 1
+        mask = args[1] if positional else kwargs.get(hooks.ATTN_MASK)
+        bias = bias.to(q.dtype)[:, None, None, :]
+        if mask is not None:
+            # a key mask (the text's padding) composes by addition; any other mask is left be
+            if not mask.is_floating_point() or mask.shape[-1] != bias.shape[-1] or mask.ndim not in (3, 4):
+                return func(q, k, v, *args, **kwargs)
+            if mask.ndim == 3 and mask.shape[1] != 1:
+                return func(q, k, v, *args, **kwargs)
+            bias = (mask if mask.ndim == 4 else mask[:, None]) + bias
+        self.run.bias = None  # taken by this call: never by a later one
+        if positional:
+            args = (args[0], bias, *args[2:])
+        else:
+            kwargs[hooks.ATTN_MASK] = bias
         return func(q, k, v, *args, **kwargs)
 
 
@@ -629,14 +652,14 @@ def patch_model(
     if tome_patch_in(getattr(model, hooks.MODEL_OPTIONS, {}).get(hooks.TO_TRANSFORMER_OPTIONS, {})):
         return _refuse(model, _TOME + "; remove one of them")
     problem = hooks.first_problem(hooks.COMMON + family.needs)
-    if problem is None and proportional_attention and family.hook in ("unet_attn1", "wan_blocks"):
+    if problem is None and proportional_attention and family.hook in ("unet_attn1", "wan_blocks", "qwen_blocks"):
         problem = hooks.first_problem(hooks.ATTENTION_OVERRIDE_NEEDS)
     if problem is not None:
         return _refuse(model, problem)
 
     levels: tuple[int, ...] = ()
     patch: int | tuple[int, int, int]
-    if family.hook in ("flux_blocks", "hunyuan_blocks", "wan_blocks"):
+    if family.hook in ("flux_blocks", "hunyuan_blocks", "qwen_blocks", "wan_blocks"):
         if merge_mlp == "off":
             raise ValueError(
                 f"merge_mlp: 'off' is not available on {family.title}: toma merges around whole blocks there "
@@ -648,6 +671,10 @@ def patch_model(
         elif family.hook == "hunyuan_blocks":
             counts = {"double": len(getattr(dm, hooks.DOUBLE_BLOCKS)), "single": len(getattr(dm, hooks.SINGLE_BLOCKS))}
             patch = tuple(int(p) for p in getattr(dm, hooks.PATCH_SIZE, (1, 2, 2)))
+        elif family.hook == "qwen_blocks":
+            counts = {"blocks": len(getattr(dm, hooks.QWEN_BLOCKS))}
+            side = int(getattr(dm, hooks.PATCH_SIZE, family.patch))
+            patch = (1, side, side)
         else:
             counts = {"blocks": len(getattr(dm, hooks.WAN_BLOCKS))}
             patch = tuple(int(p) for p in getattr(dm, hooks.PATCH_SIZE, (1, 2, 2)))
@@ -681,7 +708,14 @@ def patch_model(
 
     clone = model.clone()
     override = None
-    if family.hook in ("flux_blocks", "hunyuan_blocks"):
+    if family.hook == "qwen_blocks":
+        # Qwen-Image's blocks are joint ones under Flux's double-block name
+        for i in chosen.get("blocks", ()):
+            block = JointBlock(run, QWEN_LAYOUT, hooks.DOUBLE_BLOCK, i, proportional_attention, stack="blocks")
+            clone.set_model_patch_replace(block, hooks.DIT_REPLACE, hooks.DOUBLE_BLOCK, i)
+        if proportional_attention:
+            override = KeyBias(run)
+    elif family.hook in ("flux_blocks", "hunyuan_blocks"):
         layout = FLUX_LAYOUT if family.hook == "flux_blocks" else HUNYUAN_LAYOUT
         for stack, kind in (("double", hooks.DOUBLE_BLOCK), ("single", hooks.SINGLE_BLOCK)):
             for i in chosen.get(stack, ()):
