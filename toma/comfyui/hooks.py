@@ -183,6 +183,12 @@ COMMON: tuple[Need, ...] = (
     ),
     Need(f"{CFG_GUIDER}.sample", "the OUTER_SAMPLE wrapper's call", source=(f"WrappersMP.{OUTER_SAMPLE}",)),
     Need(f"{BASE_MODEL}._apply_model", "the sigma passed to apply_model", source=("sigma = t",)),
+    # a patcher's wrappers reach transformer_options when sampling prepares the model
+    Need(
+        "comfy.sampler_helpers:prepare_model_patcher",
+        "the patcher's wrappers in transformer_options",
+        source=('setdefault("wrappers", {}), model.wrappers',),
+    ),
 )
 
 # Flux: block replacement around each double and single block, whose args carry pe and
