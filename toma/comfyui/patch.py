@@ -165,7 +165,8 @@ class ComfyRun:
         self.grid: tuple[int, ...] | None = None  # the denoiser's token grid at this call
         self.merging = False
         self.pending: list[tuple[Plan, int]] = []  # UNet: plans whose attn1 output awaits unmerging
-        self.bias: torch.Tensor | None = None  # UNet: log-mass key bias of the attention running now
+        # the key bias (log masses) the attention override hands the next merged attention call
+        self.bias: torch.Tensor | None = None
         self.begin_run()
 
     # -- per run ---------------------------------------------------------------------------
