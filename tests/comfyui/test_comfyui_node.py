@@ -287,6 +287,24 @@ def test_flux_steps_outside_the_window_are_bitwise_unmerged(comfy, flux, caplog)
     assert "no step fell inside start_percent / end_percent" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "kwargs, size, reason",
+    [
+        ({}, 16, "no block selected"),  # the default skips the first 5 blocks: the tiny model has 2 + 2
+        ({"blocks": ALL_FLUX}, 2, "the 1x1 token grid is too small to merge at ratio 0.5"),
+    ],
+    ids=["default-blocks-on-a-shallow-model", "grid-too-small"],
+)
+def test_nothing_merged_is_a_warning_with_the_reason(comfy, flux, kwargs, size, reason, caplog):
+    patched = patch_model(flux, 0.5, **kwargs)
+    with caplog.at_level(logging.INFO, logger="toma.comfyui"):
+        out = sample(comfy, patched, "flux", h=size, w=size, steps=1)
+    assert torch.equal(out, sample(comfy, flux, "flux", h=size, w=size, steps=1))
+    records = [r for r in caplog.records if r.name == "toma.comfyui"]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    assert records[0].getMessage().startswith("ToMA (flux): nothing merged in this run: " + reason)
+
+
 def test_flux_plans_are_per_sample_under_cfg(comfy, flux):
     """With a plan per sample, each image of a CFG batch comes out as it does alone: a plan
     shared by the batch (or by cond and uncond) would change the second image."""
