@@ -141,6 +141,14 @@ def test_attention_override_set_before_or_after_keeps_working(comfy, sd1, order)
     assert all(biased for keys, biased in calls if keys == 32)
 
 
+def test_toma_twice_is_refused(comfy, flux, caplog):
+    once = patch_model(flux, 0.5, blocks=ALL_FLUX)
+    assert isinstance(getattr(once, hooks.PATCHER_WRAPPERS), dict)
+    with caplog.at_level(logging.WARNING, logger="toma.comfyui"):
+        assert patch_model(once, 0.3) is once
+    assert "ToMA is already applied to this model" in caplog.text
+
+
 def test_tome_patch_model_is_refused_before_and_stepped_aside_after(comfy, sd1, caplog):
     from comfy_extras.nodes_tomesd import TomePatchModel
 

@@ -53,6 +53,7 @@ DIFFUSION_MODEL = "diffusion_model"
 MODEL_SAMPLING = "model_sampling"  # get_model_object name; has percent_to_sigma(percent)
 PERCENT_TO_SIGMA = "percent_to_sigma"
 MODEL_OPTIONS = "model_options"
+PATCHER_WRAPPERS = "wrappers"  # {wrapper kind: {key: [wrapper, ...]}}, as add_wrapper_with_key fills it
 
 # denoiser attributes read
 UNET_INPUT_BLOCKS = "input_blocks"

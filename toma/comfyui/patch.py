@@ -650,6 +650,9 @@ def patch_model(
         return _refuse(model, f"toma does not know the denoiser class {class_name(type(dm))}")
     if not family.merges:
         return _refuse(model, family.reason or "no hook")
+    wrappers = getattr(model, hooks.PATCHER_WRAPPERS, None) or {}
+    if any(hooks.WRAPPER_KEY in by_key for by_key in wrappers.values()):
+        return _refuse(model, "ToMA is already applied to this model (an earlier ToMA node); apply it once")
     if tome_patch_in(getattr(model, hooks.MODEL_OPTIONS, {}).get(hooks.TO_TRANSFORMER_OPTIONS, {})):
         return _refuse(model, _TOME + "; remove one of them")
     problem = hooks.first_problem(hooks.COMMON + family.needs)
@@ -736,8 +739,8 @@ def patch_model(
         clone.set_model_attn1_output_patch(attn.after)
         if proportional_attention:
             override = KeyBias(run)
-    wrappers = hooks.resolve(hooks.WRAPPERS)
-    clone.add_wrapper_with_key(getattr(wrappers, hooks.OUTER_SAMPLE), hooks.WRAPPER_KEY, _outer_sample(run))
-    clone.add_wrapper_with_key(getattr(wrappers, hooks.APPLY_MODEL), hooks.WRAPPER_KEY, _apply_model(run, override))
+    kinds = hooks.resolve(hooks.WRAPPERS)
+    clone.add_wrapper_with_key(getattr(kinds, hooks.OUTER_SAMPLE), hooks.WRAPPER_KEY, _outer_sample(run))
+    clone.add_wrapper_with_key(getattr(kinds, hooks.APPLY_MODEL), hooks.WRAPPER_KEY, _apply_model(run, override))
     clone.toma_run = run  # for tests and for nodes that want to read what merged
     return clone
