@@ -141,6 +141,35 @@ def test_attention_override_set_before_or_after_keeps_working(comfy, sd1, order)
     assert all(biased for keys, biased in calls if keys == 32)
 
 
+@pytest.mark.parametrize("cache", ["EasyCacheNode", "LazyCacheNode"])
+@pytest.mark.parametrize("order", ["toma-first", "cache-first"])
+def test_core_step_caches_compose(comfy, flux, cache, order):
+    """EasyCache and LazyCache skip whole denoiser calls, reusing earlier outputs; on the
+    calls they do run, toma merges. A high threshold makes them skip from their start on."""
+    import comfy_extras.nodes_easycache as caches
+
+    node = getattr(caches, cache)
+
+    def add_cache(model):
+        return node.execute(model, reuse_threshold=3.0, start_percent=0.0, end_percent=1.0, verbose=False).result[0]
+
+    steps = 6
+    if order == "toma-first":
+        model = add_cache(patch_model(flux, 0.5, blocks=ALL_FLUX))
+    else:
+        model = patch_model(add_cache(flux), 0.5, blocks=ALL_FLUX)
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        out = sample(comfy, model, "flux", steps=steps)
+    finally:
+        for h in handles:
+            h.remove()
+    ran = len(seen["double0.qkv"])
+    assert 0 < ran < steps  # the cache skipped some calls...
+    assert seen["double0.qkv"] == [32] * ran  # ...and every call that ran merged
+    assert torch.isfinite(out).all()
+
+
 def test_toma_twice_is_refused(comfy, flux, caplog):
     once = patch_model(flux, 0.5, blocks=ALL_FLUX)
     assert isinstance(getattr(once, hooks.PATCHER_WRAPPERS), dict)
