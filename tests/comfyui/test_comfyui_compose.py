@@ -119,6 +119,25 @@ def test_kontext_reference_tokens_pass_whole(comfy, flux, layout, caplog):
         assert "modulated apart" in caplog.text
 
 
+def test_inpainting_noise_mask_composes(comfy, flux):
+    """With a noise mask the sampler keeps the latent where the mask is 0 and denoises the
+    rest; the merged model runs every call on K tokens and the kept region stays the latent's."""
+    init = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(1, 1, 16, 16)
+    mask[..., 4:12, 4:12] = 1.0
+    patched = patch_model(flux, 0.5, blocks=ALL_FLUX)
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        out = sample(comfy, patched, "flux", steps=2, latent=init, noise_mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen["double0.qkv"] == [32] * 2
+    keep = mask.expand_as(init) == 0
+    torch.testing.assert_close(out[keep], init[keep], rtol=0, atol=1e-6)
+    assert not torch.allclose(out[~keep], init[~keep])
+
+
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_attention_override_set_before_or_after_keeps_working(comfy, sd1, order):
     calls = []
