@@ -189,6 +189,31 @@ def test_core_step_caches_compose(comfy, flux, cache, order):
     assert torch.isfinite(out).all()
 
 
+def test_torch_compile_model_traces_toma_without_graph_breaks(comfy, flux):
+    """Core TorchCompileModel's wrapper (``set_torch_compile_wrapper``) compiles the whole
+    diffusion model; with dynamo's ``eager`` backend (tracing only, no inductor build) the
+    merged blocks trace into the graph with no break, and give the uncompiled output."""
+    import torch._dynamo
+    from comfy_api.torch_helpers.torch_compile import set_torch_compile_wrapper
+    from torch._dynamo.utils import counters
+
+    patched = patch_model(flux, 0.5, blocks=ALL_FLUX)
+    eager = sample(comfy, patched, "flux", steps=1)
+    compiled = patched.clone()
+    set_torch_compile_wrapper(compiled, backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        out = sample(comfy, compiled, "flux", steps=1)
+        breaks, frames = dict(counters["graph_break"]), dict(counters["frames"])
+    finally:
+        torch._dynamo.reset()
+    assert frames.get("ok", 0) > 0  # dynamo did trace the model
+    assert breaks == {}
+    assert patched.toma_run.merged_calls == 1
+    assert torch.equal(out, eager)
+
+
 def test_toma_twice_is_refused(comfy, flux, caplog):
     once = patch_model(flux, 0.5, blocks=ALL_FLUX)
     assert isinstance(getattr(once, hooks.PATCHER_WRAPPERS), dict)
