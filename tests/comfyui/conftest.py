@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_comfy import import_comfyui
+from tiny_comfy import import_comfyui, stubs_off, stubs_on
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,3 +55,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torchvision_stubs():
+    """The torchvision and torchaudio stand-ins ComfyUI imports with, only while these
+    tests run: later tests must find no torchvision, as without ComfyUI."""
+    stubs_on()
+    yield
+    stubs_off()

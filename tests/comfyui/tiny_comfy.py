@@ -36,13 +36,33 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+STUBS = _Stubs()
+STUBS.wanted = False  # set where ComfyUI is imported without torchvision or torchaudio
+_stub_modules: dict = {}
+
+
+def stubs_on() -> None:
+    """Put the stand-ins (and the stub modules ComfyUI already holds) back, where wanted."""
+    if STUBS.wanted and STUBS not in sys.meta_path:
+        sys.meta_path.append(STUBS)
+        sys.modules.update(_stub_modules)
+
+
+def stubs_off() -> None:
+    """Take the stand-ins away, so that code run later (other tests) finds no torchvision,
+    as without ComfyUI; the modules ComfyUI imported keep their references to them."""
+    if STUBS in sys.meta_path:
+        sys.meta_path.remove(STUBS)
+        for name, module in list(sys.modules.items()):
+            if getattr(getattr(module, "__spec__", None), "loader", None) is STUBS:
+                _stub_modules[name] = sys.modules.pop(name)
+
+
 def import_comfyui(root: Path, base: Path) -> types.SimpleNamespace:
     """Import the ComfyUI at ``root`` as SOURCE.md says, its writable folders under ``base``."""
-    if not any(isinstance(f, _Stubs) for f in sys.meta_path):
-        for name in _Stubs.PACKAGES:
-            if importlib.util.find_spec(name) is None:
-                sys.meta_path.append(_Stubs())
-                break
+    if not STUBS.wanted and any(importlib.util.find_spec(name) is None for name in _Stubs.PACKAGES):
+        STUBS.wanted = True
+    stubs_on()
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     import comfy.cli_args
