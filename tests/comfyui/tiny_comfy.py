@@ -39,18 +39,27 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 STUBS = _Stubs()
 STUBS.wanted = False  # set where ComfyUI is imported without torchvision or torchaudio
 _stub_modules: dict = {}
+_root: list[str] = []  # the ComfyUI folder put on sys.path, once imported
 
 
 def stubs_on() -> None:
-    """Put the stand-ins (and the stub modules ComfyUI already holds) back, where wanted."""
+    """Put the stand-ins (and the stub modules ComfyUI already holds) back, where wanted,
+    and ComfyUI's folder first on sys.path (its top-level modules import lazily)."""
+    for root in _root:
+        if root not in sys.path:
+            sys.path.insert(0, root)
     if STUBS.wanted and STUBS not in sys.meta_path:
         sys.meta_path.append(STUBS)
         sys.modules.update(_stub_modules)
 
 
 def stubs_off() -> None:
-    """Take the stand-ins away, so that code run later (other tests) finds no torchvision,
-    as without ComfyUI; the modules ComfyUI imported keep their references to them."""
+    """Take the stand-ins and ComfyUI's folder away, so that code run later (other tests)
+    finds no torchvision and none of ComfyUI's top-level names (``utils``, ``app``, ...), as
+    without ComfyUI; the modules ComfyUI imported keep their references."""
+    for root in _root:
+        while root in sys.path:
+            sys.path.remove(root)
     if STUBS in sys.meta_path:
         sys.meta_path.remove(STUBS)
         for name, module in list(sys.modules.items()):
@@ -62,9 +71,9 @@ def import_comfyui(root: Path, base: Path) -> types.SimpleNamespace:
     """Import the ComfyUI at ``root`` as SOURCE.md says, its writable folders under ``base``."""
     if not STUBS.wanted and any(importlib.util.find_spec(name) is None for name in _Stubs.PACKAGES):
         STUBS.wanted = True
+    if str(root) not in _root:
+        _root.append(str(root))
     stubs_on()
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
     import comfy.cli_args
 
     args = comfy.cli_args.args
