@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 from tiny_comfy import (
+    chroma_patcher,
     flux_patcher,
     hunyuan_patcher,
     qwen_patcher,
@@ -80,7 +81,9 @@ def _options_snapshot(patcher) -> tuple:
 
 # -- names and hooks ----------------------------------------------------------------------------
 def test_every_named_internal_is_in_the_vendored_comfyui(comfy):
-    every = hooks.COMMON + hooks.FLUX_NEEDS + hooks.HUNYUAN_NEEDS + hooks.QWEN_NEEDS + hooks.WAN_NEEDS
+    every = (
+        hooks.COMMON + hooks.FLUX_NEEDS + hooks.CHROMA_NEEDS + hooks.HUNYUAN_NEEDS + hooks.QWEN_NEEDS + hooks.WAN_NEEDS
+    )
     for need in every + hooks.UNET_NEEDS + hooks.ATTENTION_OVERRIDE_NEEDS:
         assert hooks.problem(need) is None, need
     for family in FAMILIES:
@@ -116,7 +119,7 @@ def test_supported_lists_every_family_with_a_reason_where_refused():
     assert {r["name"] for r in rows} >= {"flux", "unet", "wan", "qwenimage", "zimage", "ltx", "hunyuanvideo"}
     for r in rows:
         assert r["merges"] == (r["reason"] is None)
-    assert [r["name"] for r in rows if r["merges"]] == ["flux", "unet", "wan", "hunyuanvideo", "qwenimage"]
+    assert [r["name"] for r in rows if r["merges"]] == ["flux", "unet", "chroma", "wan", "hunyuanvideo", "qwenimage"]
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if not f.merges], ids=lambda f: f.name)
@@ -402,6 +405,27 @@ def test_wan_proportional_bias_reaches_self_attention_only(comfy, wan):
     assert masks == [None, None] * 2
 
 
+# -- Chroma -------------------------------------------------------------------------------------
+def test_chroma_blocks_see_k_tokens(comfy, caplog):
+    model = chroma_patcher(comfy)
+    reference = sample(comfy, model, "flux", steps=2)
+    assert torch.equal(sample(comfy, patch_model(model, 0.0, blocks=ALL_FLUX), "flux", steps=2), reference)
+    patched = patch_model(model, 0.5, blocks=ALL_FLUX)
+    seen, handles = _record(_flux_modules(model))  # Chroma's blocks are Flux's layers
+    try:
+        with caplog.at_level(logging.INFO, logger="toma.comfyui"):
+            out = sample(comfy, patched, "flux", steps=2)
+    finally:
+        for h in handles:
+            h.remove()
+    for i in range(2):
+        assert seen[f"double{i}.qkv"] == [32] * 2 and seen[f"double{i}.mlp"] == [32] * 2
+        assert seen[f"single{i}.linear1"] == [TEXT + 32] * 2
+    assert "ToMA (chroma): merged double 0-1; single 0-1 in 2 of 2 denoiser calls; image tokens 64 -> 32" in caplog.text
+    assert torch.isfinite(out).all() and not torch.equal(out, reference)
+    assert torch.equal(sample(comfy, model, "flux", steps=2), reference)
+
+
 # -- HunyuanVideo -------------------------------------------------------------------------------
 @pytest.mark.parametrize("mask", [True, False], ids=["text-mask-cfg1", "cfg2"])
 def test_hunyuanvideo_blocks_see_k_video_tokens(comfy, mask, caplog):
@@ -551,7 +575,7 @@ def test_unet_proportional_attention_chains_an_override_set_before(comfy, sdxl):
 
 
 # -- the plumbing, exactly --------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["flux", "wan", "hunyuanvideo", "qwenimage", "unet"])
+@pytest.mark.parametrize("family", ["flux", "chroma", "wan", "hunyuanvideo", "qwenimage", "unet"])
 def test_keeping_every_token_reproduces_the_unpatched_model(comfy, family, monkeypatch):
     """Where every tile keeps all its tokens (K = N, which toma itself skips as pointless),
     each token is its own destination: the merge is a permutation into tiles, the rotary
@@ -569,6 +593,8 @@ def test_keeping_every_token_reproduces_the_unpatched_model(comfy, family, monke
         model, run, blocks = flux_patcher(comfy, seed=1), lambda m: sample(comfy, m, "flux", steps=2), ALL_FLUX
     elif family == "wan":
         model, run, blocks = wan_patcher(comfy, seed=1), lambda m: sample_video(comfy, m), "blocks:all"
+    elif family == "chroma":
+        model, run, blocks = chroma_patcher(comfy, seed=1), lambda m: sample(comfy, m, "flux", steps=2), ALL_FLUX
     elif family == "qwenimage":
         model, run, blocks = qwen_patcher(comfy, seed=1), lambda m: sample_qwen(comfy, m), "blocks:all"
     elif family == "hunyuanvideo":

@@ -376,3 +376,38 @@ def sample_qwen(comfy, patcher, h: int = 16, w: int = 16, steps: int = 2, mask: 
     return comfy.sample.sample(
         patcher, noise, steps, cfg, "euler", "normal", pos, neg, torch.zeros(shape), disable_pbar=True, seed=7
     )
+
+
+def chroma_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.Chroma`` (Flux's blocks, hidden 64)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "chroma",
+        "in_channels": 16,  # patchified: 4 latent channels x 2 x 2
+        "out_channels": 4,
+        "context_in_dim": FLUX_CONTEXT,
+        "hidden_size": 64,
+        "mlp_ratio": 2.0,
+        "num_heads": 2,
+        "depth": 2,
+        "depth_single_blocks": 2,
+        "axes_dim": [8, 12, 12],
+        "theta": 10000,
+        "patch_size": 2,
+        "qkv_bias": True,
+        "in_dim": 64,
+        "out_dim": 64,
+        "hidden_dim": 32,
+        "n_layers": 1,
+        "txt_ids_dims": [],
+        "vec_in_dim": None,
+    }
+    config = comfy.supported_models.Chroma(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.Chroma(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))

@@ -57,7 +57,7 @@ class ComfyFamily:
 
 _BLOCK_REPLACE_TODO = (
     "has ComfyUI's block replacement (patches_replace['dit']), but toma's ComfyUI node does not "
-    "merge it yet; only Flux, Wan, HunyuanVideo, Qwen-Image and the SD/SDXL UNet merge in this version"
+    "merge it yet; only Flux, Chroma, Wan, HunyuanVideo, Qwen-Image and the SD/SDXL UNet merge in this version"
 )
 
 FAMILIES: tuple[ComfyFamily, ...] = (
@@ -79,7 +79,16 @@ FAMILIES: tuple[ComfyFamily, ...] = (
         stacks={"levels": "attention levels, 1 = the highest resolution with self-attention"},
         label="the SD/SDXL UNet",
     ),
-    ComfyFamily("chroma", ("comfy.ldm.chroma.model:Chroma",), reason=f"Chroma {_BLOCK_REPLACE_TODO}"),
+    ComfyFamily(
+        "chroma",
+        (hooks.CHROMA,),
+        hook="flux_blocks",  # Flux's blocks and block replacement, its own modulation
+        needs=hooks.CHROMA_NEEDS,
+        patch=2,
+        reference=64 * 64,  # 1024x1024 pixels
+        stacks={"double": "double-stream blocks", "single": "single-stream blocks"},
+        label="Chroma",
+    ),
     ComfyFamily(
         "sd3",
         ("comfy.ldm.modules.diffusionmodules.mmdit:OpenAISignatureMMDITWrapper",),

@@ -28,6 +28,7 @@ FLUX_SINGLE_BLOCK = "comfy.ldm.flux.layers:SingleStreamBlock"
 FLUX_MODULATION_OUT = "comfy.ldm.flux.layers:ModulationOut"
 WAN = "comfy.ldm.wan.model:WanModel"
 WAN_BLOCK = "comfy.ldm.wan.model:WanAttentionBlock"
+CHROMA = "comfy.ldm.chroma.model:Chroma"
 HUNYUAN_VIDEO = "comfy.ldm.hunyuan_video.model:HunyuanVideo"
 QWEN_IMAGE = "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel"
 UNET = "comfy.ldm.modules.diffusionmodules.openaimodel:UNetModel"
@@ -211,6 +212,16 @@ FLUX_NEEDS: tuple[Need, ...] = (
     ),
     Need(f"{FLUX_DOUBLE_BLOCK}.forward", "Flux's double block", params=("img", "txt", "vec", "pe", "attn_mask")),
     Need(f"{FLUX_SINGLE_BLOCK}.forward", "Flux's single block", params=("x", "vec", "pe", "attn_mask")),
+)
+
+# Chroma: Flux's block replacement, args and [text; image] single blocks
+CHROMA_NEEDS: tuple[Need, ...] = (
+    Need(
+        f"{CHROMA}.forward_orig",
+        "Chroma's block replacement (patches_replace['dit'])",
+        params=("img", "img_ids", "txt", "txt_ids", "transformer_options"),
+        source=FLUX_NEEDS[0].source,
+    ),
 )
 
 # HunyuanVideo: block replacement as Flux's, its mask under "attention_mask"
