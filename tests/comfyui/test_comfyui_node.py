@@ -17,6 +17,7 @@ import pytest
 import torch
 from tiny_comfy import (
     chroma_patcher,
+    sd3_patcher,
     flux_patcher,
     hunyuan_patcher,
     qwen_patcher,
@@ -119,7 +120,8 @@ def test_supported_lists_every_family_with_a_reason_where_refused():
     assert {r["name"] for r in rows} >= {"flux", "unet", "wan", "qwenimage", "zimage", "ltx", "hunyuanvideo"}
     for r in rows:
         assert r["merges"] == (r["reason"] is None)
-    assert [r["name"] for r in rows if r["merges"]] == ["flux", "unet", "chroma", "wan", "hunyuanvideo", "qwenimage"]
+    merged = ["flux", "unet", "chroma", "sd3", "wan", "hunyuanvideo", "qwenimage"]
+    assert [r["name"] for r in rows if r["merges"]] == merged
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if not f.merges], ids=lambda f: f.name)
@@ -426,6 +428,29 @@ def test_chroma_blocks_see_k_tokens(comfy, caplog):
     assert torch.equal(sample(comfy, model, "flux", steps=2), reference)
 
 
+# -- SD3 ----------------------------------------------------------------------------------------
+def test_sd3_joint_blocks_see_k_tokens(comfy, caplog):
+    model = sd3_patcher(comfy)
+    reference = sample(comfy, model, "flux", steps=2)
+    assert torch.equal(sample(comfy, patch_model(model, 0.0, blocks="blocks:all"), "flux", steps=2), reference)
+    patched = patch_model(model, 0.5, blocks="blocks:all")
+    modules = {}
+    for i, b in enumerate(model.model.diffusion_model.joint_blocks):
+        modules[f"{i}.qkv"], modules[f"{i}.mlp"] = b.x_block.attn.qkv, b.x_block.mlp.fc1
+    seen, handles = _record(modules)
+    try:
+        with caplog.at_level(logging.INFO, logger="toma.comfyui"):
+            out = sample(comfy, patched, "flux", steps=2)
+    finally:
+        for h in handles:
+            h.remove()
+    for i in range(2):
+        assert seen[f"{i}.qkv"] == [32] * 2 and seen[f"{i}.mlp"] == [32] * 2
+    assert "ToMA (sd3): merged blocks 0-1 in 2 of 2 denoiser calls; image tokens 64 -> 32; ratio 0.5" in caplog.text
+    assert torch.isfinite(out).all() and not torch.equal(out, reference)
+    assert torch.equal(sample(comfy, model, "flux", steps=2), reference)
+
+
 # -- HunyuanVideo -------------------------------------------------------------------------------
 @pytest.mark.parametrize("mask", [True, False], ids=["text-mask-cfg1", "cfg2"])
 def test_hunyuanvideo_blocks_see_k_video_tokens(comfy, mask, caplog):
@@ -575,7 +600,7 @@ def test_unet_proportional_attention_chains_an_override_set_before(comfy, sdxl):
 
 
 # -- the plumbing, exactly --------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["flux", "chroma", "wan", "hunyuanvideo", "qwenimage", "unet"])
+@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "wan", "hunyuanvideo", "qwenimage", "unet"])
 def test_keeping_every_token_reproduces_the_unpatched_model(comfy, family, monkeypatch):
     """Where every tile keeps all its tokens (K = N, which toma itself skips as pointless),
     each token is its own destination: the merge is a permutation into tiles, the rotary
@@ -593,6 +618,8 @@ def test_keeping_every_token_reproduces_the_unpatched_model(comfy, family, monke
         model, run, blocks = flux_patcher(comfy, seed=1), lambda m: sample(comfy, m, "flux", steps=2), ALL_FLUX
     elif family == "wan":
         model, run, blocks = wan_patcher(comfy, seed=1), lambda m: sample_video(comfy, m), "blocks:all"
+    elif family == "sd3":
+        model, run, blocks = sd3_patcher(comfy, seed=1), lambda m: sample(comfy, m, "flux", steps=2), "blocks:all"
     elif family == "chroma":
         model, run, blocks = chroma_patcher(comfy, seed=1), lambda m: sample(comfy, m, "flux", steps=2), ALL_FLUX
     elif family == "qwenimage":

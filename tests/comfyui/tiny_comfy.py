@@ -411,3 +411,37 @@ def chroma_patcher(comfy, seed: int = 0):
     model.eval()
     seed_weights(model.diffusion_model, seed)
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sd3_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.SD3`` (MMDiT depth 2: hidden 128, 2 heads);
+    its conditioning is the tiny Flux's (``conds("flux")``)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "in_channels": 4,
+        "out_channels": 4,
+        "pos_embed_scaling_factor": None,
+        "pos_embed_offset": None,
+        "pos_embed_max_size": 16,
+        "patch_size": 2,
+        "depth": 2,
+        "adm_in_channels": FLUX_VEC,
+        "num_patches": 256,
+        "context_embedder_config": {
+            "target": "torch.nn.Linear",
+            "params": {"in_features": FLUX_CONTEXT, "out_features": 128},
+        },
+    }
+    config = comfy.supported_models.SD3(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.SD3(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    with torch.no_grad():  # a buffer, which ComfyUI also leaves as torch.empty
+        model.diffusion_model.pos_embed.copy_(
+            torch.randn(model.diffusion_model.pos_embed.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+        )
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))

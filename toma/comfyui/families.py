@@ -57,7 +57,7 @@ class ComfyFamily:
 
 _BLOCK_REPLACE_TODO = (
     "has ComfyUI's block replacement (patches_replace['dit']), but toma's ComfyUI node does not "
-    "merge it yet; only Flux, Chroma, Wan, HunyuanVideo, Qwen-Image and the SD/SDXL UNet merge in this version"
+    "merge it yet; only Flux, Chroma, SD3, Wan, HunyuanVideo, Qwen-Image and the SD/SDXL UNet merge in this version"
 )
 
 FAMILIES: tuple[ComfyFamily, ...] = (
@@ -91,8 +91,13 @@ FAMILIES: tuple[ComfyFamily, ...] = (
     ),
     ComfyFamily(
         "sd3",
-        ("comfy.ldm.modules.diffusionmodules.mmdit:OpenAISignatureMMDITWrapper",),
-        reason=f"SD3 {_BLOCK_REPLACE_TODO}",
+        (hooks.SD3,),  # SD3 and SD3.5
+        hook="sd3_blocks",
+        needs=hooks.SD3_NEEDS,
+        patch=2,
+        reference=64 * 64,  # 1024x1024 pixels
+        stacks={"blocks": "joint blocks"},
+        label="SD3",
     ),
     ComfyFamily(
         "wan",

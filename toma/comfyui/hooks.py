@@ -29,6 +29,7 @@ FLUX_MODULATION_OUT = "comfy.ldm.flux.layers:ModulationOut"
 WAN = "comfy.ldm.wan.model:WanModel"
 WAN_BLOCK = "comfy.ldm.wan.model:WanAttentionBlock"
 CHROMA = "comfy.ldm.chroma.model:Chroma"
+SD3 = "comfy.ldm.modules.diffusionmodules.mmdit:OpenAISignatureMMDITWrapper"
 HUNYUAN_VIDEO = "comfy.ldm.hunyuan_video.model:HunyuanVideo"
 QWEN_IMAGE = "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel"
 UNET = "comfy.ldm.modules.diffusionmodules.openaimodel:UNetModel"
@@ -62,6 +63,7 @@ DOUBLE_BLOCKS = "double_blocks"  # Flux, HunyuanVideo
 SINGLE_BLOCKS = "single_blocks"
 WAN_BLOCKS = "blocks"
 QWEN_BLOCKS = "transformer_blocks"
+SD3_BLOCKS = "joint_blocks"
 PATCH_SIZE = "patch_size"
 MODULATION_SHIFT = "shift"  # a field of Flux's ModulationOut records
 
@@ -221,6 +223,26 @@ CHROMA_NEEDS: tuple[Need, ...] = (
         "Chroma's block replacement (patches_replace['dit'])",
         params=("img", "img_ids", "txt", "txt_ids", "transformer_options"),
         source=FLUX_NEEDS[0].source,
+    ),
+)
+
+# SD3 / SD3.5: joint blocks replaced under ("double_block", i); no rotary table (positions
+# are added before the blocks); joint attention over [context; x]
+SD3_NEEDS: tuple[Need, ...] = (
+    Need(
+        "comfy.ldm.modules.diffusionmodules.mmdit:MMDiT.forward_core_with_concat",
+        "SD3's block replacement (patches_replace['dit'])",
+        source=(
+            f'patches_replace.get("{DIT_REPLACE}"',
+            f'("{DOUBLE_BLOCK}", i)',
+            f'"{ORIGINAL_BLOCK}"',
+            'args["txt"], args["img"], c=args["vec"]',
+        ),
+    ),
+    Need(
+        "comfy.ldm.modules.diffusionmodules.mmdit:_block_mixing",
+        "SD3's joint attention",
+        source=("torch.cat((context_qkv[t], x_qkv[t]), dim=1)", "transformer_options=transformer_options"),
     ),
 )
 

@@ -386,7 +386,7 @@ class JointLayout:
 
 FLUX_LAYOUT = JointLayout(hooks.ARG_FLUX_MASK)
 HUNYUAN_LAYOUT = JointLayout(hooks.ARG_HUNYUAN_MASK, fixed_keys=hooks.ARG_HUNYUAN_SPANS, tail=False)
-QWEN_LAYOUT = JointLayout(None)
+JOINT_LAYOUT = JointLayout(None)  # Qwen-Image, SD3: no mask argument; SD3 has no rotary table either
 
 
 def _slice_key_mask(mask: torch.Tensor, text: int, n: int, image_bias: torch.Tensor) -> torch.Tensor | None:
@@ -656,14 +656,18 @@ def patch_model(
     if tome_patch_in(getattr(model, hooks.MODEL_OPTIONS, {}).get(hooks.TO_TRANSFORMER_OPTIONS, {})):
         return _refuse(model, _TOME + "; remove one of them")
     problem = hooks.first_problem(hooks.COMMON + family.needs)
-    if problem is None and proportional_attention and family.hook in ("unet_attn1", "wan_blocks", "qwen_blocks"):
+    if (
+        problem is None
+        and proportional_attention
+        and family.hook in ("unet_attn1", "wan_blocks", "qwen_blocks", "sd3_blocks")
+    ):
         problem = hooks.first_problem(hooks.ATTENTION_OVERRIDE_NEEDS)
     if problem is not None:
         return _refuse(model, problem)
 
     levels: tuple[int, ...] = ()
     patch: int | tuple[int, int, int]
-    if family.hook in ("flux_blocks", "hunyuan_blocks", "qwen_blocks", "wan_blocks"):
+    if family.hook in ("flux_blocks", "hunyuan_blocks", "qwen_blocks", "sd3_blocks", "wan_blocks"):
         if merge_mlp == "off":
             raise ValueError(
                 f"merge_mlp: 'off' is not available on {family.title}: toma merges around whole blocks there "
@@ -679,6 +683,10 @@ def patch_model(
             counts = {"blocks": len(getattr(dm, hooks.QWEN_BLOCKS))}
             side = int(getattr(dm, hooks.PATCH_SIZE, family.patch))
             patch = (1, side, side)
+        elif family.hook == "sd3_blocks":
+            counts = {"blocks": len(getattr(dm, hooks.SD3_BLOCKS))}
+            side = getattr(dm, hooks.PATCH_SIZE, family.patch)
+            patch = int(side[-1] if isinstance(side, (tuple, list)) else side)
         else:
             counts = {"blocks": len(getattr(dm, hooks.WAN_BLOCKS))}
             patch = tuple(int(p) for p in getattr(dm, hooks.PATCH_SIZE, (1, 2, 2)))
@@ -712,10 +720,10 @@ def patch_model(
 
     clone = model.clone()
     override = None
-    if family.hook == "qwen_blocks":
-        # Qwen-Image's blocks are joint ones under Flux's double-block name
+    if family.hook in ("qwen_blocks", "sd3_blocks"):
+        # Qwen-Image's and SD3's blocks are joint ones under Flux's double-block name
         for i in chosen.get("blocks", ()):
-            block = JointBlock(run, QWEN_LAYOUT, hooks.DOUBLE_BLOCK, i, proportional_attention, stack="blocks")
+            block = JointBlock(run, JOINT_LAYOUT, hooks.DOUBLE_BLOCK, i, proportional_attention, stack="blocks")
             clone.set_model_patch_replace(block, hooks.DIT_REPLACE, hooks.DOUBLE_BLOCK, i)
         if proportional_attention:
             override = KeyBias(run)
