@@ -14,9 +14,15 @@ import importlib
 import re
 from dataclasses import dataclass
 
-# family -> how it runs in the ComfyUI node. Empty until the node records what it has run:
-# a family missing here is shown as "see the ComfyUI page" rather than claimed either way.
-COMFYUI: dict[str, str] = {}
+
+def _comfyui() -> dict[str, str]:
+    """Family -> how it runs in the ComfyUI node, from the node's own records
+    (:data:`toma.comfyui.families.FAMILIES`, whose names are these families'): ``"✔"``, or
+    ``"✖ "`` and why not. A family with no record there is not claimed either way."""
+    from toma.comfyui.families import FAMILIES as COMFY
+
+    return {f.name: "✔" if f.merges else f"✖ {f.reason}" for f in COMFY}
+
 
 # UNets have no entry in FAMILIES: they are matched by structure (down and up blocks holding
 # BasicTransformerBlocks), not by class name, so their record is written here.
@@ -44,7 +50,8 @@ class FamilySupport:
         default_blocks: which blocks merge when ``blocks`` is not given.
         context_parallel: whether it merges under diffusers' context parallelism
             (``enable_parallelism``); the others are refused there, with the reason.
-        comfyui: how it runs in the ComfyUI node, or ``""`` where that is not recorded.
+        comfyui: how it runs in the ComfyUI node: ``"✔"``, ``"✖ "`` and why not, or ``""``
+            where the node has no record of it.
     """
 
     family: str
@@ -96,11 +103,12 @@ def supported() -> list[FamilySupport]:
     from toma.adapters import FAMILIES
     from toma.adapters.parallel import SUPPORTED as CONTEXT_PARALLEL
 
+    comfyui = _comfyui()
     out = [
         FamilySupport(
             video=False,
             context_parallel="unet" in CONTEXT_PARALLEL,
-            comfyui=COMFYUI.get("unet", ""),
+            comfyui=comfyui.get("unet", ""),
             **_UNET,
         )
     ]
@@ -119,7 +127,7 @@ def supported() -> list[FamilySupport]:
                 summary=summary,
                 default_blocks=_default_blocks(spec),
                 context_parallel=family in CONTEXT_PARALLEL,
-                comfyui=COMFYUI.get(family, ""),
+                comfyui=comfyui.get(family, ""),
             )
         )
     return out

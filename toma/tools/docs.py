@@ -64,7 +64,7 @@ def models_page() -> str:
         lines.append(
             f"| [{f.family}](#{f.family}) | {_cell(f.title)} | {classes} | {'video' if f.video else 'image'} | "
             f"{_cell(f.default_blocks)} | {'✔' if f.context_parallel else '✖'} | "
-            f"{_cell(f.comfyui) if f.comfyui else '[see ComfyUI page](comfyui.md)'} |"
+            f"{_cell(f.comfyui) if f.comfyui else '[no record](comfyui.md)'} |"
         )
     lines += ["", "## Families", ""]
     for f in families:
@@ -181,7 +181,7 @@ def readme_table() -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for f in supported():
-        comfy = _cell(f.comfyui) if f.comfyui else "[see page](docs/comfyui.md)"
+        comfy = f"[{f.comfyui[:1] or '–'}](docs/comfyui.md)"
         lines.append(
             f"| {_cell(f.title)} | {', '.join(f'`{c}`' for c in f.classes)} | "
             f"{'video' if f.video else 'image'} | {'✔' if f.context_parallel else '✖'} | {comfy} |"

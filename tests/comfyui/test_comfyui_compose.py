@@ -1,0 +1,249 @@
+"""The ComfyUI node with what else a workflow puts on a model: LoRA weight patches, img2img,
+another attention override, ComfyUI's own TomePatchModel."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_comfyui_node import ALL_FLUX, _flux_modules, _record, _unet_modules
+from tiny_comfy import flux_patcher, sample, unet_patcher
+
+from toma.comfyui import hooks
+from toma.comfyui.patch import patch_model
+
+
+@pytest.fixture(scope="module")
+def flux(comfy):
+    return flux_patcher(comfy, seed=3)
+
+
+@pytest.fixture(scope="module")
+def sd1(comfy):
+    return unet_patcher(comfy, sdxl_like=False, seed=3)
+
+
+def test_lora_weight_patch_composes(comfy, flux):
+    key = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
+    weight = flux.model.state_dict()[key]
+    lora = flux.clone()
+    assert lora.add_patches(
+        {key: ("diff", (0.5 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)),))}
+    )
+    with_lora = sample(comfy, lora, "flux", steps=2)
+    assert not torch.equal(with_lora, sample(comfy, flux, "flux", steps=2))  # the patch changes the model
+    # toma at ratio 0 on the LoRA'd model is that model, bitwise; merged, the blocks see K
+    assert torch.equal(sample(comfy, patch_model(lora, 0.0, blocks=ALL_FLUX), "flux", steps=2), with_lora)
+    merged = patch_model(lora, 0.5, blocks=ALL_FLUX)
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        out = sample(comfy, merged, "flux", steps=2)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen["double0.qkv"] == [32] * 2
+    # the LoRA stays applied under merging: removing it changes the merged output
+    assert not torch.equal(out, sample(comfy, patch_model(flux, 0.5, blocks=ALL_FLUX), "flux", steps=2))
+
+
+def test_img2img_window_reads_sigmas_like_comfyui(comfy, flux):
+    """With denoise < 1 the run starts part-way down the schedule; the window is still read
+    against the model's whole schedule (percent_to_sigma), as ComfyUI's own nodes read it."""
+    import comfy.samplers
+
+    steps, denoise, start = 4, 0.6, 0.5
+    ksampler = comfy.samplers.KSampler(
+        flux, steps=steps, device="cpu", sampler="euler", scheduler="normal", denoise=denoise
+    )
+    threshold = flux.get_model_object("model_sampling").percent_to_sigma(start)
+    expected = [64 if float(s) > threshold else 32 for s in ksampler.sigmas[:-1]]
+    assert 64 in expected and 32 in expected
+    patched = patch_model(flux, 0.5, blocks=ALL_FLUX, start_percent=start)
+    init = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(2))
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        out = sample(comfy, patched, "flux", steps=steps, denoise=denoise, latent=init)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen["double0.qkv"] == expected
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("layout", ["flux1", "flux2"])
+def test_kontext_reference_tokens_pass_whole(comfy, flux, layout, caplog):
+    """Reference latents (Kontext, Flux.2) join the image tokens in the sequence: they pass
+    whole, only the generated image's tokens merge."""
+    if layout == "flux2":  # global modulation, no pooled vector: where index_timestep_zero runs
+        flux = flux_patcher(comfy, seed=3, global_modulation=True, vec_in_dim=None)
+    import comfy.sample
+    from tiny_comfy import conds
+
+    pos, neg = conds("flux")
+    ref = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(4))  # 4x4 = 16 tokens
+    for c in (pos, neg):
+        c[0][1]["reference_latents"] = [ref]
+    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(7))
+
+    def run(model, method=None):
+        p, n = pos, neg
+        if method is not None:
+            p = [[pos[0][0], {**pos[0][1], "reference_latents_method": method}]]
+            n = [[neg[0][0], {**neg[0][1], "reference_latents_method": method}]]
+        return comfy.sample.sample(
+            model, noise, 2, 2.0, "euler", "normal", p, n, torch.zeros_like(noise), disable_pbar=True, seed=7
+        )
+
+    patched = patch_model(flux, 0.5, blocks=ALL_FLUX)
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        out = run(patched)
+        seen_plain = {k: list(v) for k, v in seen.items()}
+        for v in seen.values():
+            v.clear()
+        if layout == "flux2":
+            with caplog.at_level(logging.WARNING, logger="toma.comfyui"):
+                zero = run(patched, "index_timestep_zero")
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen_plain["double0.qkv"] == [32 + 16] * 2  # K image tokens, then the 16 reference ones
+    assert seen_plain["single1.linear1"] == [6 + 32 + 16] * 2
+    assert torch.isfinite(out).all()
+    if layout == "flux2":
+        # references at their own timestep are modulated by position: toma runs the call
+        # unmerged, and says so
+        assert seen["double0.qkv"] == [64 + 16] * 2
+        assert torch.equal(zero, run(flux, "index_timestep_zero"))
+        assert "modulated apart" in caplog.text
+
+
+def test_inpainting_noise_mask_composes(comfy, flux):
+    """With a noise mask the sampler keeps the latent where the mask is 0 and denoises the
+    rest; the merged model runs every call on K tokens and the kept region stays the latent's."""
+    init = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(1, 1, 16, 16)
+    mask[..., 4:12, 4:12] = 1.0
+    patched = patch_model(flux, 0.5, blocks=ALL_FLUX)
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        out = sample(comfy, patched, "flux", steps=2, latent=init, noise_mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen["double0.qkv"] == [32] * 2
+    keep = mask.expand_as(init) == 0
+    torch.testing.assert_close(out[keep], init[keep], rtol=0, atol=1e-6)
+    assert not torch.allclose(out[~keep], init[~keep])
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_attention_override_set_before_or_after_keeps_working(comfy, sd1, order):
+    calls = []
+
+    def other(*args, **kwargs):  # another node's attention, as set_model_optimized_attention takes it
+        calls.append((args[1].shape[1], kwargs.get("mask") is not None))
+        return hooks.resolve("comfy.ldm.modules.attention:attention_pytorch")(*args, **kwargs)
+
+    if order == "before":
+        model = sd1.clone()
+        model.set_model_optimized_attention(other)
+        model = patch_model(model, 0.5)
+    else:
+        model = patch_model(sd1, 0.5).clone()
+        model.set_model_optimized_attention(other)
+    sample(comfy, model, "unet", h=8, w=8, steps=1)
+    # the other override ran for every attention call, and toma's bias reached exactly the
+    # merged self-attentions (32 keys: the 64 tokens of the top level, halved)
+    assert calls and {keys for keys, biased in calls if biased} == {32}
+    assert all(biased for keys, biased in calls if keys == 32)
+
+
+@pytest.mark.parametrize("cache", ["EasyCacheNode", "LazyCacheNode"])
+@pytest.mark.parametrize("order", ["toma-first", "cache-first"])
+def test_core_step_caches_compose(comfy, flux, cache, order):
+    """EasyCache and LazyCache skip whole denoiser calls, reusing earlier outputs; on the
+    calls they do run, toma merges. A high threshold makes them skip from their start on."""
+    import comfy_extras.nodes_easycache as caches
+
+    node = getattr(caches, cache)
+
+    def add_cache(model):
+        return node.execute(model, reuse_threshold=3.0, start_percent=0.0, end_percent=1.0, verbose=False).result[0]
+
+    steps = 6
+    if order == "toma-first":
+        model = add_cache(patch_model(flux, 0.5, blocks=ALL_FLUX))
+    else:
+        model = patch_model(add_cache(flux), 0.5, blocks=ALL_FLUX)
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        out = sample(comfy, model, "flux", steps=steps)
+    finally:
+        for h in handles:
+            h.remove()
+    ran = len(seen["double0.qkv"])
+    assert 0 < ran < steps  # the cache skipped some calls...
+    assert seen["double0.qkv"] == [32] * ran  # ...and every call that ran merged
+    assert torch.isfinite(out).all()
+
+
+def test_torch_compile_model_traces_toma_without_graph_breaks(comfy, flux):
+    """Core TorchCompileModel's wrapper (``set_torch_compile_wrapper``) compiles the whole
+    diffusion model; with dynamo's ``eager`` backend (tracing only, no inductor build) the
+    merged blocks trace into the graph with no break, and give the uncompiled output."""
+    import torch._dynamo
+    from comfy_api.torch_helpers.torch_compile import set_torch_compile_wrapper
+    from torch._dynamo.utils import counters
+
+    patched = patch_model(flux, 0.5, blocks=ALL_FLUX)
+    eager = sample(comfy, patched, "flux", steps=1)
+    compiled = patched.clone()
+    set_torch_compile_wrapper(compiled, backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        out = sample(comfy, compiled, "flux", steps=1)
+        breaks, frames = dict(counters["graph_break"]), dict(counters["frames"])
+    finally:
+        torch._dynamo.reset()
+    assert frames.get("ok", 0) > 0  # dynamo did trace the model
+    assert breaks == {}
+    assert patched.toma_run.merged_calls == 1
+    assert torch.equal(out, eager)
+
+
+def test_toma_twice_is_refused(comfy, flux, caplog):
+    once = patch_model(flux, 0.5, blocks=ALL_FLUX)
+    assert isinstance(getattr(once, hooks.PATCHER_WRAPPERS), dict)
+    with caplog.at_level(logging.WARNING, logger="toma.comfyui"):
+        assert patch_model(once, 0.3) is once
+    assert "ToMA is already applied to this model" in caplog.text
+
+
+def test_tome_patch_model_is_refused_before_and_stepped_aside_after(comfy, sd1, caplog):
+    from comfy_extras.nodes_tomesd import TomePatchModel
+
+    tome = TomePatchModel.execute(sd1, 0.5).result[0]
+    with caplog.at_level(logging.WARNING, logger="toma.comfyui"):
+        assert patch_model(tome, 0.5) is tome
+    assert "TomePatchModel is applied to this model too" in caplog.text
+    caplog.clear()
+
+    both = TomePatchModel.execute(patch_model(sd1, 0.5), 0.5).result[0]
+    seen, handles = _record(_unet_modules(sd1))
+    try:
+        with caplog.at_level(logging.WARNING, logger="toma.comfyui"):
+            out = sample(comfy, both, "unet", h=8, w=8, steps=2)
+    finally:
+        for h in handles:
+            h.remove()
+    # toma steps aside and its run's warning says why: TomePatchModel merges the top level's
+    # queries (fewer than its 64 tokens; it picks at random, so its output is no reference),
+    # while keys, which toma would have merged to 32, stay whole
+    assert "nothing merged in this run: ComfyUI's TomePatchModel is applied to this model too" in caplog.text
+    top = [name for name, counts in seen.items() if name.endswith("attn1.to_k") and counts[0] == 64]
+    assert top and all(seen[name] == [64, 64] for name in top)
+    assert all(0 < c < 64 for name in top for c in seen[name.replace("to_k", "to_q")])
+    assert torch.isfinite(out).all()

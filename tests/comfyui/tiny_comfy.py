@@ -1,0 +1,447 @@
+"""Tiny ComfyUI models (Flux, SD-style UNets) with seeded weights, and a sampling helper
+through ComfyUI's own sampler (``comfy.sample.sample``)."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import tempfile
+import types
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+
+class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Stand-ins for torchvision and torchaudio and their submodules (no build of either
+    imports beside this torch): modules whose every attribute is a mock."""
+
+    PACKAGES = ("torchvision", "torchaudio")
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.PACKAGES:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = mock.MagicMock(name=spec.name)
+        module.__spec__ = spec
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+STUBS = _Stubs()
+STUBS.wanted = False  # set where ComfyUI is imported without torchvision or torchaudio
+_stub_modules: dict = {}
+_root: list[str] = []  # the ComfyUI folder put on sys.path, once imported
+
+
+def stubs_on() -> None:
+    """Put the stand-ins (and the stub modules ComfyUI already holds) back, where wanted,
+    and ComfyUI's folder first on sys.path (its top-level modules import lazily)."""
+    for root in _root:
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    if STUBS.wanted and STUBS not in sys.meta_path:
+        sys.meta_path.append(STUBS)
+        sys.modules.update(_stub_modules)
+
+
+def stubs_off() -> None:
+    """Take the stand-ins and ComfyUI's folder away, so that code run later (other tests)
+    finds no torchvision and none of ComfyUI's top-level names (``utils``, ``app``, ...), as
+    without ComfyUI; the modules ComfyUI imported keep their references."""
+    for root in _root:
+        while root in sys.path:
+            sys.path.remove(root)
+    if STUBS in sys.meta_path:
+        sys.meta_path.remove(STUBS)
+        for name, module in list(sys.modules.items()):
+            if getattr(getattr(module, "__spec__", None), "loader", None) is STUBS:
+                _stub_modules[name] = sys.modules.pop(name)
+
+
+def import_comfyui(root: Path, base: Path) -> types.SimpleNamespace:
+    """Import the ComfyUI at ``root`` as SOURCE.md says, its writable folders under ``base``."""
+    if not STUBS.wanted and any(importlib.util.find_spec(name) is None for name in _Stubs.PACKAGES):
+        STUBS.wanted = True
+    if str(root) not in _root:
+        _root.append(str(root))
+    stubs_on()
+    import comfy.cli_args
+
+    args = comfy.cli_args.args
+    args.cpu = True
+    # torch's SDPA rather than sub-quadratic attention, as on a GPU
+    args.use_pytorch_cross_attention = True
+    args.base_directory = str(base)
+    import comfy.model_management  # noqa: F401
+    import comfy.model_patcher
+    import comfy.patcher_extension
+    import comfy.sample
+    import comfy.samplers
+    import folder_paths
+    import nodes
+
+    for setter in ("set_output_directory", "set_temp_directory", "set_input_directory", "set_user_directory"):
+        getattr(folder_paths, setter)(tempfile.mkdtemp(dir=base))
+    return types.SimpleNamespace(
+        comfy=comfy, nodes=nodes, folder_paths=folder_paths, root=root, model_patcher=comfy.model_patcher
+    )
+
+
+def seed_weights(module: torch.nn.Module, seed: int = 0, scale: float = 0.2) -> None:
+    """Seeded random weights: ComfyUI's layers skip initialisation (``torch.empty``)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            elif "norm" in name and p.ndim == 1:
+                p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.02)
+            else:
+                fan_in = p[0].numel() if p.ndim > 1 else p.numel()
+                p.copy_(torch.randn(p.shape, generator=g) * (scale / max(fan_in, 1) ** 0.5) * 4)
+
+
+FLUX_CONTEXT = 32
+FLUX_VEC = 16
+UNET_CONTEXT = 32
+
+
+def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, **overrides):
+    """A ModelPatcher around a tiny ``comfy.model_base.Flux`` (hidden 64, 2 heads); ``overrides``
+    change its config (``global_modulation=True, vec_in_dim=None``: Flux.2's layout)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "flux",
+        "in_channels": 4,
+        "out_channels": 4,
+        "vec_in_dim": FLUX_VEC,
+        "context_in_dim": FLUX_CONTEXT,
+        "hidden_size": 64,
+        "mlp_ratio": 2.0,
+        "num_heads": 2,
+        "depth": double,
+        "depth_single_blocks": single,
+        "axes_dim": [8, 12, 12],
+        "theta": 10000,
+        "patch_size": 2,
+        "qkv_bias": True,
+        "guidance_embed": False,
+        "txt_ids_dims": [],
+        **overrides,
+    }
+    config = comfy.supported_models.FluxSchnell(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()  # 4 channels, no scaling
+    model = comfy.model_base.Flux(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def unet_patcher(comfy, sdxl_like: bool = True, seed: int = 0):
+    """A ModelPatcher around a tiny ``UNetModel`` in a ``comfy.model_base.BaseModel``: with
+    ``sdxl_like``, no attention at full resolution (attention at downsample 2 and 4, as SDXL);
+    else attention at 1 and 2 (as SD 1.x)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    depth = [0, 1, 1] if sdxl_like else [1, 1, 0]
+    unet_config = {
+        "image_size": 32,
+        "in_channels": 4,
+        "out_channels": 4,
+        "model_channels": 32,
+        "num_res_blocks": [1, 1, 1],
+        "channel_mult": [1, 2, 2],
+        "transformer_depth": depth,
+        "transformer_depth_output": [d for d in depth for _ in range(2)],
+        "transformer_depth_middle": 1,
+        "num_head_channels": 16,
+        "num_heads": -1,
+        "context_dim": UNET_CONTEXT,
+        "use_linear_in_transformer": True,
+        "use_spatial_transformer": True,
+        "legacy": False,
+        "adm_in_channels": None,
+        "use_temporal_attention": False,
+    }
+    config = comfy.supported_models.SD15(unet_config)
+    config.unet_config = dict(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.BaseModel(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def conds(kind: str, batch: int = 1, seed: int = 1):
+    """Seeded positive and negative conditioning for a tiny ``"flux"`` or ``"unet"``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make() -> list:
+        if kind == "flux":
+            pooled = torch.randn(batch, FLUX_VEC, generator=g)
+            return [[torch.randn(batch, 6, FLUX_CONTEXT, generator=g), {"pooled_output": pooled}]]
+        return [[torch.randn(batch, 5, UNET_CONTEXT, generator=g), {}]]
+
+    return make(), make()
+
+
+def sample(comfy, patcher, kind: str, h: int = 16, w: int = 16, steps: int = 3, cfg: float = 2.0, batch: int = 1, **kw):
+    """Sample ``steps`` Euler steps on a seeded ``(batch, 4, h, w)`` latent through
+    ``comfy.sample.sample`` (from ``latent``, zeros by default; ``kw`` goes to it)."""
+    import comfy.sample
+
+    pos, neg = conds(kind, batch)
+    latent = kw.pop("latent", None)
+    latent = torch.zeros(batch, 4, h, w) if latent is None else latent
+    noise = torch.randn(batch, 4, h, w, generator=torch.Generator().manual_seed(7))
+    return comfy.sample.sample(
+        patcher, noise, steps, cfg, "euler", "normal", pos, neg, latent, disable_pbar=True, seed=7, **kw
+    )
+
+
+WAN_TEXT = 32
+
+
+def wan_patcher(comfy, layers: int = 2, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.WAN21`` (T2V, dim 64, 2 heads)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "wan2.1",
+        "model_type": "t2v",
+        "patch_size": (1, 2, 2),
+        "text_len": 8,
+        "in_dim": 4,
+        "dim": 64,
+        "ffn_dim": 128,
+        "freq_dim": 32,
+        "text_dim": WAN_TEXT,
+        "out_dim": 4,
+        "num_heads": 2,
+        "num_layers": layers,
+    }
+    config = comfy.supported_models.WAN21_T2V(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.WAN21(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sample_video(comfy, patcher, frames: int = 3, h: int = 8, w: int = 8, steps: int = 2, cfg: float = 2.0, **kw):
+    """``sample`` for a tiny Wan: a seeded ``(1, 4, frames, h, w)`` latent, text conditioning."""
+    import comfy.sample
+
+    g = torch.Generator().manual_seed(1)
+    pos = [[torch.randn(1, 5, WAN_TEXT, generator=g), {}]]
+    neg = [[torch.randn(1, 5, WAN_TEXT, generator=g), {}]]
+    shape = (1, 4, frames, h, w)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    return comfy.sample.sample(
+        patcher, noise, steps, cfg, "euler", "normal", pos, neg, torch.zeros(shape), disable_pbar=True, seed=7, **kw
+    )
+
+
+HUNYUAN_TEXT = 32
+HUNYUAN_VEC = 16
+
+
+def hunyuan_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.HunyuanVideo`` (hidden 64, 2 heads,
+    2 double and 2 single blocks)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "hunyuan_video",
+        "in_channels": 4,
+        "out_channels": 4,
+        "vec_in_dim": HUNYUAN_VEC,
+        "context_in_dim": HUNYUAN_TEXT,
+        "hidden_size": 64,
+        "mlp_ratio": 2.0,
+        "num_heads": 2,
+        "depth": 2,
+        "depth_single_blocks": 2,
+        "axes_dim": [8, 12, 12],
+        "theta": 256,
+        "patch_size": [1, 2, 2],
+        "qkv_bias": True,
+        "guidance_embed": False,
+        "byt5": False,
+        "meanflow": False,
+        "use_cond_type_embedding": False,
+        "vision_in_dim": None,
+        "meanflow_sum": False,
+    }
+    config = comfy.supported_models.HunyuanVideo(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.HunyuanVideo(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sample_hunyuan(comfy, patcher, frames: int = 2, h: int = 8, w: int = 8, steps: int = 2, mask: bool = True):
+    """``sample`` for a tiny HunyuanVideo, with ``mask``: text with a padding mask (the last 2
+    of 7 tokens) and cfg 1 (ComfyUI's HunyuanVideo builds its mask for a batch of one: with
+    cond and uncond in one batch it fails, patched or not); without: cfg 2."""
+    import comfy.sample
+
+    g = torch.Generator().manual_seed(1)
+
+    def cond() -> list:
+        extra = {"pooled_output": torch.randn(1, HUNYUAN_VEC, generator=g)}
+        if mask:
+            extra["attention_mask"] = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
+        return [[torch.randn(1, 7, HUNYUAN_TEXT, generator=g), extra]]
+
+    pos, neg = cond(), cond()
+    shape = (1, 4, frames, h, w)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    return comfy.sample.sample(
+        patcher,
+        noise,
+        steps,
+        1.0 if mask else 2.0,
+        "euler",
+        "normal",
+        pos,
+        neg,
+        torch.zeros(shape),
+        disable_pbar=True,
+        seed=7,
+    )
+
+
+QWEN_TEXT = 32
+
+
+def qwen_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.QwenImage`` (2 heads of 32, 2 blocks)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "qwen_image",
+        "patch_size": 2,
+        "in_channels": 16,
+        "out_channels": 4,
+        "num_layers": 2,
+        "attention_head_dim": 32,
+        "num_attention_heads": 2,
+        "joint_attention_dim": QWEN_TEXT,
+        "axes_dims_rope": (8, 12, 12),
+    }
+    config = comfy.supported_models.QwenImage(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.QwenImage(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sample_qwen(comfy, patcher, h: int = 16, w: int = 16, steps: int = 2, mask: bool = False, cfg: float = 2.0):
+    """``sample`` for a tiny Qwen-Image on a ``(1, 4, 1, h, w)`` latent; with ``mask``, text
+    with a padding mask (its last 2 of 7 tokens)."""
+    import comfy.sample
+
+    g = torch.Generator().manual_seed(1)
+
+    def cond() -> list:
+        extra = {"attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0, 0]])} if mask else {}
+        return [[torch.randn(1, 7, QWEN_TEXT, generator=g), extra]]
+
+    pos, neg = cond(), cond()
+    shape = (1, 4, 1, h, w)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    return comfy.sample.sample(
+        patcher, noise, steps, cfg, "euler", "normal", pos, neg, torch.zeros(shape), disable_pbar=True, seed=7
+    )
+
+
+def chroma_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.Chroma`` (Flux's blocks, hidden 64)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "chroma",
+        "in_channels": 16,  # patchified: 4 latent channels x 2 x 2
+        "out_channels": 4,
+        "context_in_dim": FLUX_CONTEXT,
+        "hidden_size": 64,
+        "mlp_ratio": 2.0,
+        "num_heads": 2,
+        "depth": 2,
+        "depth_single_blocks": 2,
+        "axes_dim": [8, 12, 12],
+        "theta": 10000,
+        "patch_size": 2,
+        "qkv_bias": True,
+        "in_dim": 64,
+        "out_dim": 64,
+        "hidden_dim": 32,
+        "n_layers": 1,
+        "txt_ids_dims": [],
+        "vec_in_dim": None,
+    }
+    config = comfy.supported_models.Chroma(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.Chroma(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sd3_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.SD3`` (MMDiT depth 2: hidden 128, 2 heads);
+    its conditioning is the tiny Flux's (``conds("flux")``)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "in_channels": 4,
+        "out_channels": 4,
+        "pos_embed_scaling_factor": None,
+        "pos_embed_offset": None,
+        "pos_embed_max_size": 16,
+        "patch_size": 2,
+        "depth": 2,
+        "adm_in_channels": FLUX_VEC,
+        "num_patches": 256,
+        "context_embedder_config": {
+            "target": "torch.nn.Linear",
+            "params": {"in_features": FLUX_CONTEXT, "out_features": 128},
+        },
+    }
+    config = comfy.supported_models.SD3(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.SD3(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    with torch.no_grad():  # a buffer, which ComfyUI also leaves as torch.empty
+        model.diffusion_model.pos_embed.copy_(
+            torch.randn(model.diffusion_model.pos_embed.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+        )
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))

@@ -1,0 +1,10 @@
+"""ToMA in ComfyUI: a node that merges tokens in ComfyUI's own model classes.
+
+``node`` holds the node class and ComfyUI's mappings, ``patch`` the patching and its state,
+``families`` one record per ComfyUI denoiser family, and ``hooks`` every ComfyUI internal the
+rest relies on. Nothing here imports ComfyUI at import time.
+"""
+
+from toma.comfyui.families import supported
+
+__all__ = ["supported"]
