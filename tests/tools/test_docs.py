@@ -85,12 +85,23 @@ def test_supported_lists_every_family_from_the_records():
     assert [f.family for f in families] == ["unet", *FAMILIES]
     for f in families[1:]:
         module, classes = FAMILIES[f.family]
-        spec = importlib.import_module(module).ADAPTER.spec
+        spec = importlib.import_module(module).SPEC
         assert f.classes == classes and f.video == spec.video
         assert f.context_parallel == (f.family in CONTEXT_PARALLEL)
         assert f.title and f.summary, f"{f.family}: its module docstring lacks 'Title (``Class``): summary'"
         assert f.default_blocks == "every block but the first 5"  # every family's default today: skip_first(5)
     assert {f.family for f in families if f.context_parallel} == set(CONTEXT_PARALLEL)
+
+
+def test_the_comfyui_column_is_the_nodes_own_record():
+    from toma.comfyui.families import FAMILIES as COMFY
+
+    shown = {f.family: f.comfyui for f in toma.supported()}
+    recorded = {c.name: c for c in COMFY if c.name in shown}
+    assert {"unet", "flux", "wan", "qwenimage", "hunyuanvideo", "zimage", "ltx"} <= set(recorded)
+    for name, comfy in recorded.items():
+        assert shown[name] == ("✔" if comfy.merges else f"✖ {comfy.reason}")
+    assert all(not text for name, text in shown.items() if name not in recorded)
 
 
 def test_models_page_and_readme_table_name_every_family_and_refused_class(expected):
