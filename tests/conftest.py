@@ -34,7 +34,7 @@ from toma.kernels.aot import recorder  # noqa: E402
 # Every Triton launch the tests make, by signature: tests/core/test_kernel_compile.py, which
 # runs last, compiles each one for real GPU targets (the interpreter checks what a kernel
 # computes, not whether it compiles).
-LAUNCHES: dict[str, dict] = {}
+from kernel_launches import LAUNCHES  # noqa: E402
 
 
 LAUNCH_OBSERVERS.append(recorder(LAUNCHES))

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -637,12 +638,12 @@ def test_keeping_every_token_reproduces_the_unpatched_model(comfy, family, monke
 
 # -- the node folder ----------------------------------------------------------------------------
 def test_comfyui_loads_the_node_folder_where_it_sits(comfy):
-    from conftest import REPO
+    repo = Path(__file__).resolve().parents[2]
 
     nodes = comfy.nodes
     saved = copy.copy(nodes.NODE_CLASS_MAPPINGS), copy.copy(nodes.NODE_DISPLAY_NAME_MAPPINGS)
     try:
-        assert asyncio.run(nodes.load_custom_node(str(REPO / "comfyui_toma")))
+        assert asyncio.run(nodes.load_custom_node(str(repo / "comfyui_toma")))
         assert nodes.NODE_CLASS_MAPPINGS["ToMAModel"] is NODE_CLASS_MAPPINGS["ToMAModel"]
         assert nodes.NODE_DISPLAY_NAME_MAPPINGS["ToMAModel"] == "ToMA Token Merging"
         schema = nodes.NODE_CLASS_MAPPINGS["ToMAModel"].INPUT_TYPES()

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from conftest import LAUNCHES  # noqa: E402
+from kernel_launches import LAUNCHES  # noqa: E402
 
 from toma.kernels.targets import CI_TARGETS, TARGETS  # noqa: E402
 

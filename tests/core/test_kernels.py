@@ -192,7 +192,7 @@ def test_forced_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
     "family,h,w", [("sdxl", 16, 16), ("sdxl", 10, 14), ("sd3", 16, 16)]
 )  # tile order / padded raster order on torch
 def test_forward_with_the_kernels_matches_the_torch_path(monkeypatch, family, h, w):
-    from conftest import make_sd3, make_sdxl_unet, sd3_inputs, unet_inputs
+    from tiny_models import make_sd3, make_sdxl_unet, sd3_inputs, unet_inputs
 
     model = make_sdxl_unet() if family == "sdxl" else make_sd3()
     kw = unet_inputs(2, h, w, sdxl=True) if family == "sdxl" else sd3_inputs(2, h, w)
@@ -235,7 +235,7 @@ def test_merges_that_need_a_gradient_take_the_torch_path():
 def test_kontext_call_on_the_triton_path_matches_the_torch_path(monkeypatch):
     # an editing call (reference tokens after the image's) merges from raster order with
     # the kernels, the reference passing whole: the torch path's output up to summation order
-    from conftest import make_flux
+    from tiny_models import make_flux
     from tiny_models import kontext_inputs
 
     blocks = dict(flux_double_blocks=(0, 1), flux_single_blocks=(0, 1))
