@@ -12,6 +12,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
 import toma
+from toma.adapters.ledger import Ledger
 from toma.adapters.base import HOOK_NAME, remove_hook
 from toma.adapters.engine import FamilySpec, Rotary, Site, attach, find_targets
 from toma.config import ToMAConfig
@@ -111,7 +112,7 @@ def _toy_inputs(batch: int) -> dict:
 def _patch_toy(model: torch.nn.Module, spec: FamilySpec, **options) -> list[torch.nn.Module]:
     config = ToMAConfig(ratio=0.5, blocks={"blocks": range(2)}, **options)
     targets, _ = find_targets(spec, model, config)
-    return attach(spec, model, targets, PlanCache(config))
+    return attach(spec, model, targets, PlanCache(config), Ledger())
 
 
 def test_shared_rotary_runs_each_sample_with_its_own_table():
@@ -213,7 +214,7 @@ def test_a_spanning_site_merges_from_one_output_to_another():
     targets, _ = find_targets(spec, model, config)
     assert [t.name for t in targets] == ["blocks.1"]
     cache = PlanCache(config)
-    hooked = attach(spec, model, targets, cache)
+    hooked = attach(spec, model, targets, cache, Ledger())
     seen = []
     handle = model.blocks[1].mlp.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[1]))
     with torch.no_grad():

@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from toma.adapters.ledger import Ledger
 from toma.adapters.engine import FamilySpec, Site, attach, find_targets
 from toma.adapters.state import PlanCache
 from toma.config import ToMAConfig
@@ -62,7 +63,7 @@ def run(spec: FamilySpec, latents: torch.Tensor, monkeypatch, tiled: bool) -> to
     model = ToyGridDiT()
     config = ToMAConfig(ratio=0.5, merge_attn=False, merge_mlp=True, blocks={"blocks": range(2)})
     cache = PlanCache(config)
-    attach(spec, model, find_targets(spec, model, config)[0], cache)
+    attach(spec, model, find_targets(spec, model, config)[0], cache, Ledger())
     real, used = PlanCache.tile_order_layout, []
     layout = (lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1]) if tiled else None
     monkeypatch.setattr(PlanCache, "tile_order_layout", layout or (lambda self, *a, **k: None))

@@ -87,6 +87,16 @@ class Lockstep:
                 self.cond.notify_all()
 
 
+def in_thread(work):
+    """``work()`` run in a new thread, as each lockstep thread runs its call."""
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(result=work()), daemon=True)
+    thread.start()
+    thread.join(timeout=2 * WAIT_S)
+    assert not thread.is_alive() and "result" in out, "the reference call failed or hung"
+    return out["result"]
+
+
 def hand_over_inside_attention(model, patch, step, me):
     """Hooks that hand over once in every call of the model's dispatching attention
     modules, at the first linear layer the processor calls: after the call's bias is set,
@@ -122,7 +132,10 @@ def test_two_threads_two_grids_keep_their_own_bias(name, setting):
     for me, kw in calls.items():
         model, patch = patched(fam, SETTINGS[setting])
         assert dispatch_modules(patch.patched)
-        want[me] = fam.output(model, kw)  # alone: a second call of the same inputs repeats it bitwise
+        # alone, in a fresh thread as the lockstep calls run (a thread's intra-op thread count
+        # is its own: the main thread's may have been set by another test); a second call of
+        # the same inputs repeats it bitwise
+        want[me] = in_thread(lambda model=model, kw=kw: fam.output(model, kw))
         hand_over_inside_attention(model, patch, step, me)
         work = lambda model=model, kw=kw: fam.output(model, kw)  # noqa: E731
         threads.append(threading.Thread(target=step.run, args=(me, work, results), daemon=True))

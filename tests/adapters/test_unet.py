@@ -8,6 +8,7 @@ import torch
 
 import toma
 from tests.tiny_models import make_sd15_unet, make_sdxl_unet, unet_inputs
+from toma.adapters.ledger import Ledger
 
 
 def run(unet, **kw):
@@ -369,7 +370,7 @@ def test_block_outside_a_transformer_stack_reorders_its_own_tokens(sd15_unet):
     ref = run(sd15_unet, **kw)
     targets, _ = unet_adapter.find_targets(sd15_unet, ToMAConfig())
     loose = [dataclasses.replace(t, name=t.name.replace(".transformer_blocks.", ".blocks.")) for t in targets]
-    hooked = unet_adapter.attach(sd15_unet, loose, PlanCache(ToMAConfig()))
+    hooked = unet_adapter.attach(sd15_unet, loose, PlanCache(ToMAConfig()), Ledger())
     assert {id(m) for m in hooked} == {id(sd15_unet)} | {id(t.module) for t in targets}
     out = run(sd15_unet, **kw)
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
