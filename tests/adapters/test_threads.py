@@ -6,7 +6,7 @@ that lives for that call. That state was once a module-level list, so one thread
 took the other's bias (issue 44: 30-47 of 80 calls failed on two LTX models). Here the two
 threads run in lockstep, one at a time, handing over inside every merged attention call
 after its bias is set and before its dispatch: the interleaving that broke, made
-deterministic, so that outputs compare bitwise.
+deterministic.
 """
 
 from __future__ import annotations
@@ -148,4 +148,7 @@ def test_two_threads_two_grids_keep_their_own_bias(name, setting):
     for me in calls:
         if isinstance(results[me], BaseException):
             raise results[me]
-        assert torch.equal(results[me], want[me]), f"thread {me}'s output changed beside the other thread"
+        # Not bitwise: a call's float rounding may differ with where its buffers lie (MiniMax
+        # H3's odd grid moved by 4.8e-7 in the full suite, at any thread count), a few fp32
+        # ulps of outputs of size ~1. Another call's bias moves them by 1e-2 or more, or raises.
+        torch.testing.assert_close(results[me], want[me], atol=1e-5, rtol=0, msg=f"thread {me}'s output changed")
