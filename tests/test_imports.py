@@ -50,6 +50,7 @@ def test_applying_to_one_family_imports_only_its_adapter():
         "toma.adapters.ledger",
         "toma.adapters.engine",
         "toma.adapters.spec",
+        "toma.adapters.layouts",
         "toma.adapters.merging",
         "toma.adapters.state",
         "toma.adapters.chunking",
@@ -243,10 +244,11 @@ def test_core_and_the_kernels_are_leaves():
     assert "toma.kernels" in graph["toma.core.plan"] or "toma.kernels.triton_ops" in graph["toma.core.plan"]
 
 
-# what a family module may import: the spec, the shared grid readers, attention's bias
-# forms, the hook base (Lumina 2's own hook), the settings and core maths
+# what a family module may import: the spec and its layouts, the shared grid readers,
+# attention's bias forms, the hook base (Lumina 2's own hook), the settings and core maths
 FAMILY_MAY_IMPORT = (
     "toma.adapters.spec",
+    "toma.adapters.layouts",
     "toma.adapters.grids",
     "toma.adapters.attention",
     "toma.adapters.base",

@@ -24,6 +24,7 @@ import toma
 from tests.cases import cache_dit_settings, fused_calls, sdpa_keys
 from tests.tiny_models import FAMILIES
 from toma.adapters.base import Hook, register_innermost, remove_hook
+from toma.adapters.layouts import IMAGE_FIRST, TEXT_FIRST
 from toma.adapters.merging import plan_group
 
 NAMES = list(FAMILIES)
@@ -432,9 +433,11 @@ def test_rotary_rows_are_the_destinations(name, layout):
                     assert f is None and g is None
                 elif i not in wanted:
                     assert torch.equal(g, f)  # e.g. Qwen-Image's text table
-                elif site.image_first:  # (B, N + T, ...) -> (B, K + T, ...): the image's rows first
+                elif site.layout == IMAGE_FIRST:  # (B, N + T, ...) -> (B, K + T, ...): the image's rows first
                     assert torch.equal(g[b], torch.cat([f[b, :n][dest[b]], f[b, n:]])), (target, i)
-                elif site.text_first and not rotary.shared:  # (B, T + N, ...) -> (B, T + K, ...): the text first
+                elif (
+                    site.layout == TEXT_FIRST and not rotary.shared
+                ):  # (B, T + N, ...) -> (B, T + K, ...): the text first
                     lead = f.shape[1] - n
                     fb = f[0 if f.shape[0] == 1 else b]
                     assert torch.equal(g[b], torch.cat([fb[:lead], fb[lead:][dest[b]]])), (target, i)

@@ -1,4 +1,4 @@
-"""Image-first sites (``Site.image_first``, Z-Image's ``[image; caption]``): the first N
+"""Image-first sites (``layouts.IMAGE_FIRST``, Z-Image's ``[image; caption]``): the first N
 tokens of a call merge and the suffix passes whole, and per-batch rotary tables whose first
 N rows are the image's get the rows of the destinations, then the suffix's rows whole."""
 
@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from toma.adapters.engine import RotaryToTileOrder, rotary_rows
+from toma.adapters.attention import key_bias
+from toma.adapters.layouts import IMAGE_FIRST, Fit, InMask, Span
 from toma.adapters.merging import _gather_rotary, open_call
 from toma.adapters.spec import Rotary, Site, gather_rows
 from toma.adapters.state import PlanCache, TileState
@@ -16,7 +18,7 @@ from toma.core.tiling import tile_order
 
 GRID = (1, 4, 4)
 N, TEXT, C = 16, 5, 8
-SITE = Site("attention", "attn", rotary=Rotary("freqs_cis", None, gather=gather_rows), image_first=True)
+SITE = Site("attention", "attn", rotary=Rotary("freqs_cis", None, gather=gather_rows), layout=IMAGE_FIRST)
 
 
 def opened(x: torch.Tensor):
@@ -24,7 +26,7 @@ def opened(x: torch.Tensor):
     cache = PlanCache(ToMAConfig(ratio=0.5, tile_size=2))
     cache.begin_forward(GRID, 0.5)
     merged = open_call(cache, TileState(cache), SITE, x, GRID, 0.5)
-    assert merged is not None and merged.first and merged.text == TEXT
+    assert merged is not None and merged.layout == IMAGE_FIRST and merged.text == TEXT
     assert not torch.equal(merged.plan.dest_tokens[0], merged.plan.dest_tokens[1])
     return merged
 
@@ -72,14 +74,13 @@ def test_rotary_rows_are_the_destinations_then_the_suffix(table_batch):
 @pytest.mark.parametrize(
     "options",
     [
-        {"text_first": True},
         {"rotary": Rotary("freqs_cis", None, shared=True)},
-        {"until": "proj_out", "call": "attn"},
+        {"span": Span(call="attn", until="proj_out")},
     ],
 )
 def test_image_first_refuses_what_it_cannot_lay_out(options):
-    with pytest.raises(ValueError, match="image_first"):
-        Site("attention", "attn", image_first=True, **options)
+    with pytest.raises(ValueError, match="image-first"):
+        Site("attention", "attn", layout=IMAGE_FIRST, **options)
 
 
 def tiles():
@@ -120,14 +121,13 @@ def test_a_rope_module_with_one_table_gets_its_image_rows_reordered():
 @pytest.mark.parametrize(
     "options",
     [
-        {},  # no joint_mask to fit it with
-        {"joint_mask": lambda mask, n, k: mask, "mask": ("attention_mask", None)},
-        {"joint_mask": lambda mask, n, k: mask, "until": "proj_out", "call": "attn"},
+        {"bias": InMask(("attention_mask", None), key_bias)},
+        {"span": Span(call="attn", until="proj_out")},
     ],
 )
-def test_a_mask_of_the_models_own_elsewhere_needs_a_fit_and_no_bias(options):
-    with pytest.raises(ValueError, match="own_mask"):
-        Site("attention", "attn", own_mask=("hidden_states_masks", 1), **options)
+def test_a_mask_of_the_models_own_elsewhere_takes_no_bias_and_no_span(options):
+    with pytest.raises(ValueError, match="slot of its own"):
+        Site("attention", "attn", fit=Fit(lambda mask, n, k: mask, slot=("hidden_states_masks", 1)), **options)
 
 
 @pytest.mark.parametrize("table_batch, dest_batch", [(1, 2), (2, 1), (2, 2)])

@@ -1,4 +1,4 @@
-"""Sequence-first sites (``Site.seq_first``, ERNIE-Image's MLP on ``(S, B, C)``): a call
+"""Sequence-first sites (``layouts.SeqFirst``, ERNIE-Image's MLP on ``(S, B, C)``): a call
 merges and unmerges as its ``(B, S, C)`` transpose would, and the module gets its merged
 tokens sequence-first."""
 
@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from toma.adapters.base import HOOK_NAME, register_innermost
+from toma.adapters.attention import key_bias
+from toma.adapters.layouts import ALONE, IMAGE_FIRST, InMask, SeqFirst, Span, ViaCall
 from toma.adapters.merging import MergeHook
 from toma.adapters.spec import Site
 from toma.adapters.state import PlanCache, TileState
@@ -41,8 +43,8 @@ def test_a_sequence_first_call_merges_as_its_batch_first_transpose():
     cache = PlanCache(ToMAConfig(ratio=0.5, tile_size=2))
     cache.begin_forward(GRID, 0.5)
     x = torch.randn(N + TEXT, 2, C, generator=torch.Generator().manual_seed(1))  # [image; text], (S, B, C)
-    seq = hooked(cache, Site("mlp", "mlp", image_first=True, seq_first=True))
-    batch = hooked(cache, Site("mlp", "mlp", image_first=True))  # the same plan: one group, one forward
+    seq = hooked(cache, Site("mlp", "mlp", layout=SeqFirst(IMAGE_FIRST)))
+    batch = hooked(cache, Site("mlp", "mlp", layout=IMAGE_FIRST))  # the same plan: one group, one forward
     with torch.no_grad():
         out = seq(x)
         ref = batch(x.transpose(0, 1).contiguous())
@@ -59,7 +61,7 @@ def test_without_seq_first_such_a_call_is_not_taken_for_tokens():
     cache = PlanCache(ToMAConfig(ratio=0.5, tile_size=2))
     cache.begin_forward(GRID, 0.5)
     x = torch.randn(N + TEXT, 2, C, generator=torch.Generator().manual_seed(1))
-    module = hooked(cache, Site("mlp", "mlp", image_first=True))
+    module = hooked(cache, Site("mlp", "mlp", layout=IMAGE_FIRST))
     with torch.no_grad(), pytest.warns(UserWarning, match="on 2 of the 16 tokens"):  # taken for a slice
         out = module(x)
     assert module.seen == [tuple(x.shape)] and not cache._plans
@@ -67,8 +69,13 @@ def test_without_seq_first_such_a_call_is_not_taken_for_tokens():
 
 
 @pytest.mark.parametrize(
-    "options", [{"mask": ("attention_mask", None)}, {"bias_call": lambda *a, **k: None}, {"until": "b", "call": "a"}]
+    "options",
+    [
+        {"bias": InMask(("attention_mask", None), key_bias)},
+        {"bias": ViaCall(lambda *a, **k: None, key_bias)},
+        {"span": Span(call="a", until="b")},
+    ],
 )
 def test_seq_first_refuses_a_key_bias_and_spans(options):
-    with pytest.raises(ValueError, match="seq_first"):
-        Site("mlp", "attn", seq_first=True, **options)
+    with pytest.raises(ValueError, match="sequence-first"):
+        Site("mlp", "attn", layout=SeqFirst(ALONE), **options)

@@ -202,8 +202,9 @@ class KeyBias(NamedTuple):
 
 
 def key_bias(log_mass: torch.Tensor, batch: int, heads: int) -> KeyBias:
-    """A site's ``mask_layout`` for processors that hand their mask to diffusers' dispatch:
-    the log masses as a :class:`KeyBias` (:func:`install` applies it)."""
+    """A bias ``form`` (:class:`~toma.adapters.layouts.InMask`) for processors that hand
+    their mask to diffusers' dispatch: the log masses as a :class:`KeyBias` (:func:`install`
+    applies it)."""
     return KeyBias(log_mass)
 
 
@@ -253,7 +254,7 @@ _NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale
 _MASK_SLOT = _NAMES.index("attn_mask")
 
 
-# the keyword in which a merged call carries its key bias to a site's ``bias_call``
+# the keyword in which a merged call carries its key bias to a site's :class:`~toma.adapters.layouts.ViaCall`
 BIAS_KWARG = "_toma_key_bias"
 # the key bias of the merged call under way whose processor passes no mask of toma's to
 # dispatch (:func:`through_dispatch`), as ``_pending.bias``: set for that call only, and
@@ -266,7 +267,7 @@ _pending = threading.local()
 
 
 def through_dispatch(forward: Callable, hook: Any, *args: Any, **kwargs: Any) -> Any:
-    """A site's ``bias_call`` for processors that call diffusers' dispatch but cannot carry
+    """A :class:`~toma.adapters.layouts.ViaCall` strategy for processors that call diffusers' dispatch but cannot carry
     a :class:`KeyBias` in their mask argument (LTX reshapes its mask per head, Qwen-Image
     builds its own): the bias waits, in this thread's state, for the call's
     one dispatch, which :func:`biased_dispatch` applies it to, with the processor's own
@@ -283,7 +284,7 @@ def through_dispatch(forward: Callable, hook: Any, *args: Any, **kwargs: Any) ->
 
 
 def dispatch_ok(module: torch.nn.Module) -> str | None:
-    """A ``mask_ok`` for :func:`through_dispatch` sites: why the module's current processor
+    """A bias route's ``ok`` for :func:`through_dispatch` sites: why the module's current processor
     would not apply a pending bias (its module's dispatch is not toma's wrapper: a processor
     set after ``apply_toma``), or None."""
     processor = getattr(module, "processor", None)
@@ -444,9 +445,10 @@ def dispatch_modules(targets: list) -> dict[str, list[torch.nn.Module]]:
     found: dict[str, list[torch.nn.Module]] = {}
     for target in targets:
         site = target.site
-        if site is None or (site.mask_layout not in _DISPATCHED and site.bias_call is not through_dispatch):
+        bias = None if site is None else site.bias
+        if bias is None or (bias.form not in _DISPATCHED and getattr(bias, "call", None) is not through_dispatch):
             continue
-        module = target.module.get_submodule(site.call) if site.until is not None else target.module
+        module = target.module.get_submodule(site.span.call) if site.span is not None else target.module
         processor = getattr(module, "processor", None)
         if processor is not None:
             found.setdefault(_home(processor), []).append(module)

@@ -171,8 +171,9 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
             if not sites:
                 skipped.append(Skipped(name, "none of its parts is merged with these settings"))
             for site in sites:
-                if site.until is not None:  # the span's modules are found from the block at attach
-                    targets.append(Patched(name, block, f"{stack} {site.part}, {site.path} to {site.until}", site=site))
+                if site.span is not None:  # the span's modules are found from the block at attach
+                    what = f"{stack} {site.part}, {site.path} to {site.span.until}"
+                    targets.append(Patched(name, block, what, site=site))
                 else:
                     targets.append(
                         Patched(
@@ -236,12 +237,12 @@ def attach(
     for target in targets:
         site = target.site
         bias = bias_setting(cache.config, site)
-        if site.until is not None:
-            span, state = target.module, SpanState()
+        if site.span is not None:
+            block, state = target.module, SpanState()
             hooks += [
-                (span.get_submodule(site.path), SpanOpen(cache, order, site, state)),
-                (span.get_submodule(site.call), SpanCall(cache, order, site, state, bias=bias)),
-                (span.get_submodule(site.until), SpanClose(state)),
+                (block.get_submodule(site.path), SpanOpen(cache, order, site, state)),
+                (block.get_submodule(site.span.call), SpanCall(cache, order, site, state, bias=bias)),
+                (block.get_submodule(site.span.until), SpanClose(state)),
             ]
             continue
         calls = []
@@ -251,8 +252,8 @@ def attach(
             chunkers.append(block)
         if site.rotary is not None and site.rotary.shared:
             calls.append(PerSample(site.rotary))
-        if bias and site.bias_call is not None:  # innermost: after PerSample has sliced the bias
-            calls.append(site.bias_call)
+        if bias and site.bias is not None:  # innermost: after PerSample has sliced the bias
+            calls.extend(site.bias.calls())
         hooks.append((target.module, MergeHook(cache, 1, order, site, bias=bias, calls=tuple(calls))))
     blocks = [".".join(target.name.split(".")[:2]) for target in targets]  # "stack.index"
     return (

@@ -5,7 +5,7 @@ output, so that ``x + U F(M x)`` replaces ``x + F(x)`` on the residual stream; r
 tables passed to the call are gathered to the merged tokens' destinations, and the
 family's own attention processor (hence diffusers' attention dispatch and
 ``set_attention_backend``) runs unchanged on fewer tokens. A spanning site
-(``Site.until``) merges one sub-module's output and unmerges a later one's, with
+(``Site.span``) merges one sub-module's output and unmerges a later one's, with
 :class:`SpanOpen`, :class:`SpanCall` and :class:`SpanClose`.
 
 What one call merged (its plan, the token order it was merged in, the text before the
@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from toma.adapters.attention import BIAS_KWARG, KeyBias
+from toma.adapters.attention import KeyBias
 from toma.adapters.base import Hook
+from toma.adapters.layouts import ALONE, Layout, hidden_states_of, read_arg, replace_arg, with_hidden_states
 from toma.adapters.spec import Rotary, Site
 from toma.core.plan import Plan
 from toma.adapters.state import PlanCache, TileState
@@ -46,38 +47,29 @@ if TYPE_CHECKING:  # the UNet adapter's; families on the engine do not import it
 
 class MergedCall:
     """What one call merged, from its merge to its unmerge: the plan, whether the image
-    tokens were in tile order (the token order's layout when the call began), the text
-    tokens beside the image tokens (before them, or after them when ``first``), and the
-    image tokens before merging."""
+    tokens were in tile order (the token order's layout when the call began), the call's
+    layout, the tokens beside the image tokens in it (which pass whole), and the image
+    tokens before merging."""
 
-    __slots__ = ("plan", "tiled", "text", "tokens", "first")
+    __slots__ = ("plan", "tiled", "text", "tokens", "layout")
 
-    def __init__(self, plan: Plan, tiled: bool, text: int, tokens: int, first: bool = False) -> None:
+    def __init__(self, plan: Plan, tiled: bool, text: int, tokens: int, layout: Layout = ALONE) -> None:
         self.plan = plan
         self.tiled = tiled
         self.text = text
         self.tokens = tokens
-        self.first = first
+        self.layout = layout
 
     def merge(self, x: torch.Tensor) -> torch.Tensor:
-        """``[text; image]`` tokens ``(B, text + N, C)`` with the image part merged: ``(B, text + K, C)``
-        (``[image; text]`` when ``first``)."""
-        text, tokens = self.text, self.tokens
-        if self.first:
-            return torch.cat([self.plan.merge(x[:, :tokens], self.tiled), x[:, tokens:]], dim=1)
-        merged = self.plan.merge(x[:, text:] if text else x, self.tiled)
-        return torch.cat([x[:, :text], merged], dim=1) if text else merged
+        """Rows ``(B, text + N, C)`` with the image part merged: ``(B, text + K, C)``, laid
+        out as the call's layout says."""
+        return self.layout.merge(lambda image: self.plan.merge(image, self.tiled), x, self.tokens, self.text)
 
     def unmerge(self, y: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Inverse of :meth:`merge` on an output ``(B, text + K, C)``: ``(B, text + N, C)``;
-        plus ``residual`` (image tokens only, no text), added in the unmerge's kernel."""
-        text = self.text
-        if not text:
-            return self.plan.unmerge(y, self.tiled, residual=residual)
-        if self.first:
-            kept = y.shape[1] - text
-            return torch.cat([self.plan.unmerge(y[:, :kept], self.tiled), y[:, kept:]], dim=1)
-        return torch.cat([y[:, :text], self.plan.unmerge(y[:, text:], self.tiled)], dim=1)
+        """Inverse of :meth:`merge` on output rows ``(B, text + K, C)``: ``(B, text + N, C)``;
+        plus ``residual`` (image tokens only, with no text beside them), added in the
+        unmerge's kernel."""
+        return self.layout.unmerge(lambda image: self.plan.unmerge(image, self.tiled, residual=residual), y, self.text)
 
 
 def open_call(
@@ -87,14 +79,13 @@ def open_call(
     where nothing merges (see :meth:`PlanCache.get`). Text, and conditioning tokens, lead
     the image tokens and pass whole."""
     tokens = math.prod(grid)
-    first = site.image_first  # [image; text]: the first N tokens merge, the suffix passes
-    text = x.shape[1] - tokens if first or site.text_first or order.extra else 0
+    layout = site.layout
+    text = layout.text(x.shape[1], tokens, order.extra)
     if text < 0:
         return None
-    image = x[:, :tokens] if first else x[:, text:] if text else x
     tiled = order.layout is not None
-    plan = cache.get(image, grid, group=plan_group(site, grid), tiled=tiled, ratio=ratio)
-    return None if plan is None else MergedCall(plan, tiled, text, tokens, first=first)
+    plan = cache.get(layout.image(x, tokens, text), grid, group=plan_group(site, grid), tiled=tiled, ratio=ratio)
+    return None if plan is None else MergedCall(plan, tiled, text, tokens, layout)
 
 
 # proportional_attention=None on a transformer: the bias runs only where its forms were
@@ -120,7 +111,7 @@ class MergeHook(Hook):
 
     Tokens are in raster order, or in tile order while ``order`` says so. A call with an
     attention mask of its own (laid out over the unmerged sequence) gets it fitted to the
-    merged tokens by the site's ``joint_mask``, or runs unmerged where there is none. With a
+    merged tokens by the site's ``fit``, or runs unmerged where there is none. With a
     site that takes rotary tables, they are gathered to the merged tokens; with ``bias``
     (proportional attention) the plan's log masses go in as the site's attention mask.
 
@@ -175,39 +166,34 @@ class MergeHook(Hook):
         # keys are the text, which stays whole, so only self-attention must then adapt it
         # to the merged keys (where the family says how) or run unmerged
         site = self.site
-        if site.seq_first:  # (S, B, C): merged as its (B, S, C) view
-            x = x.transpose(0, 1)
+        x = site.layout.rows(x)
         own = None if self.part == "cross" else self._own_mask(args, kwargs)
-        if own is not None and site.joint_mask is None:
+        if own is not None and site.fit is None:
             self._warn_once(
                 f"ToMA: {type(module).__name__} got an attention mask over its unmerged tokens, which "
                 "does not fit merged ones; such calls run unmerged"
             )
             return args, kwargs
-        if site.self_keys is not None and kwargs.get(site.self_keys) is not hidden_states_of(args, kwargs):
-            self._warn_once(
-                f"ToMA: {type(module).__name__} got keys ({site.self_keys}) other than its hidden states; such "
-                "calls run unmerged"
-            )
-            return args, kwargs
+        for rule in site.rules:
+            why = rule.refuses(args, kwargs)
+            if why is not None:
+                self._warn_once(f"ToMA: {type(module).__name__} {why}; such calls run unmerged")
+                return args, kwargs
         merged = open_call(self.cache, self.order, site, x, grid, self.ratio)
         if merged is None:
             self._warn_if_chunked(module, x.shape[1], math.prod(grid))
             return args, kwargs
         if own is not None:
-            own = site.joint_mask(own, merged.tokens, merged.plan.num_merged)
+            own = site.fit.fit(own, merged.tokens, merged.plan.num_merged)
             if own is None:
                 self._warn_once(
                     f"ToMA: {type(module).__name__} got an attention mask it cannot fit to merged tokens; such "
                     "calls run unmerged"
                 )
                 return args, kwargs
-            args, kwargs = replace_arg(args, kwargs, *self._own_place(), own)
+            args, kwargs = replace_arg(args, kwargs, *site.own_slot(), own)
         self.merged = merged
-        x = merged.merge(x)
-        args, kwargs = with_hidden_states(args, kwargs, x.transpose(0, 1) if site.seq_first else x)
-        if site.self_keys is not None:  # the keys come from the merged tokens too
-            kwargs = {**kwargs, site.self_keys: hidden_states_of(args, kwargs)}
+        args, kwargs = with_hidden_states(args, kwargs, site.layout.unrows(merged.merge(x)))
         return self._merged_call(module, merged, args, kwargs)
 
     def _merged_call(
@@ -217,36 +203,24 @@ class MergeHook(Hook):
         under proportional attention, the plan's log masses as its mask."""
         site, plan = self.site, merged.plan
         if site.rotary is not None:
-            args, kwargs, self.samples = _gather_rotary(
-                site.rotary, merged, args, kwargs, site=site.path, text_first=site.text_first
-            )
+            args, kwargs, self.samples = _gather_rotary(site.rotary, merged, args, kwargs, site=site.path)
         x = hidden_states_of(args, kwargs)
-        if site.image_count is not None:  # what the module splits off as the image's is the merged tokens
-            args, kwargs = replace_arg(args, kwargs, *site.image_count, x.shape[1] - merged.text)
-        if self._biased(module, x):
-            named = kwargs.get(site.text_keys) if site.text_keys else None
-            # the text keys lead the merged image keys, but for image-first sites, whose
-            # layout pads the bias with them after the image keys
-            lead = 0 if merged.first else merged.text + (named.shape[1] if isinstance(named, torch.Tensor) else 0)
+        for rule in site.rules:
+            args, kwargs = rule.apply(args, kwargs, site.layout.rows(x).shape[1] - merged.text)
+        route = site.bias
+        if route is not None and self._biased(module, x):
+            named = kwargs.get(route.keys) if route.keys else None
+            # the keys before the merged image keys: the call's text, or none where the
+            # layout's bias form pads the text keys after them
+            lead = site.layout.bias_lead(merged.text) + (named.shape[1] if isinstance(named, torch.Tensor) else 0)
             # diffusers' Attention names its query heads heads; some families' own modules, num_heads (Krea 2)
             batch, heads = x.shape[0], getattr(module, "heads", None) or module.num_heads
-            mask = plan.memo(
-                f"mask_{site.path}_{lead}_{batch}_{heads}",
-                lambda: site.mask_layout(_lead_zeros(plan.log_mass, lead), batch, heads),
-            )
+            key = f"{site.path}_{lead}_{batch}_{heads}"
+            mask = plan.memo(f"mask_{key}", lambda: route.form(_lead_zeros(plan.log_mass, lead), batch, heads))
             if self.bias == AUTO and isinstance(mask, KeyBias):
                 mask = mask.automatic()
-            if site.mask is None:
-                # the site's bias_call takes it to the attention, where the processor's own
-                # mask (built from what the module got, over other keys) is folded in
-                kwargs = {**kwargs, BIAS_KWARG: mask}
-            else:
-                own = self._own_mask(args, kwargs)  # the model's, fitted to the merged keys above
-                if own is not None and hasattr(mask, "with_model_mask"):  # a KeyBias takes it in
-                    mask = mask.with_model_mask(own)
-                    if mask.per_query and not torch.compiler.is_compiling():
-                        mask = mask._replace(dense=_shared_dense(plan, f"{site.path}_{lead}_{batch}_{heads}", own))
-                args, kwargs = replace_arg(args, kwargs, *site.mask, mask)
+            own = self._own_mask(args, kwargs)  # the model's, fitted to the merged keys above
+            args, kwargs = route.route(args, kwargs, mask, own, lambda: _shared_dense(plan, key, own))
         return args, kwargs
 
     def _biased(self, module: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -254,7 +228,8 @@ class MergeHook(Hook):
         where the module's processor can take it (said once where it cannot)."""
         if not (self.bias is True or (self.bias == AUTO and x.device.type in AUTO_DEVICES)):
             return False
-        why = self.site.mask_ok(module) if self.site.mask_ok is not None else None
+        ok = self.site.bias.ok if self.site.bias is not None else None
+        why = ok(module) if ok is not None else None
         if why is not None:
             self._warn_once(f"ToMA: proportional attention is off in {type(module).__name__}: {why}")
         return why is None
@@ -286,28 +261,22 @@ class MergeHook(Hook):
             "chunking off to merge it."
         )
 
-    def _own_place(self) -> tuple[str, int | None]:
-        """``(keyword, position)`` of the mask the model itself passes."""
-        return self.site.own_mask or self.site.mask or ("attention_mask", None)
-
     def _own_mask(self, args: tuple, kwargs: dict) -> Any:
         """The attention mask the model itself passes (over the raster sequence), if any."""
-        name, index = self._own_place()
-        return args[index] if index is not None and len(args) > index else kwargs.get(name)
+        return read_arg(args, kwargs, *self.site.own_slot())
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         merged, self.merged = self.merged, None
         if merged is None:
             return output
-        if self.site.seq_first:  # (S', B, C) back to (S, B, C), through its (B, S', C) view
-            return merged.unmerge(output.transpose(0, 1)).transpose(0, 1)
         if isinstance(output, tuple):  # joint attention: (image, text)
             return (merged.unmerge(output[0]), *output[1:])
         slot = self.residual
         if slot is not None and slot.x is not None and not merged.text:
             slot.fused = True
             return merged.unmerge(output, residual=slot.x)
-        return merged.unmerge(output)  # [text; image] when text_first
+        layout = self.site.layout
+        return layout.unrows(merged.unmerge(layout.rows(output)))
 
 
 class PerSample:
@@ -365,7 +334,7 @@ def _lead_zeros(log_mass: torch.Tensor, lead: int) -> torch.Tensor:
 
 
 class SpanState:
-    """A spanning merge (``Site.until``) between the output it merged and the one it unmerges."""
+    """A spanning merge (``Site.span``) between the output it merged and the one it unmerges."""
 
     def __init__(self) -> None:
         self.merged: MergedCall | None = None
@@ -416,13 +385,13 @@ class SpanCall(MergeHook):
         if own is not None:
             # the span merged before this call could be seen, so the family's grid reader
             # must have refused a forward whose mask cannot fit: one that gets here is toma's bug
-            fitted = self.site.joint_mask(own, merged.tokens, merged.plan.num_merged) if self.site.joint_mask else None
+            fitted = self.site.fit.fit(own, merged.tokens, merged.plan.num_merged) if self.site.fit else None
             if fitted is None:
                 raise RuntimeError(
                     f"ToMA: {type(module).__name__} got an attention mask of shape {tuple(own.shape)} inside a "
                     "merged span, which its family cannot fit to merged tokens"
                 )
-            args, kwargs = replace_arg(args, kwargs, *(self.site.mask or ("attention_mask", None)), fitted)
+            args, kwargs = replace_arg(args, kwargs, *self.site.own_slot(), fitted)
         return self._merged_call(module, merged, args, kwargs)
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
@@ -430,7 +399,7 @@ class SpanCall(MergeHook):
 
 
 class SpanClose(Hook):
-    """On a spanning site's ``until`` module: unmerges the image part of its output."""
+    """On a spanning site's ``span.until`` module: unmerges the image part of its output."""
 
     def __init__(self, state: SpanState) -> None:
         self.state = state
@@ -466,15 +435,16 @@ def _concat_batch(outputs: list) -> Any:
 
 
 def _gather_rotary(
-    rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict, site: str = "", text_first: bool = False
+    rotary: Rotary, merged: MergedCall, args: tuple, kwargs: dict, site: str = ""
 ) -> tuple[tuple, dict, list | None]:
     """The call with its rotary tables gathered to the tokens of ``merged``, at the site whose
     path is ``site``.
 
     The tables are one tensor or a tuple of items, of which ``rotary.items`` hold image
     rows; such an item is a tensor or a tuple nesting tensors (and None), each gathered.
-    At a ``text_first`` site, per-batch tables ``(Bt, text + N, ...)`` (not ``shared``) keep
-    their text rows whole before the gathered image rows (Ideogram 4's packed sequence).
+    Per-batch tables (not ``shared``) are gathered as the call's layout says (a text-first
+    layout keeps their text rows whole before the gathered image rows: Ideogram 4's packed
+    sequence).
     Returns the arguments and, for ``rotary.shared`` when samples have plans of their own,
     each sample's tables (the module must then run once per sample); else None.
     """
@@ -493,11 +463,9 @@ def _gather_rotary(
             return type(table)(rows(t, b, dest) for t in table)
         if table is None:
             return None
-        if merged.first:  # per-batch (Bt, N + text, ...) tables, the image's rows first
-            return _image_first_rows(rotary, table, dest, tokens)
-        if text_first and merged.text and not rotary.shared:  # per-batch (Bt, text + N, ...), text first
-            return _text_first_rows(rotary, table, dest, tokens)
-        return _sample_rows(table, dest[b], tokens) if rotary.shared else rotary.gather(table, dest)
+        if rotary.shared:
+            return _sample_rows(table, dest[b], tokens)
+        return merged.layout.table_rows(rotary.gather, table, dest, tokens, merged.text)
 
     def pick(b: int | None, dest: torch.Tensor) -> Any:
         gathered = tuple(rows(t, b, dest) if i in wanted else t for i, t in enumerate(items))
@@ -529,51 +497,9 @@ def nested_tensors(tables: Any) -> list[torch.Tensor]:
     return []
 
 
-def _image_first_rows(rotary: Rotary, table: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:
-    """A per-batch ``(Bt, N + text, ...)`` table whose first ``N`` rows are the image's: the
-    rows of the destinations ``dest`` ``(Bp, K)`` gathered by the site's ``gather``, then the
-    text rows, whole (broadcast to the gathered batch)."""
-    image = rotary.gather(table[:, :tokens], dest)
-    text = table[:, tokens:]
-    if text.shape[0] != image.shape[0]:
-        text = text.expand(image.shape[0], *text.shape[1:])
-    return torch.cat([image, text], dim=1)
-
-
-def _text_first_rows(rotary: Rotary, table: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:
-    """A per-batch ``(Bt, text + N, ...)`` table whose last ``N`` rows are the image's: the
-    text rows, whole (broadcast to the gathered batch), then the rows of the destinations
-    ``dest`` ``(Bp, K)`` gathered by the site's ``gather``."""
-    text = table.shape[1] - tokens
-    image = rotary.gather(table[:, text:], dest)
-    lead = table[:, :text]
-    if lead.shape[0] != image.shape[0]:
-        lead = lead.expand(image.shape[0], *lead.shape[1:])
-    return torch.cat([lead, image], dim=1)
-
-
 def _sample_rows(table: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:
     """A shared ``(text + tokens, ...)`` table's text rows, then its image rows ``dest`` ``(K,)``."""
     text = table.shape[0] - tokens
     if text == 0:
         return table[dest]
     return torch.cat([table[:text], table[text:][dest]])
-
-
-def replace_arg(args: tuple, kwargs: dict, name: str, index: int | None, value: Any) -> tuple[tuple, dict]:
-    """The call's arguments with ``value`` for the parameter ``name`` at position ``index``."""
-    if index is not None and len(args) > index:
-        return (*args[:index], value, *args[index + 1 :]), kwargs
-    return args, {**kwargs, name: value}
-
-
-def hidden_states_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """A call's hidden states: its first positional argument, or ``hidden_states=``."""
-    return args[0] if args else kwargs.get("hidden_states")
-
-
-def with_hidden_states(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
-    """The call's arguments with ``x`` in place of its hidden states."""
-    if args:
-        return (x, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": x}

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from toma.adapters.layouts import ALONE, CallRule, Fit, InMask, Layout, Span, ViaCall
+
 if TYPE_CHECKING:
     from toma.adapters.base import Patched
     from toma.config import ToMAConfig
@@ -66,114 +68,59 @@ class Rotary:
 class Site:
     """A sub-module of a block whose image tokens merge.
 
+    Each attribute past ``part`` is an object of :mod:`toma.adapters.layouts` that the
+    family picks, so that a family states its call's layout as data and the engine asks the
+    object, never the family.
+
     Attributes:
         path: the sub-module's name inside the block (``"attn1"``, ``"ff"``).
         part: ``"attn"`` (self or joint attention), ``"cross"`` (queries of
             cross-attention) or ``"mlp"``: which of the config's ``merge_*`` switches it obeys.
+        layout: where the image tokens sit in the call's hidden states
+            (:data:`~toma.adapters.layouts.ALONE`, ``TEXT_FIRST``, ``IMAGE_FIRST``, ``SeqFirst``).
         rotary: where its call takes rotary tables, if it does.
-        mask: ``(keyword, position)`` of the call's additive attention mask, when the
-            family's processor takes one over merged keys (proportional attention); None if
-            it cannot.
-        mask_layout: ``mask_layout(log_mass, batch, heads)`` turns the plan's ``(Bp, K)``
-            log masses into the mask the processor wants: a float mask for processors that
-            call torch's SDPA, or :func:`toma.adapters.attention.key_bias` for those that
-            hand it to diffusers' dispatch (which then applies it by the backend's rule,
-            folding in a mask of the model's own that ``joint_mask`` fitted).
-        joint_mask: ``joint_mask(mask, N, K)`` adapts the attention mask the model itself
-            passes (over its joint sequence of ``N`` image tokens and the text) to ``K``
-            merged image tokens, or returns None when it cannot (the call then runs
-            unmerged, with a warning once). Without it, a call with a mask of the model's
-            own runs unmerged. :func:`toma.core.masks.slice_joint_mask` fits a text-first
-            mask that holds one value over the image, which the family's grid reader checks
-            once per forward (Flux, FLUX.2, Chroma); a spanning site (``until``) must get only
-            masks it can fit, as its merge happens before its call is seen.
-        own_mask: ``(keyword, position)`` of a mask of the model's own in the call, where it
-            is not the attention mask the key bias would go in (HiDream's ``hidden_states_masks``,
-            which zeroes padded keys): fitted by ``joint_mask`` as ``mask``'s is. None: the
-            model's mask is where ``mask`` says (by default, ``attention_mask``).
-        text_first: the call's hidden states are ``[text; image]`` (a single-stream block):
-            the last ``N`` tokens merge, the text before them passes whole, and so does the
-            text part of the output. Per-batch rotary tables (not ``shared``) are then
-            ``(B, text + N, ...)``: ``rotary.gather`` gets their last ``N`` rows and the
-            text rows lead whole.
-        image_first: the call's hidden states are ``[image; text]`` (Z-Image's unified
-            sequence): the first ``N`` tokens merge, the text after them passes whole, and
-            so does the text part of the output. Its rotary tables are per-batch
-            ``(B, N + text, ...)`` with the image's rows first: ``rotary.gather`` gets their
-            first ``N`` rows and the text rows follow whole. Under proportional attention its
-            bias covers the merged image keys, and the text keys after them take log mass 0:
-            its ``mask_layout`` must pad after them (:func:`toma.adapters.attention.key_bias_text_after`).
-            Not with ``text_first``, ``until`` or a ``shared`` table.
-        seq_first: the call's hidden states, and its output, are sequence-first ``(S, B, C)``
-            (ERNIE-Image's MLP): they merge and unmerge as their ``(B, S, C)`` transpose (a
-            view), and the merged call gets ``(K, B, C)`` (with ``text_first`` or
-            ``image_first``, ``(text + K, B, C)``). Not with a key bias (``mask``,
-            ``bias_call``) or ``until``.
-        self_keys: keyword under which the call passes its hidden states a second time, as
-            the source of its keys and values (Lumina 2's self-attention, called through a
-            cross-attention signature): the merged call gets the merged tokens there too. A
-            call that passes another tensor there runs unmerged, with a warning once.
-        text_keys: keyword of the call's text tokens when its processor puts them before the
-            image tokens in one joint attention (Flux): under proportional attention their
-            keys get a log mass of 0, before the merged image keys'.
-        until: makes the merge span several sub-modules of the block: the output of
-            ``path`` (its first item, when a tuple) is merged, everything the block computes
-            from it runs on the merged tokens, and the output of ``until`` is unmerged
-            (Flux's single-stream blocks: their norm feeds attention and the MLP in
-            parallel, and ``proj_out`` joins them).
-        call: with ``until``, the sub-module in between whose call takes ``rotary`` and
-            ``mask``.
+        bias: how the key bias of proportional attention reaches its attention
+            (:class:`~toma.adapters.layouts.InMask`, :class:`~toma.adapters.layouts.ViaCall`);
+            None: it cannot take one.
+        fit: how a mask of the model's own is fitted to the merged tokens
+            (:class:`~toma.adapters.layouts.Fit`); None: a call with one runs unmerged.
+        rules: one-family rewrites of the merged call (:class:`~toma.adapters.layouts.CallRule`).
+        span: a merge from ``path``'s output to a later sub-module's
+            (:class:`~toma.adapters.layouts.Span`); None: the merge wraps ``path``'s call.
         group: sites with the same group share one plan per step and grid (None: one group
             for every site of the family without one).
-        mask_ok: ``mask_ok(module)``: why the module's current processor cannot take the
-            mask (a string), or None where it can; not given: it always can.
-        bias_call: for processors whose mask argument cannot carry the key bias (they ignore
-            it, rebuild it, or reshape it; SD3, LTX, Qwen-Image): a call strategy
-            ``bias_call(forward, hook, *args, **kwargs)`` that takes the bias out of the
-            call's keyword :data:`toma.adapters.attention.BIAS_KWARG` and brings it to the
-            attention itself (:func:`toma.adapters.attention.through_dispatch`). With it,
-            ``mask`` is None and ``mask_layout`` still shapes the bias.
-        image_count: ``(keyword, position)`` of an argument that counts the call's image
-            tokens, which the module splits its sequence by (Helios' ``original_context_length``:
-            the history before them is the rest): the merged call gets the merged count.
-            With ``text_first``.
     """
 
     path: str
     part: str
+    layout: Layout = ALONE
     rotary: Rotary | None = None
-    mask: tuple[str, int | None] | None = None
-    mask_layout: Callable[[torch.Tensor, int, int], Any] | None = None
-    joint_mask: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None
-    own_mask: tuple[str, int | None] | None = None
-    text_first: bool = False
-    image_first: bool = False
-    seq_first: bool = False
-    self_keys: str | None = None
-    text_keys: str | None = None
-    until: str | None = None
-    call: str | None = None
+    bias: InMask | ViaCall | None = None
+    fit: Fit | None = None
+    rules: tuple[CallRule, ...] = ()
+    span: Span | None = None
     group: str | None = None
-    mask_ok: Callable[[torch.nn.Module], str | None] | None = None
-    bias_call: Callable[..., Any] | None = None
-    image_count: tuple[str, int | None] | None = None
 
     @property
     def takes_bias(self) -> bool:
         """Whether the site's processor can take the key bias (proportional attention)."""
-        return self.mask is not None or self.bias_call is not None
+        return self.bias is not None
 
     def __post_init__(self) -> None:
-        if (self.until is None) != (self.call is None):
-            raise ValueError("Site: give until and call together (a spanning merge), or neither")
-        if self.own_mask is not None and (self.takes_bias or self.until is not None or self.joint_mask is None):
-            raise ValueError("Site: own_mask needs a joint_mask, and takes neither mask, bias_call nor until")
-        if self.image_first:
-            shared = self.rotary is not None and self.rotary.shared
-            if self.text_first or self.until is not None or shared:
-                raise ValueError("Site: image_first takes none of text_first, until or a shared Rotary")
-        if self.seq_first and (self.takes_bias or self.until is not None):
-            raise ValueError("Site: seq_first takes neither a key bias (mask, bias_call) nor until")
+        if self.fit is not None and self.fit.slot is not None and (self.bias is not None or self.span is not None):
+            raise ValueError("Site: a Fit with a slot of its own takes neither a bias nor a span")
+        shared = self.rotary is not None and self.rotary.shared
+        why = self.layout.refuses(bias=self.bias is not None, span=self.span is not None, shared_rotary=shared)
+        if why is not None:
+            raise ValueError(f"Site: {why}")
+
+    def own_slot(self) -> tuple[str, int | None]:
+        """``(keyword, position)`` of the mask the model itself passes to the call."""
+        if self.fit is not None and self.fit.slot is not None:
+            return self.fit.slot
+        if self.bias is not None and self.bias.slot is not None:
+            return self.bias.slot
+        return ("attention_mask", None)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from toma.adapters.layouts import InMask
 from toma.adapters import _private
 from toma.adapters.base import HOOK_NAME, Hook, Patched, Skipped, step_timestep
 from toma.adapters.chunking import Chunked, chunkable_block, take_over_chunking
@@ -121,8 +122,8 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
 # ratio it uses, and attention takes proportional attention's log masses as the
 # (batch * heads, 1, K) mask diffusers' classic processors take as is
 SITES = {
-    "attn1": Site("attn1", "attn", mask=("attention_mask", None), mask_layout=head_mask),
-    "attn2": Site("attn2", "cross", mask=("attention_mask", None), mask_layout=head_mask),
+    "attn1": Site("attn1", "attn", bias=InMask(("attention_mask", None), head_mask)),
+    "attn2": Site("attn2", "cross"),
     "ff": Site("ff", "mlp"),
 }
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import InMask, TEXT_FIRST
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 
 # one (N, D) table for the whole batch, in the blocks' order (block_rope)
@@ -47,12 +48,9 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
             "attn1",
             "attn",
             rotary=_ROTARY,
-            mask=("attention_mask", None),
-            mask_layout=_key_rows,
-            text_keys="encoder_hidden_states",
-            mask_ok=_mask_ok,
+            bias=InMask(("attention_mask", None), _key_rows, ok=_mask_ok, keys="encoder_hidden_states"),
         ),
-        Site("ff", "mlp", text_first=True),
+        Site("ff", "mlp", layout=TEXT_FIRST),
     ]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import InMask
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
 
@@ -24,7 +25,7 @@ _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     # the processor hands its mask (None from the block) to diffusers' dispatch as is
-    attn1 = Site("attn1", "attn", rotary=_ROTARY, mask=("attention_mask", None), mask_layout=key_bias)
+    attn1 = Site("attn1", "attn", rotary=_ROTARY, bias=InMask(("attention_mask", None), key_bias))
     return [attn1, Site("attn2", "cross"), Site("ff", "mlp")]
 
 

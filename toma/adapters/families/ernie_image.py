@@ -4,7 +4,7 @@ sequence-first.
 The forward joins the image tokens and the padded text, image first, into one
 sequence-first ``(S, B, C)`` stream for its blocks. Each block's attention gets it
 transposed to ``(B, S, C)`` and its MLP as it is: both merge the first ``N`` tokens
-(``Site.image_first``; the MLP as a sequence-first site, ``Site.seq_first``), and the text
+(``IMAGE_FIRST``; the MLP as a sequence-first site, ``SeqFirst``), and the text
 after them passes whole. The rotary angles ``(B, N + T, 1, D)`` have the image's rows first
 (their first axis is each sample's text length, so each sample has its own): a merged
 attention gets the rows of its destinations, then the text's. The forward's key mask
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import Fit, IMAGE_FIRST, SeqFirst, ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
 from toma.adapters.spec import FamilySpec, Rotary, Site, gather_rows, image_grid, skip_first
 from toma.core.masks import slice_image_first_mask
@@ -36,14 +37,12 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
         Site(
             "self_attention",
             "attn",
+            layout=IMAGE_FIRST,
             rotary=_ROTARY,
-            joint_mask=slice_image_first_mask,
-            image_first=True,
-            mask_layout=key_bias_text_after,  # the text's keys follow the image's
-            bias_call=through_dispatch,
-            mask_ok=dispatch_ok,
+            bias=ViaCall(through_dispatch, key_bias_text_after, ok=dispatch_ok),  # the text's keys follow the image's
+            fit=Fit(slice_image_first_mask),
         ),
-        Site("mlp", "mlp", image_first=True, seq_first=True),
+        Site("mlp", "mlp", layout=SeqFirst(IMAGE_FIRST)),
     ]
 
 

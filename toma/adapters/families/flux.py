@@ -27,6 +27,7 @@ from dataclasses import replace
 
 import torch
 
+from toma.adapters.layouts import Fit, InMask, Span, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.grids import IdsGrid
 from toma.adapters.spec import FamilySpec, Quirks, Rotary, Site, skip_first
@@ -46,13 +47,11 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
             Site(
                 "norm",
                 "attn",
+                layout=TEXT_FIRST,
                 rotary=_ROTARY,
-                mask=("attention_mask", None),
-                mask_layout=key_bias,
-                joint_mask=slice_joint_mask,
-                text_first=True,
-                until="proj_out",
-                call="attn",
+                bias=InMask(("attention_mask", None), key_bias),
+                fit=Fit(slice_joint_mask),
+                span=Span(call="attn", until="proj_out"),
                 group="single",
             )
         ]
@@ -61,10 +60,8 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
             "attn",
             "attn",
             rotary=_ROTARY,
-            mask=("attention_mask", None),
-            mask_layout=key_bias,
-            joint_mask=slice_joint_mask,
-            text_keys="encoder_hidden_states",
+            bias=InMask(("attention_mask", None), key_bias, keys="encoder_hidden_states"),
+            fit=Fit(slice_joint_mask),
             group="double",
         ),
         Site("ff", "mlp", group="double"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import Fit, InMask, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first
 from toma.adapters.grids import IdsGrid
@@ -35,13 +36,14 @@ _MASK = ("attention_mask", None)
 
 
 # what both streams' attention takes: one rotary table, the key bias, the sliced model mask
-_ATTENTION = {"rotary": _ROTARY, "mask": _MASK, "mask_layout": key_bias, "joint_mask": slice_joint_mask}
+_FIT = Fit(slice_joint_mask)
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     if stack == "single_transformer_blocks":
-        return [Site("attn", "attn", text_first=True, **_ATTENTION)]
-    return [Site("attn", "attn", text_keys="encoder_hidden_states", **_ATTENTION), Site("ff", "mlp")]
+        return [Site("attn", "attn", layout=TEXT_FIRST, rotary=_ROTARY, bias=InMask(_MASK, key_bias), fit=_FIT)]
+    bias = InMask(_MASK, key_bias, keys="encoder_hidden_states")
+    return [Site("attn", "attn", rotary=_ROTARY, bias=bias, fit=_FIT), Site("ff", "mlp")]
 
 
 SPEC = FamilySpec(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import Fit, InMask, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.grids import IdsGrid
@@ -30,12 +31,7 @@ from toma.core.masks import slice_joint_mask
 # image_rotary_emb is (cos, sin), each (N, D) in the image's blocks and (text + N, D) in the
 # single-stream ones: text rows first
 _ROTARY = Rotary("image_rotary_emb", None, shared=True)
-_ATTENTION = {
-    "rotary": _ROTARY,
-    "mask": ("attention_mask", None),
-    "mask_layout": key_bias,
-    "joint_mask": slice_joint_mask,
-}
+_ATTENTION = {"rotary": _ROTARY, "bias": InMask(("attention_mask", None), key_bias), "fit": Fit(slice_joint_mask)}
 IMAGE_BLOCKS = "mode_blocks.image"
 
 REFERENCES = (
@@ -47,7 +43,7 @@ REFERENCES = (
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     if stack == IMAGE_BLOCKS:
         return [Site("attn", "attn", **_ATTENTION), Site("ff", "mlp")]
-    return [Site("attn", "attn", text_first=True, **_ATTENTION), Site("ff", "mlp", text_first=True)]
+    return [Site("attn", "attn", layout=TEXT_FIRST, **_ATTENTION), Site("ff", "mlp", layout=TEXT_FIRST)]
 
 
 class Flux3Grid(IdsGrid):

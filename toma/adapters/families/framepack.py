@@ -5,7 +5,7 @@ The forward embeds the latents it generates, then packs clean history latents be
 scales), so the video stream every block sees is ``[history; generated]``, with rotary
 tables concatenated the same way from several calls of ``rope``; the prompt, led by the
 image embedding's tokens, is the text stream. Each merged call merges the last ``N``
-tokens of its video stream (``Site.text_first``), the generated latents' grid, and the
+tokens of its video stream (``TEXT_FIRST``), the generated latents' grid, and the
 history passes whole, like text: its keys take log mass 0 under proportional attention, and
 the model's key mask (ones over the video, the text's padding masked out) is cut to the
 merged keys, as HunyuanVideo's is. ``merge_mlp`` merges the dual-stream blocks' video MLP
@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from toma.adapters.layouts import TEXT_FIRST
 from toma.adapters.families.hunyuanvideo import SPEC as HUNYUANVIDEO
 from toma.adapters.spec import FamilySpec, Site, skip_first, video_grid
 
@@ -30,7 +31,7 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     # HunyuanVideo's: its key bias already pads the text's keys after the merged ones, and
     # a text-first merge leads them with the history's at log mass 0; its joint mask holds
     # ones over [history; video], so cutting its first N - K keys keeps the text's
-    return [replace(site, text_first=True) for site in HUNYUANVIDEO.sites(stack, block)]
+    return [replace(site, layout=TEXT_FIRST) for site in HUNYUANVIDEO.sites(stack, block)]
 
 
 SPEC = FamilySpec(

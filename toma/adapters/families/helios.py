@@ -4,11 +4,11 @@ The forward embeds the latents it generates, then packs history latents before t
 (``latents_history_long``, ``_mid``, ``_short``, embedded at three scales), so every block
 sees ``[history; generated]``, with per-batch rotary tables ``(B, S, D)`` concatenated the
 same way from several calls of ``rope``. Each merged call merges the last ``N`` tokens
-(``Site.text_first``), the generated latents' grid, and the history passes whole: its keys
+(``TEXT_FIRST``), the generated latents' grid, and the history passes whole: its keys
 take log mass 0 under proportional attention. Its self-attention scales the history's keys
 (``is_amplify_history``), which it splits off by the count of generated tokens it is
 passed (``original_context_length``): the merged call gets the merged count
-(``Site.image_count``). The cross-attention to text (queries of the generated tokens, with
+(``MergedCount``). The cross-attention to text (queries of the generated tokens, with
 ``merge_crossattn``) and the MLP (``merge_mlp``) merge the same way. The forward keeps the
 last ``N`` tokens for its output.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import InMask, MergedCount, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Rotary, Site, gather_rows, skip_first, video_grid
 
@@ -38,14 +39,13 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
         Site(
             "attn1",
             "attn",
+            layout=TEXT_FIRST,
             rotary=_ROTARY,
-            mask=("attention_mask", 2),
-            mask_layout=key_bias,
-            text_first=True,
-            image_count=_COUNT,
+            bias=InMask(("attention_mask", 2), key_bias),
+            rules=(MergedCount(*_COUNT),),
         ),
-        Site("attn2", "cross", mask=("attention_mask", 2), text_first=True),
-        Site("ffn", "mlp", text_first=True),
+        Site("attn2", "cross", layout=TEXT_FIRST),
+        Site("ffn", "mlp", layout=TEXT_FIRST),
     ]
 
 

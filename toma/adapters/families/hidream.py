@@ -4,7 +4,7 @@ Each block of both stacks wraps its transformer block as ``block``. A double-str
 runs joint attention over ``[image; text]`` (its processor concatenates the image stream's
 queries before the text's) and a mixture-of-experts MLP ``ff_i`` on the image stream; a
 single-stream block runs both on one sequence ``[image; text; a Llama layer's tokens]``.
-Every site merges the first ``N`` tokens of its call (``Site.image_first``): in a double
+Every site merges the first ``N`` tokens of its call (``IMAGE_FIRST``): in a double
 block that is the whole image stream, in a single block the image before the text, which
 passes whole. The MLPs merge with ``merge_mlp``; their expert router sees merged tokens as
 it sees any others.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import Fit, IMAGE_FIRST
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 from toma.core.masks import slice_image_first_mask
 
@@ -39,10 +40,10 @@ _ROTARY = Rotary("image_rotary_emb", None, gather=gather_rows)
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     group = "double" if stack == "double_stream_blocks" else "single"
     # a non-square image's key mask: ones over the image, zeros over the padding after it
-    mask = {"own_mask": ("hidden_states_masks", 1), "joint_mask": slice_image_first_mask}
+    fit = Fit(slice_image_first_mask, slot=("hidden_states_masks", 1))
     return [
-        Site("block.attn1", "attn", rotary=_ROTARY, image_first=True, group=group, **mask),
-        Site("block.ff_i", "mlp", image_first=True, group=group),
+        Site("block.attn1", "attn", layout=IMAGE_FIRST, rotary=_ROTARY, fit=fit, group=group),
+        Site("block.ff_i", "mlp", layout=IMAGE_FIRST, group=group),
     ]
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import Fit, InMask
 from toma.adapters.attention import key_bias_text_after
 from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
 from toma.core.masks import slice_image_first_mask
@@ -46,9 +47,8 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
             "attn",
             "attn",
             rotary=_ROTARY,
-            mask=("attention_mask", None),
-            mask_layout=key_bias_text_after,
-            joint_mask=_joint_mask,
+            bias=InMask(("attention_mask", None), key_bias_text_after),
+            fit=Fit(_joint_mask),
         )
     ]
     if stack == "transformer_blocks":  # dual-stream: the video stream has its own MLP

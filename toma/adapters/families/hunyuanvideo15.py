@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import Fit, ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
 from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
 
@@ -36,12 +37,10 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
         "attn",
         "attn",
         rotary=_ROTARY,
-        joint_mask=_text_mask,
         # the processor builds a boolean (B, 1, S, S) mask from the text mask: the key bias
         # goes past it to the dispatch, over [video; text], with that mask beside it
-        mask_layout=key_bias_text_after,
-        bias_call=through_dispatch,
-        mask_ok=dispatch_ok,
+        bias=ViaCall(through_dispatch, key_bias_text_after, ok=dispatch_ok),
+        fit=Fit(_text_mask),
     )
     return [attn, Site("ff", "mlp")]
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import Fit, InMask, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 from toma.adapters.grids import ids_grid, tensor_version
@@ -52,13 +53,12 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
         Site(
             "attention",
             "attn",
+            layout=TEXT_FIRST,
             rotary=_ROTARY,
-            mask=("attention_mask", None),
-            mask_layout=key_bias,
-            joint_mask=slice_joint_mask,
-            text_first=True,
+            bias=InMask(("attention_mask", None), key_bias),
+            fit=Fit(slice_joint_mask),
         ),
-        Site("feed_forward", "mlp", text_first=True),
+        Site("feed_forward", "mlp", layout=TEXT_FIRST),
     ]
 
 

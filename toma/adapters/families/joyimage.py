@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from toma.adapters.layouts import ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 
@@ -32,14 +33,7 @@ _ROTARY = Rotary("image_rotary_emb", 2, shared=True, items=(0,))
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     # the processor hands dispatch no mask at all: the key bias goes past it, over
     # [image; references; text], the keys after the merged image at log mass 0
-    attn = Site(
-        "attn",
-        "attn",
-        rotary=_ROTARY,
-        mask_layout=key_bias_text_after,
-        bias_call=through_dispatch,
-        mask_ok=dispatch_ok,
-    )
+    attn = Site("attn", "attn", rotary=_ROTARY, bias=ViaCall(through_dispatch, key_bias_text_after, ok=dispatch_ok))
     return [attn, Site("img_mlp", "mlp")]
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 
@@ -41,14 +42,7 @@ NABLA = (
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return [
-        Site(
-            "self_attention",
-            "attn",
-            rotary=_ROTARY,
-            mask_layout=key_bias,
-            bias_call=through_dispatch,
-            mask_ok=dispatch_ok,
-        ),
+        Site("self_attention", "attn", rotary=_ROTARY, bias=ViaCall(through_dispatch, key_bias, ok=dispatch_ok)),
         Site("cross_attention", "cross"),
         Site("feed_forward", "mlp"),
     ]

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from toma.adapters.layouts import ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 
@@ -27,9 +28,7 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
             "attn",
             rotary=Rotary("image_rotary_emb", None, gather_rows),
             # its processor reshapes a mask per head, which a key bias does not survive
-            mask_layout=key_bias,
-            bias_call=through_dispatch,
-            mask_ok=dispatch_ok,
+            bias=ViaCall(through_dispatch, key_bias, ok=dispatch_ok),
         ),
         Site("attn2", "cross"),
         Site("ff", "mlp"),

@@ -44,6 +44,7 @@ import math
 
 import torch
 
+from toma.adapters.layouts import ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_token_rows, skip_first
 
@@ -58,9 +59,7 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
             "attn",
             rotary=QUERY_TABLES,
             # its processor reshapes a mask per head, which a key bias does not survive
-            mask_layout=key_bias,
-            bias_call=through_dispatch,
-            mask_ok=dispatch_ok,
+            bias=ViaCall(through_dispatch, key_bias, ok=dispatch_ok),
         ),
         Site("attn2", "cross"),
         # video queries on the audio keys: the queries' temporal table follows them

@@ -8,7 +8,7 @@ to the longest, with a key mask ``(B, S)`` that only then exists. So the image s
 another position in each sample (a per-sample prefix length).
 
 Each main block's attention and its MLP merge the image as the last ``N`` tokens of a
-``[text; image]`` sequence (``Site.text_first``). Where the lengths differ, each merged
+``[text; image]`` sequence (``TEXT_FIRST``). Where the lengths differ, each merged
 block runs on each sample's sequence rolled right by its padding, ``[padding; caption_i;
 image]`` (:class:`AlignPrefixes`), with its key mask and rotary tables ``(B, S, D/2)``
 (complex) rolled alike, and its output is rolled back. Attention gives each token the same
@@ -21,7 +21,7 @@ the merged tokens by slicing (:func:`toma.core.masks.slice_joint_mask`).
 
 The attention is called as a cross-attention whose keys are its own hidden states
 (``encoder_hidden_states=norm_hidden_states``): the merged call gets the merged tokens
-there too (``Site.self_keys``). Tokens stay in raster order: the image leaves the blocks
+there too (``SameTokens``). Tokens stay in raster order: the image leaves the blocks
 inside the per-sample sequences, which the forward slices before unpatchifying. The
 processor turns its mask to bool and calls torch's SDPA itself, so proportional attention
 is not offered. The pipeline's timestep rises over a run (``1 - t / 1000``): it is negated.
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from toma.adapters.layouts import Fit, SameTokens, TEXT_FIRST
 from toma.adapters.base import PREFIX_HOOK_NAME, Hook, Patched
 from toma.adapters.spec import FamilySpec, Quirks, Rotary, Site, gather_rows, image_grid, skip_first
 from toma.core.masks import slice_joint_mask
@@ -49,12 +50,12 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
         Site(
             "attn",
             "attn",
+            layout=TEXT_FIRST,
             rotary=_ROTARY,
-            text_first=True,
-            joint_mask=slice_joint_mask,  # ones over the image, once the prefixes are aligned
-            self_keys="encoder_hidden_states",
+            fit=Fit(slice_joint_mask),  # ones over the image, once the prefixes are aligned
+            rules=(SameTokens("encoder_hidden_states"),),
         ),
-        Site("feed_forward", "mlp", text_first=True),
+        Site("feed_forward", "mlp", layout=TEXT_FIRST),
     ]
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import InMask, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.grids import tensor_version
@@ -52,8 +53,8 @@ _ROTARY = Rotary("rotary_emb", 1, shared=True)
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return [
         # the block calls attn(norm_hidden_states, rotary_emb, attention_mask)
-        Site("attn", "attn", rotary=_ROTARY, mask=("attention_mask", 2), mask_layout=key_bias, text_first=True),
-        Site("ff", "mlp", text_first=True),
+        Site("attn", "attn", layout=TEXT_FIRST, rotary=_ROTARY, bias=InMask(("attention_mask", 2), key_bias)),
+        Site("ff", "mlp", layout=TEXT_FIRST),
     ]
 
 

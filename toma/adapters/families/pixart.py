@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import InMask
 from toma.adapters.spec import FamilySpec, Site, head_mask, image_grid, skip_first
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return [
-        Site("attn1", "attn", mask=("attention_mask", None), mask_layout=head_mask),
+        Site("attn1", "attn", bias=InMask(("attention_mask", None), head_mask)),
         Site("attn2", "cross"),
         Site("ff", "mlp"),
     ]

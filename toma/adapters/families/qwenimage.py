@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from toma.adapters.layouts import ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 
@@ -30,10 +31,7 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
         "attn",
         "attn",
         rotary=_ROTARY,
-        mask_layout=key_bias,
-        text_keys="encoder_hidden_states",
-        bias_call=through_dispatch,
-        mask_ok=dispatch_ok,
+        bias=ViaCall(through_dispatch, key_bias, ok=dispatch_ok, keys="encoder_hidden_states"),
     )
     return [attn, Site("img_mlp", "mlp")]
 

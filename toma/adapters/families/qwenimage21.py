@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from toma.adapters.layouts import Fit, InMask
 from toma.adapters.attention import dispatch_ok, key_bias_prefix
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 from toma.core.masks import slice_joint_mask
@@ -47,10 +48,8 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
         "attn",
         "attn",
         rotary=_ROTARY,
-        mask=("attention_mask", None),
-        mask_layout=key_bias_prefix,
-        joint_mask=slice_joint_mask,
-        mask_ok=dispatch_ok,
+        bias=InMask(("attention_mask", None), key_bias_prefix, ok=dispatch_ok),
+        fit=Fit(slice_joint_mask),
     )
     return [attn, Site("img_mlp", "mlp")]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import ViaCall
 from toma.adapters.attention import BIAS_KWARG, attend, key_bias, key_bias_text_after
 from toma.adapters.spec import FamilySpec, Site, image_grid, skip_first
 
@@ -84,10 +85,9 @@ def _with_bias(forward, hook, *args, **kwargs):
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
-    joint = dict(bias_call=_with_bias, mask_ok=_mask_ok)
-    sites = [Site("attn", "attn", mask_layout=key_bias_text_after, **joint)]
+    sites = [Site("attn", "attn", bias=ViaCall(_with_bias, key_bias_text_after, ok=_mask_ok))]
     if getattr(block, "attn2", None) is not None:  # SD3.5: image-only self-attention
-        sites.append(Site("attn2", "attn", mask_layout=key_bias, **joint))
+        sites.append(Site("attn2", "attn", bias=ViaCall(_with_bias, key_bias, ok=_mask_ok)))
     if getattr(block, "ff", None) is not None:
         sites.append(Site("ff", "mlp"))
     return sites

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from toma.adapters.layouts import InMask
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
 
@@ -23,8 +24,8 @@ _ROTARY = Rotary("rotary_emb", 3, lambda table, dest: table[0][dest])
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
     return [
-        Site("attn1", "attn", rotary=_ROTARY, mask=("attention_mask", 2), mask_layout=key_bias),
-        Site("attn2", "cross", mask=("attention_mask", 2)),
+        Site("attn1", "attn", rotary=_ROTARY, bias=InMask(("attention_mask", 2), key_bias)),
+        Site("attn2", "cross"),
         Site("ffn", "mlp"),
     ]
 

@@ -4,7 +4,7 @@ The forward takes lists of per-sample latents ``(C, F, H, W)`` and caption featu
 the image tokens through ``noise_refiner`` and the caption through ``context_refiner``
 (both left unmerged: two blocks each, on one part alone), then joins them image first into
 one unified sequence for ``layers``. Each main block's attention and its MLP merge the
-first ``N`` tokens of that sequence (``Site.image_first``); the caption after them passes
+first ``N`` tokens of that sequence (``IMAGE_FIRST``); the caption after them passes
 whole. The forward builds per-sample rotary tables ``freqs_cis`` ``(B, N + T, D/2)``
 (complex) with the image's rows first, and passes them to every block; each merged call
 gets the rows of its destinations, then the caption's.
@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from toma.adapters.layouts import Fit, IMAGE_FIRST, ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 from toma.core.masks import slice_image_first_mask
@@ -45,14 +46,14 @@ def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
         Site(
             "attention",
             "attn",
+            layout=IMAGE_FIRST,
             rotary=_ROTARY,
-            image_first=True,
-            joint_mask=slice_image_first_mask,  # the joint mask of sequences that differ in length
-            mask_layout=key_bias_text_after,  # the caption's keys follow the image's
-            bias_call=through_dispatch,  # the processor reshapes its mask: the bias waits for its dispatch
-            mask_ok=dispatch_ok,
+            # the processor reshapes its mask: the bias waits for its dispatch, and the
+            # caption's keys follow the image's
+            bias=ViaCall(through_dispatch, key_bias_text_after, ok=dispatch_ok),
+            fit=Fit(slice_image_first_mask),  # the joint mask of sequences that differ in length
         ),
-        Site("feed_forward", "mlp", image_first=True),
+        Site("feed_forward", "mlp", layout=IMAGE_FIRST),
     ]
 
 
