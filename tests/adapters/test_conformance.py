@@ -225,7 +225,7 @@ def attention_targets(patch) -> list[tuple[str, torch.nn.Module, int]]:
             site.part if site is not None else {"attn1": "attn", "attn2": "cross"}.get(target.name.rsplit(".", 1)[-1])
         )
         if part in ("attn", "cross"):
-            module = target.module.get_submodule(site.call) if site is not None and site.until else target.module
+            module = target.module.get_submodule(site.span.call) if site is not None and site.span else target.module
             found.append((target.name, module, target.downsample))
     return found
 
@@ -373,7 +373,7 @@ def rotary_calls(fam, model, kw, patch) -> dict[str, list]:
     for target in patch.patched:
         site = target.site
         if site is not None and site.rotary is not None:
-            module = target.module.get_submodule(site.call) if site.until else target.module
+            module = target.module.get_submodule(site.span.call) if site.span else target.module
             register_innermost(module, CallSpy(calls.setdefault(target.name, [])), "spy")
             spied.append(module)
     fam.output(model, kw)

@@ -108,7 +108,7 @@ def test_wan_proportional_attention_is_exact_on_duplicate_tokens():
 
 def test_proportional_attention_is_refused_where_a_site_cannot_take_the_bias(monkeypatch):
     # every family's attention takes the bias today; a spec whose site declares neither a
-    # mask nor a bias_call is refused under True, with the module named, and runs without
+    # mask nor a bias route is refused under True, with the module named, and runs without
     # the bias under None
     import dataclasses
 

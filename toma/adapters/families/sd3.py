@@ -75,7 +75,8 @@ def _joint_attention(attn: torch.nn.Module, bias: object, hidden_states: torch.T
 
 
 def _with_bias(forward, hook, *args, **kwargs):
-    """SD3's ``bias_call``: a merged call with a key bias runs :func:`_joint_attention`."""
+    """SD3's bias route (a :class:`~toma.adapters.layouts.ViaCall`): a merged call with a key
+    bias runs :func:`_joint_attention`."""
     bias = kwargs.pop(BIAS_KWARG, None)
     if bias is None:
         return forward(*args, **kwargs)
