@@ -1808,8 +1808,8 @@ FAMILIES: dict[str, Family] = {
             make_zimage,
             lambda b: zimage_inputs(b, 16, 16),
             {"blocks": {"layers": range(2)}},
-            odd=lambda b: zimage_inputs(b, 6, 64),  # 3x32 tokens (a multiple of 32): 2 or 4 rows a tile pad
-            odd_tokens=96,
+            odd=lambda b: zimage_inputs(b, 10, 14),  # 5x7 tokens, which the forward pads to 64
+            odd_tokens=35,
             grid=(1, 8, 8),
             tile_order=False,  # the forward keeps raster order (see toma/adapters/families/zimage.py)
             timestep="t",

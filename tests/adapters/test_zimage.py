@@ -1,7 +1,7 @@
-"""Z-Image's own cases: the calls whose unified sequence is irregular (image tokens padded
-before the caption, images of different sizes) run bitwise unmerged, with one warning that
-says why; a batch whose captions differ in padded length (classifier-free guidance) merges,
-its joint mask fitted; the refiners never merge."""
+"""Z-Image's own cases: an image of any size merges, its pad tokens passing whole; a batch
+of images of different sizes runs bitwise unmerged, with one warning that says why; a batch
+whose captions differ in padded length (classifier-free guidance) merges, its joint mask
+fitted; the refiners never merge."""
 
 from __future__ import annotations
 
@@ -18,30 +18,55 @@ from toma.adapters import attention as A
 FAM = FAMILIES["zimage"]
 
 
-def irregular(kind: str) -> dict:
-    if kind == "padded image":  # 5x7 = 35 tokens, padded to 64 between the image and the caption
-        return zimage_inputs(2, 10, 14)
-    kw = zimage_inputs(2, 16, 16)
-    return {**kw, "x": [kw["x"][0], torch.randn(16, 1, 16, 32)]}
-
-
-@pytest.mark.parametrize("kind, words", [("padded image", "multiple of 32"), ("sizes", "different sizes")])
-def test_irregular_sequences_run_unmerged_with_one_warning(kind, words):
-    model, kw = FAM.make(), irregular(kind)
-    ref = [t.clone() for t in model(**kw).sample] if kind == "sizes" else FAM.output(model, kw)
+def test_images_of_different_sizes_run_unmerged_with_one_warning():
+    model, kw = FAM.make(), zimage_inputs(2, 16, 16)
+    kw = {**kw, "x": [kw["x"][0], torch.randn(16, 1, 16, 32)]}
+    with torch.no_grad():
+        ref = [t.clone() for t in model(**kw).sample]
     patch = toma.apply_toma(model, ratio=0.5, **FAM.every_part())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.no_grad():
             outs = [model(**kw).sample for _ in range(2)]
     said = [str(w.message) for w in caught if "ToMA" in str(w.message)]
-    assert len(said) == 1 and words in said[0], said
+    assert len(said) == 1 and "different sizes" in said[0], said
     assert not patch.cache._plans  # nothing merged
     for out in outs:
-        if kind == "sizes":
-            assert all(torch.equal(a, b) for a, b in zip(out, ref))
-        else:
-            assert torch.equal(torch.stack(out), ref)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def test_an_image_whose_tokens_the_forward_pads_merges_and_its_pad_passes_whole():
+    # 4x7 = 28 image tokens, which the forward pads to 32 with its learned pad token between
+    # the image and the caption (as 832x1216's 52x76 = 3,952 to 3,968). All image tokens
+    # entering the main layers are one token, and the rotary tables rotate nothing: merged
+    # attention with the log(mass) bias computes the unmerged one exactly, for the image, the
+    # pad tokens and the caption alike, only if the pad passes whole beside the caption.
+    # (Before, such calls ran unmerged with a warning.)
+    model, kw = FAM.make(), zimage_inputs(1, 8, 14)
+    tokens = 4 * 7
+
+    def one_token(module, args):
+        x, mask, freqs, *rest = args
+        if module is model.layers[0]:
+            x = torch.cat([x[:, :1].expand(-1, tokens, -1), x[:, tokens:]], dim=1)
+        return (x, mask, torch.ones_like(freqs), *rest)
+
+    for layer in model.layers:
+        layer.register_forward_pre_hook(one_token)
+    with torch.no_grad():
+        ref = torch.stack(model(**kw).sample)
+    outs = {}
+    for proportional in (True, False):
+        patch = toma.apply_toma(model, ratio=0.5, tile_size=4, proportional_attention=proportional, **FAM.every_part())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing said: it merges
+            with torch.no_grad():
+                outs[proportional] = torch.stack(model(**kw).sample)
+        [plan] = [p for _, p in patch.cache._plans.values()]
+        assert plan.num_merged < tokens
+        toma.remove_toma(model)
+    torch.testing.assert_close(outs[True], ref, rtol=1e-4, atol=1e-5)
+    assert (outs[False] - ref).abs().max() > 1e-3  # the bias is what makes it exact: merging happened
 
 
 def test_only_the_main_layers_merge():

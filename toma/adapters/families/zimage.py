@@ -9,9 +9,10 @@ whole. The forward builds per-sample rotary tables ``freqs_cis`` ``(B, N + T, D/
 (complex) with the image's rows first, and passes them to every block; each merged call
 gets the rows of its destinations, then the caption's.
 
-Merging needs every sample's image of one size and its token count a multiple of 32 (the
-forward pads the image part with pad tokens to such a multiple, between the image and the
-caption, where no plan can place them). Captions of different padded lengths in one batch
+Images of any size merge, every sample's of one size. The forward pads the image part to a
+multiple of 32 tokens with a learned pad token, between the image and the caption (832x1216
+is 52x76 = 3,952 tokens, padded to 3,968): the pad tokens are no image's, and pass whole
+with the caption after them, their rotary rows too. Captions of different padded lengths in one batch
 (a classifier-free guidance batch: the prompt and the negative prompt) make the forward
 pad the shorter sequences at their end and mask those keys: the image leads every
 sequence, the mask holds ones over it, and each merged attention takes its last positions,
@@ -26,16 +27,12 @@ processor's mask; the caption's keys take log mass 0.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from toma.adapters.layouts import Fit, IMAGE_FIRST, ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 from toma.core.masks import slice_image_first_mask
-
-SEQ_MULTIPLE = 32  # diffusers' SEQ_MULTI_OF: the forward pads image and caption to it
 
 # freqs_cis (B, N + T, D/2): per sample, the image's rows first
 _ROTARY = Rotary("freqs_cis", None, gather=gather_rows)
@@ -69,14 +66,7 @@ def zimage_grid(model: torch.nn.Module, call: dict) -> Grid | str | None:
         return "Z-Image latents of different sizes in one batch are not merged"
     p, pf = call.get("patch_size", 2), call.get("f_patch_size", 1)
     _, f, h, w = x[0].shape
-    grid = (f // pf, h // p, w // p)
-    tokens = math.prod(grid)
-    if tokens % SEQ_MULTIPLE:
-        return (
-            f"Z-Image pads {tokens} image tokens to a multiple of {SEQ_MULTIPLE} with pad tokens between the image "
-            "and the caption, which no plan places"
-        )
-    return grid
+    return (f // pf, h // p, w // p)
 
 
 def _falling_timestep(call: dict) -> torch.Tensor | None:
