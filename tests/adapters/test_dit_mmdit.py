@@ -15,6 +15,8 @@ import toma
 from toma.adapters.ledger import Ledger
 from toma.adapters.base import HOOK_NAME, remove_hook
 from toma.adapters.engine import FamilySpec, Rotary, Site, attach, find_targets
+from toma.adapters.layouts import TEXT_FIRST, Span
+from toma.adapters.spec import RopeModule
 from toma.config import ToMAConfig
 from toma.adapters.state import PlanCache
 
@@ -89,7 +91,7 @@ def _toy_spec(shared: bool) -> FamilySpec:
         grid=lambda model, call: (1, call["height"], call["width"]),
         enter=("output", "proj_in"),
         leave="norm_out",
-        rope=("rope", 0),
+        tables=(RopeModule("rope", 0),),
     )
 
 
@@ -204,7 +206,7 @@ def test_a_spanning_site_merges_from_one_output_to_another():
         name="toy",
         classes=("ToySingleStream",),
         stacks=("blocks",),
-        sites=lambda stack, block: [Site("norm", "attn", text_first=True, until="proj_out", call="attn")],
+        sites=lambda stack, block: [Site("norm", "attn", layout=TEXT_FIRST, span=Span(call="attn", until="proj_out"))],
         grid=lambda model, call: (1, call["height"], call["width"]),
         enter=("block", ""),
         leave="norm_out",
@@ -233,11 +235,6 @@ def test_a_spanning_site_merges_from_one_output_to_another():
         expected = model.norm_out(block_input + torch.cat([y[:, :3], plan.unmerge(y[:, 3:])], dim=1))
     assert seen == [3 + plan.num_merged] and plan.num_merged < 48
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-
-
-def test_a_spanning_site_needs_until_and_call_together():
-    with pytest.raises(ValueError, match="give until and call together"):
-        Site("norm", "attn", until="proj_out")
 
 
 # ------------------------------------------------------------------ QwenImage and Flux.2

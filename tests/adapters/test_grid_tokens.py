@@ -1,4 +1,4 @@
-"""The engine's grid-shaped enter and leave points (``FamilySpec.grid_tokens``), on a toy model.
+"""The engine's grid-shaped enter and leave points (``enter=("channels_last", path)``), on a toy model.
 
 Its forward embeds channel-last latents ``(B, t, h, w, C)`` into a grid of the same shape,
 flattens it into the blocks' sequence with a plain reshape, and reshapes the blocks' output
@@ -52,9 +52,8 @@ SPEC = FamilySpec(
     stacks=("blocks",),
     sites=lambda stack, block: [Site("mlp", "mlp")],
     grid=lambda model, call: tuple(call["hidden_states"].shape[1:4]),
-    enter=("output", "embed"),
+    enter=("channels_last", "embed"),
     leave="head",
-    grid_tokens=True,
 )
 
 
@@ -88,9 +87,9 @@ def test_grid_tokens_in_tile_order_compute_what_raster_order_does(monkeypatch):
     assert (tiled - plain).abs().max() > 1e-3  # merging moved the output: the check above can tell
 
 
-def test_without_grid_tokens_a_grid_would_stay_in_raster_order(monkeypatch):
-    # the reorder points pass a grid untouched without the flag: the blocks would read
+def test_as_plain_tokens_a_grid_would_stay_in_raster_order(monkeypatch):
+    # the reorder points pass a grid untouched when told it is (B, N, C) tokens: the blocks would read
     # raster-ordered tokens as tile-ordered ones, and the head get them scrambled
-    wrong = run(dataclasses.replace(SPEC, grid_tokens=False), LATENTS, monkeypatch, tiled=True)
+    wrong = run(dataclasses.replace(SPEC, enter=("output", "embed")), LATENTS, monkeypatch, tiled=True)
     raster = run(SPEC, LATENTS, monkeypatch, tiled=False)
     assert (wrong - raster).abs().max() > 1e-2

@@ -11,7 +11,7 @@ import torch
 
 from toma.adapters.engine import RotaryToTileOrder, order_hooks
 from toma.adapters.merging import MergedCall, _gather_rotary
-from toma.adapters.spec import FamilySpec, Rotary, gather_rows, gather_token_rows
+from toma.adapters.spec import FamilySpec, RopeModule, Rotary, gather_rows, gather_token_rows
 from toma.adapters.state import PlanCache, TileState
 from toma.config import ToMAConfig
 
@@ -82,7 +82,7 @@ class Ropes(torch.nn.Module):
         self.blocks = torch.nn.ModuleList()
 
 
-def spec(rope) -> FamilySpec:
+def spec(tables) -> FamilySpec:
     return FamilySpec(
         name="toy",
         classes=("Ropes",),
@@ -91,16 +91,15 @@ def spec(rope) -> FamilySpec:
         grid=lambda model, call: GRID,
         enter=("output", "proj_in"),
         leave="norm_out",
-        rope=rope,
+        tables=tables,
     )
 
 
-def test_rope_takes_one_module_or_several():
-    assert spec(None).rope_modules == ()
-    assert spec(("rope", 1)).rope_modules == (("rope", 1),)
-    several = spec((("rope", -2), ("cross_rope", -2)))
-    assert several.rope_modules == (("rope", -2), ("cross_rope", -2))
+def test_tables_take_one_module_or_several():
+    several = spec((RopeModule("rope", -2), RopeModule("cross_rope", -2)))
     model = Ropes()
+    _, hooks = order_hooks(spec(()), model, PlanCache(ToMAConfig(ratio=0.5)))
+    assert not [hook for _, hook in hooks if isinstance(hook, RotaryToTileOrder)]
     _, hooks = order_hooks(several, model, PlanCache(ToMAConfig(ratio=0.5)))
     rotary = {module: hook for module, hook in hooks if isinstance(hook, RotaryToTileOrder)}
     assert set(rotary) == {model.rope, model.cross_rope}

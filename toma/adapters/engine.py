@@ -14,9 +14,9 @@ engine does the rest, the same way for every family:
   the blocks and back in raster order where they leave, and merging is a matmul on a view.
   Padded grids and calls that add raster-ordered residuals (ControlNet) stay in raster order.
   Rotary tables follow: at the output of the module that makes them or, where a method of
-  the model makes them (``FamilySpec.block_rope``), at every block's call.
+  the model makes them (``BlockRope``), at every block's call.
 * where a family's sequence may carry conditioning images after the generated one's
-  (``FamilySpec.conditioning_tokens``: editing), their tokens lead in the blocks and pass
+  (a ``Conditioned`` stream: editing), their tokens lead in the blocks and pass
   every merge whole, as text does.
 """
 
@@ -70,10 +70,12 @@ from toma.adapters.parallel import (
 )
 from toma.adapters.replay import attach_replay
 from toma.adapters.spec import (
+    BlockRope,
     FamilySpec,
     Grid,
     GridReader,
     Quirks,
+    RopeModule,
     Rotary,
     Site,
     gather_rows,
@@ -194,15 +196,17 @@ def order_hooks(
         entry = next(model.get_submodule(s) for s in spec.stacks if len(model.get_submodule(s)))[0]
     else:
         entry = model.get_submodule(path)
-    grid = "first" if kind == "grid" else spec.grid_tokens
+    channels_last = kind == "channels_last"
+    grid = "first" if kind == "grid" else channels_last
     hooks: list[tuple[torch.nn.Module, Hook]] = [
         (model, StepHook(spec, cache, order)),
         (entry, Reorder(order, enter=True, on_output=kind != "block", grid=grid)),
-        (model.get_submodule(spec.leave), Reorder(order, enter=False, on_output=False, grid=spec.grid_tokens)),
+        (model.get_submodule(spec.leave), Reorder(order, enter=False, on_output=False, grid=channels_last)),
     ]
-    for path, seq_dim in spec.rope_modules:
-        rotary = RotaryToTileOrder(order, seq_dim, spec.rope_items, image_first=spec.rope_image_first)
-        hooks.append((model.get_submodule(path), rotary))
+    for rope in spec.tables:
+        if isinstance(rope, RopeModule):
+            rotary = RotaryToTileOrder(order, rope.dim, rope.items, image_first=rope.image_first)
+            hooks.append((model.get_submodule(rope.path), rotary))
     return order, hooks
 
 
@@ -210,13 +214,15 @@ def block_rope_hooks(
     spec: FamilySpec, model: torch.nn.Module, cache: PlanCache, order: TileState, ledger: Ledger
 ) -> list[torch.nn.Module]:
     """Registers, on every block of the stacks, the hook that puts the rotary tables the
-    block takes in the blocks' order (``spec.block_rope``); returns the blocks."""
-    if spec.block_rope is None:
+    block takes in the blocks' order (a :class:`~toma.adapters.spec.BlockRope` of
+    ``spec.tables``); returns the blocks."""
+    rope = next((t for t in spec.tables if isinstance(t, BlockRope)), None)
+    if rope is None:
         return []
     memo: dict = {}  # one reordering per forward, shared by the blocks
     blocks = [block for stack in spec.stacks for block in model.get_submodule(stack)]
     for block in blocks:
-        hook = BlockRotaryToOrder(cache, order, spec.block_rope, spec.rope_items, memo)
+        hook = BlockRotaryToOrder(cache, order, (rope.keyword, rope.position, rope.dim), rope.items, memo)
         ledger.hook(block, hook, ROPE_HOOK_NAME)
     return blocks
 
@@ -337,7 +343,7 @@ class StepHook(Hook):
             reason = refusal(self.spec.name, cp, self.cache.config)
             if reason is not None:
                 raise ValueError(reason)
-            if self.spec.spread is not None:
+            if self.spec.stream.spread is not None:
                 grid, shard = self._spread_grid(module, named, cp)
             else:
                 grid, shard = self._shard_grid(module, named, x, cp)
@@ -353,11 +359,11 @@ class StepHook(Hook):
         if shard is not None and shard.leads is not None and self.cache.merging:
             # a spread packed shard: the call's rows moved so that the split hands it its part
             # (in forwards that merge nothing the model's order stays: bitwise the unpatched output)
-            moved = self.spec.spread(module, named, spread_order(shard.leads, math.prod(shard.whole)))
+            moved = self.spec.stream.spread.rows(module, named, spread_order(shard.leads, math.prod(shard.whole)))
             names = _parameter_names(type(module))
             for name, value in moved.items():
                 args, kwargs = replace_arg(args, kwargs, name, names.index(name) if name in names else None, value)
-        raster = grid is None or any(named.get(k) is not None for k in self.spec.raster_kwargs)
+        raster = grid is None
         # a spread packed shard holds its image run in raster order: its rows were moved at the call
         raster = raster or (shard is not None and shard.leads is not None)
         if not raster and self.spec.tile_order_ok is not None:
@@ -367,16 +373,17 @@ class StepHook(Hook):
         order.layout = None if raster else self.cache.tile_order_layout(grid, device)
         order.extra = 0
         order.enter = order.leave = None
-        order.packed = self.spec.packed
+        stream = self.spec.stream
+        order.packed = stream.packed
         # conditioning tokens lead only in forwards that merge: others keep the model's order
         # (under context parallelism a shard's tokens are all the generated image's)
-        lead = grid is not None and self.spec.conditioning_tokens and self.cache.merging and shard is None
+        lead = grid is not None and stream.conditioning and self.cache.merging and shard is None
         if lead and isinstance(x, torch.Tensor):
             order.extra = self._conditioning(module, named, x, grid)
             if order.extra:
                 order.enter, order.leave = self._lead_index(math.prod(grid), order.extra, order.layout, x.device)
         if order.layout is not None or order.extra:
-            for name in self.spec.position_inputs:
+            for name in stream.positions:
                 args, kwargs = _positions_to_block_order(module, name, named.get(name), order, args, kwargs)
         return args, kwargs
 
@@ -388,7 +395,7 @@ class StepHook(Hook):
 
     def _conditioning(self, module: torch.nn.Module, named: dict, x: torch.Tensor, grid: Grid) -> int:
         """How many conditioning tokens follow the image's on ``grid`` in the call."""
-        count = self.spec.conditioning_tokens
+        count = self.spec.stream.conditioning
         if callable(count):  # hidden_states are latents: the family counts them
             return count(module, named)
         return x.shape[1] - math.prod(grid) if x.ndim == 3 else 0
@@ -425,14 +432,14 @@ class StepHook(Hook):
 
     def _spread_grid(self, module: torch.nn.Module, named: dict, cp: Any) -> tuple[Grid | str | None, Shard | None]:
         """Under context parallelism, for a packed family whose sequence diffusers splits
-        (``FamilySpec.spread``): this rank's run of the image, under a ``(1, 1, n)`` stand-in
+        (a ``Packed`` stream's ``spread_rows``): this rank's run of the image, under a ``(1, 1, n)`` stand-in
         (a span of the whole grid), and its :class:`Shard`, with every shard's prefix rows
         in ``leads``. Every rank reads the same whole call, so all decide alike."""
         grid = self.grid(module, named)
         if grid is None or isinstance(grid, str):
             return grid, None
         world, tokens = world_size(cp), math.prod(grid)
-        leads = spread_leads(self.spec.spread_length(named) - tokens, tokens, world)
+        leads = spread_leads(self.spec.stream.spread.length(named) - tokens, tokens, world)
         if leads is None:
             return "under context parallelism, a packed sequence that does not split into shards holding video", None
         span = lead_spans(leads, tokens)[shard_index(cp)]
@@ -483,7 +490,7 @@ class Reorder(Hook):
     """Puts the tokens in the blocks' order where they enter the blocks (tile order, after
     any conditioning tokens), and back in the model's where they leave. With ``grid``, the
     tokens may come as a channel-last grid ``(B, t, h, w, C)`` that the forward flattens to
-    the blocks' sequence, or reshaped from it (``FamilySpec.grid_tokens``): they are
+    the blocks' sequence, or reshaped from it (``enter`` a ``channels_last`` grid): they are
     reordered as that sequence, in the grid's shape. With ``grid="first"``, they come as a
     channel-first grid ``(B, C, t, h, w)`` that the forward flattens with
     ``flatten(2).transpose(1, 2)`` (a patch embedding's output, ``FamilySpec.enter``'s
@@ -546,7 +553,7 @@ class RotaryToTileOrder(Hook):
 
 
 class BlockRotaryToOrder(Hook):
-    """On a block that takes rotary tables its model makes with no module (``FamilySpec.block_rope``):
+    """On a block that takes rotary tables its model makes with no module (``BlockRope``):
     their image rows to the blocks' order at the block's call, as :class:`RotaryToTileOrder`
     does at a rotary module's output. Items may nest tensors; every block of a forward gets
     the same tables, reordered once (``memo``, shared by the blocks).

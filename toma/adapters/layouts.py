@@ -387,3 +387,101 @@ class Span:
 
     call: str
     until: str
+
+
+# -- what the blocks' sequence holds besides the image ----------------------------------------
+
+
+class Spread:
+    """How a packed family lays out its call's packed rows for diffusers' context parallelism,
+    which splits the packed sequence itself (a family subclasses it in its own file)."""
+
+    def length(self, call: dict) -> int:
+        """The packed sequence's rows in ``call`` (the forward's named arguments)."""
+        raise NotImplementedError
+
+    def rows(self, model: torch.nn.Module, call: dict, order: torch.Tensor) -> dict:
+        """The call's arguments that lay out the packed rows, permuted so that its row ``i``
+        is the model's row ``order[i]`` (``order`` from
+        :func:`~toma.adapters.parallel.spread_order`: each shard gets an equal part of the
+        prefix, then a run of the image)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Stream:
+    """What the sequence between the modules that bracket the blocks holds: here, the
+    image's tokens alone.
+
+    Attributes:
+        positions: forward arguments holding one position row per image token, ``(N, d)`` or
+            ``(B, N, d)`` (Flux.2's ``img_ids``), put in the blocks' token order at the call,
+            so that tables computed from them follow the tokens.
+    """
+
+    positions: tuple[str, ...] = ()
+
+    @property
+    def packed(self) -> bool:
+        """Whether a prefix leads the image in the sequence (:class:`Packed`)."""
+        return False
+
+    @property
+    def conditioning(self) -> bool | Callable[[torch.nn.Module, dict], int]:
+        """Whether conditioning images' tokens follow the image's (:class:`Conditioned`)."""
+        return False
+
+    @property
+    def spread(self) -> Spread | None:
+        """How the packed rows spread under context parallelism (:class:`Packed`)."""
+        return None
+
+
+@dataclass(frozen=True)
+class Packed(Stream):
+    """The sequence that enters the blocks and leaves them is ``[prefix; image]``, a packed
+    single stream built from the model's inputs (MiniMax H3, Ideogram 4): its last ``N``
+    tokens are the image's and are the ones put in tile order where they enter and back where
+    they leave; the prefix (text, other modalities) stays where it is, and so do its rows of
+    ``positions``, which are rows over the whole packed sequence, ``(S,)``, ``(S, d)`` or
+    ``(B, S, d)``, whose last ``N`` are the image's.
+
+    Attributes:
+        positions: as :attr:`Stream.positions`, over the packed sequence.
+        spread_rows: how the call's packed rows spread over the shards of diffusers' context
+            parallelism (:class:`Spread`); None: refused under context parallelism.
+    """
+
+    spread_rows: Spread | None = None
+
+    @property
+    def packed(self) -> bool:
+        return True
+
+    @property
+    def spread(self) -> Spread | None:
+        return self.spread_rows
+
+
+@dataclass(frozen=True)
+class Conditioned(Stream):
+    """The model's ``(B, S, C)`` image tokens may be those of the grid followed by
+    conditioning images' (Flux Kontext, FLUX.2 references, Qwen-Image-Edit): those pass whole,
+    like text; between the modules that bracket the blocks they lead the sequence, so that
+    every site sees them before the image tokens it merges.
+
+    Attributes:
+        positions: as :attr:`Stream.positions`.
+        count: True counts them from ``hidden_states`` ``(B, S, C)``; a function
+            ``(model, call) -> int`` counts them from the call's named arguments where
+            ``hidden_states`` are latents (JoyImage's reference frames).
+    """
+
+    count: bool | Callable[[torch.nn.Module, dict], int] = True
+
+    @property
+    def conditioning(self) -> bool | Callable[[torch.nn.Module, dict], int]:
+        return self.count
+
+
+ALONE_STREAM = Stream()

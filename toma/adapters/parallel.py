@@ -40,7 +40,7 @@ order, so that the split hands every rank its shard in tile order.
 
 A packed sequence ``[prefix; image]`` that diffusers splits as it stands (MiniMax H3's)
 would leave the prefix on the first ranks: such a family moves its rows at the call
-(``FamilySpec.spread``) so that each shard holds an equal part of the prefix
+(a ``Packed`` stream's ``spread_rows``) so that each shard holds an equal part of the prefix
 (:func:`spread_leads`), then a run of the image (:func:`spread_order`). The runs then
 differ in length by up to one row per shard, and each keeps what brings its shard to the
 common merged length (:func:`toma.core.tiling.lead_target`, the same rule).

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from toma.adapters.layouts import ALONE, CallRule, Fit, InMask, Layout, Span, ViaCall
+from toma.adapters.layouts import ALONE, ALONE_STREAM, CallRule, Fit, InMask, Layout, Span, Stream, ViaCall
 
 if TYPE_CHECKING:
     from toma.adapters.base import Patched
@@ -124,6 +124,59 @@ class Site:
 
 
 @dataclass(frozen=True)
+class RopeModule:
+    """A module whose output holds rotary tables over the image tokens: their image rows are
+    put in the blocks' token order at its output.
+
+    Attributes:
+        path: the module's path in the model.
+        dim: the tables' sequence dimension; a negative one counts from the end, for modules
+            whose layout depends on the config (``(B, N, D)`` or ``(B, H, N, D)``: -2 in both).
+        items: which items of its output tuple hold image rows (None: all of them).
+        image_first: the tables hold the image's rows first, then the text's (HiDream),
+            rather than the text's first.
+    """
+
+    path: str
+    dim: int
+    items: tuple[int, ...] | None = None
+    image_first: bool = False
+
+
+@dataclass(frozen=True)
+class BlockRope:
+    """Rotary tables every block of the stacks takes, for families whose forward makes them
+    with no module (a method, JoyImage's): at each block's call their image rows are put in
+    the blocks' order (tile order, conditioning tokens first), merged or not.
+
+    Attributes:
+        keyword: the tables' keyword in the block's call.
+        position: their position when passed positionally (None if never).
+        dim: their sequence dimension.
+        items: which items of the table tuple hold image rows (an item may nest tensors);
+            None: all of them.
+    """
+
+    keyword: str
+    position: int | None
+    dim: int
+    items: tuple[int, ...] | None = None
+
+
+def tile_order_unless(*keywords: str, check: Callable[[torch.nn.Module, dict], bool] | None = None):
+    """A ``tile_order_ok`` for families whose forward adds raster-ordered residuals between
+    blocks when passed one of ``keywords`` (ControlNet samples): such a call runs in raster
+    order; any other call asks ``check``, if given."""
+
+    def ok(model: torch.nn.Module, call: dict) -> bool:
+        if any(call.get(k) is not None for k in keywords):
+            return False
+        return True if check is None else check(model, call)
+
+    return ok
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """What the engine needs to know about one model family.
 
@@ -141,65 +194,27 @@ class FamilySpec:
             output is the ``(B, N, C)`` tokens; ``("grid", path)`` for a patch embedding whose
             output is the channel-first grid ``(B, C, t, h, w)`` that the forward flattens
             with ``flatten(2).transpose(1, 2)`` and hands to the blocks unchanged (Wan's
-            ``patch_embedding``); or ``("block", "")`` for the first block's
-            ``hidden_states`` input. Prefer a module before the blocks: a cache around them
-            (FirstBlockCache's hook on the first block, cache-dit's first blocks) compares
-            the first blocks' output with their input, which must be in the same order.
+            ``patch_embedding``); ``("channels_last", path)`` for a module whose output is a
+            channel-last grid ``(B, t, h, w, C)`` that the forward flattens into the blocks'
+            sequence, and that ``leave`` gets back reshaped the same way, with plain reshapes
+            (Kandinsky 5's ``fractal_flatten`` and ``fractal_unflatten``): the grid is put in
+            the blocks' order, and back, as that sequence, so that everything between the two
+            sees the blocks' order, block caches too; or ``("block", "")`` for the first
+            block's ``hidden_states`` input. Prefer a module before the blocks: a cache around
+            them (FirstBlockCache's hook on the first block, cache-dit's first blocks)
+            compares the first blocks' output with their input, which must be in the same order.
         leave: a module after the blocks whose first input (``hidden_states``) is the
             ``(B, N, C)`` tokens; they go back to raster order there.
-        grid_tokens: the tokens come out of the ``enter`` module (an ``("output", path)``)
-            and go into the ``leave`` module as a channel-last grid ``(B, t, h, w, C)``, which
-            the forward flattens into the blocks' sequence and reshapes back with plain
-            reshapes (Kandinsky 5's ``fractal_flatten`` and ``fractal_unflatten``): they are
-            put in the blocks' order, and back, as that sequence. Everything between the two
-            then sees the blocks' order, block caches too (MagCache compares and replays
-            residuals around the blocks, and its skipped steps never call the last block).
-        rope: path of the module whose output tuple holds the rotary tables, and the
-            sequence dimension of each table (their image rows are put in tile order), or
-            None. A family with several such modules over the image tokens (LTX-2's
-            self-attention tables and its audio-video cross-attention's) gives a tuple of
-            such pairs (see :attr:`rope_modules`). A negative dimension counts from the end,
-            for modules whose layout depends on the config (``(B, N, D)`` or ``(B, H, N, D)``:
-            -2 in both).
-        rope_image_first: the ``rope`` modules' tables hold the image's rows first, then the
-            text's (HiDream), rather than the text's first.
-        rope_items: which items of that tuple hold image rows (None: all of them; the same
-            for every module of ``rope``); with ``block_rope``, of the blocks' table tuple
-            (an item may nest tensors).
-        block_rope: ``(keyword, position, sequence dimension)`` of the rotary tables every
-            block of the stacks takes, for families whose forward makes them with no module
-            (a method, JoyImage's): at each block's call their image rows are put in the
-            blocks' order (tile order, conditioning tokens first), merged or not; None if
-            there are none or ``rope`` reorders them.
-        position_inputs: forward arguments holding one position row per image token,
-            ``(N, d)`` or ``(B, N, d)`` (Flux.2's ``img_ids``), put in tile order at the call
-            when tokens are, so that tables computed from them follow the tokens. With
-            ``packed``, rows over the whole packed sequence, ``(S,)``, ``(S, d)`` or
-            ``(B, S, d)``, whose last ``N`` are the image's (its per-row tags too).
-        packed: the sequence that enters the blocks and leaves them is ``[prefix; image]``
-            (a packed single stream built from the model's inputs: MiniMax H3, Ideogram 4):
-            its last ``N`` tokens are the image's and are the ones put in tile order at
-            ``enter`` and back at ``leave``; the prefix (text, other modalities) stays where
-            it is, and so do its rows of ``position_inputs``.
-        spread: for a ``packed`` family under context parallelism, where diffusers splits the
-            packed sequence itself: ``(model, call, order) -> replacements``, the call's
-            arguments that lay out the packed rows, permuted so that its row ``i`` is the
-            model's row ``order[i]`` (``order`` from
-            :func:`~toma.adapters.parallel.spread_order`: each shard gets an equal part of
-            the prefix, then a run of the image). The packed sequence's length is read off
-            the call by ``spread_length``. None: refused under context parallelism.
-        spread_length: ``(call) -> int``, the packed sequence's rows, for ``spread``.
-        raster_kwargs: forward keywords that add raster-ordered residuals between blocks;
-            a call that passes one runs in raster order.
+        stream: what the blocks' sequence holds beside the image (:mod:`toma.adapters.layouts`:
+            the image alone, a :class:`~toma.adapters.layouts.Packed` prefix before it, or
+            :class:`~toma.adapters.layouts.Conditioned` tokens after it), and the position
+            inputs that follow its tokens.
+        tables: the rotary tables over the image tokens that the engine puts in the blocks'
+            order: :class:`RopeModule` at a module's output, or one :class:`BlockRope` at
+            every block's call.
         tile_order_ok: optional check of the model and its forward's named arguments; False
-            keeps raster order (e.g. per-token modulation laid out over the raster sequence).
-        conditioning_tokens: the model's ``(B, S, C)`` image tokens may be those of the
-            ``grid`` followed by conditioning images' (Flux Kontext, FLUX.2 references,
-            Qwen-Image-Edit): those pass whole, like text; between the modules that bracket
-            the blocks they lead the sequence, so that every site sees them before the
-            image tokens it merges. True counts them from ``hidden_states`` ``(B, S, C)``;
-            a function ``(model, call) -> int`` counts them from the call's named arguments
-            where ``hidden_states`` are latents (JoyImage's reference frames).
+            keeps raster order (per-token modulation laid out over the raster sequence,
+            raster-ordered residuals between blocks: :func:`tile_order_unless`).
         timestep: reads the call's denoising timestep from its named arguments, as a value
             that falls over a run (step windows and plans kept across steps count steps by
             it); None: the ``timestep`` argument. Z-Image's ``t`` rises (``1 - sigma``): its
@@ -219,29 +234,19 @@ class FamilySpec:
     grid: GridReader
     enter: tuple[str, str]
     leave: str
-    grid_tokens: bool = False
-    rope: tuple[str, int] | tuple[tuple[str, int], ...] | None = None
-    rope_image_first: bool = False
-    rope_items: tuple[int, ...] | None = None
-    block_rope: tuple[str, int | None, int] | None = None
-    position_inputs: tuple[str, ...] = ()
-    packed: bool = False
-    spread: Callable[[torch.nn.Module, dict, torch.Tensor], dict] | None = None
-    spread_length: Callable[[dict], int] | None = None
-    raster_kwargs: tuple[str, ...] = ()
+    stream: Stream = ALONE_STREAM
+    tables: tuple[RopeModule | BlockRope, ...] = ()
     tile_order_ok: Callable[[torch.nn.Module, dict], bool] | None = None
-    conditioning_tokens: bool | Callable[[torch.nn.Module, dict], int] = False
     timestep: Callable[[dict], Any] | None = None
     default_blocks: Callable[[str, int], tuple[int, ...]] = lambda stack, n: tuple(range(n))
     video: bool = False
     reference: tuple[int, int] | None = None
 
-    @property
-    def rope_modules(self) -> tuple[tuple[str, int], ...]:
-        """``rope`` as pairs ``(path, sequence dimension)``, one per rotary module (none when None)."""
-        if self.rope is None:
-            return ()
-        return (self.rope,) if isinstance(self.rope[0], str) else tuple(self.rope)
+    def __post_init__(self) -> None:
+        if self.enter[0] not in ("output", "grid", "channels_last", "block"):
+            raise ValueError(f"FamilySpec {self.name}: enter's kind must be output, grid, channels_last or block")
+        if sum(isinstance(t, BlockRope) for t in self.tables) > 1:
+            raise ValueError(f"FamilySpec {self.name}: at most one BlockRope (the blocks take one table tuple)")
 
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` is (a subclass of) one of this family's classes."""

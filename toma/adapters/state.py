@@ -81,7 +81,7 @@ class TokenOrder:
             image's tokens, then the conditioning ones) to the blocks' order; ``leave`` is
             its inverse.
         packed: the sequences that enter and leave the stretch may be ``[prefix; image]``
-            (``FamilySpec.packed``): of one longer than the image, only its last ``N``
+            (a ``Packed`` stream): of one longer than the image, only its last ``N``
             tokens are reordered; the prefix stays where it is.
     """
 

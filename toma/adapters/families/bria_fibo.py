@@ -18,4 +18,4 @@ import dataclasses
 
 from toma.adapters.families.flux import SPEC as FLUX
 
-SPEC = dataclasses.replace(FLUX, name="bria-fibo", classes=("BriaFiboTransformer2DModel",), raster_kwargs=())
+SPEC = dataclasses.replace(FLUX, name="bria-fibo", classes=("BriaFiboTransformer2DModel",), tile_order_ok=None)

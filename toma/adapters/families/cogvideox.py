@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.layouts import InMask, TEXT_FIRST
-from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import BlockRope, FamilySpec, Grid, Rotary, Site, skip_first
 
 # one (N, D) table for the whole batch, in the blocks' order (block_rope)
 _ROTARY = Rotary("image_rotary_emb", None, shared=True)
@@ -71,7 +71,7 @@ SPEC = FamilySpec(
     enter=("block", ""),
     leave="norm_final",
     # the blocks take the pipeline's tables as image_rotary_emb=, or 4th positionally under checkpointing
-    block_rope=("image_rotary_emb", 3, 0),
+    tables=(BlockRope("image_rotary_emb", 3, 0),),
     default_blocks=skip_first(5),
     video=True,
     reference=(30, 45),  # 480x720

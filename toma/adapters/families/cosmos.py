@@ -18,7 +18,7 @@ import torch
 
 from toma.adapters.layouts import InMask
 from toma.adapters.attention import key_bias
-from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
+from toma.adapters.spec import FamilySpec, RopeModule, Rotary, Site, skip_first, tile_order_unless, video_grid
 
 _ROTARY = Rotary("image_rotary_emb", None, shared=True)
 
@@ -43,9 +43,8 @@ SPEC = FamilySpec(
     grid=video_grid,
     enter=("block", ""),
     leave="norm_out",
-    rope=("rope", 0),
-    raster_kwargs=("block_controlnet_hidden_states",),
-    tile_order_ok=_tile_order_ok,
+    tables=(RopeModule("rope", 0),),
+    tile_order_ok=tile_order_unless("block_controlnet_hidden_states", check=_tile_order_ok),
     default_blocks=skip_first(5),
     video=True,
     reference=(44, 80),  # 704x1280 (Predict2 video)

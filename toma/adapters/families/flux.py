@@ -27,10 +27,10 @@ from dataclasses import replace
 
 import torch
 
-from toma.adapters.layouts import Fit, InMask, Span, TEXT_FIRST
+from toma.adapters.layouts import Conditioned, Fit, InMask, Span, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.grids import IdsGrid
-from toma.adapters.spec import FamilySpec, Quirks, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Quirks, RopeModule, Rotary, Site, skip_first, tile_order_unless
 from toma.config import ToMAConfig
 from toma.core.masks import slice_joint_mask
 
@@ -75,16 +75,16 @@ def default_blocks(count: int) -> tuple[int, ...]:
 
 SPEC = FamilySpec(
     name="flux",
-    conditioning_tokens=True,
+    stream=Conditioned(),
     classes=("FluxTransformer2DModel",),
     stacks=tuple(STACKS),
     sites=_sites,
     grid=IdsGrid,
     enter=("output", "x_embedder"),
     leave="norm_out",
-    rope=("pos_embed", 0),
+    tables=(RopeModule("pos_embed", 0),),
     # ControlNet residuals are added in raster order between blocks
-    raster_kwargs=("controlnet_block_samples", "controlnet_single_block_samples"),
+    tile_order_ok=tile_order_unless("controlnet_block_samples", "controlnet_single_block_samples"),
     default_blocks=lambda stack, n: default_blocks(n),
     reference=(64, 64),  # 1024px
 )

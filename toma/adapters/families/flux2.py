@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.layouts import Fit, InMask, TEXT_FIRST
+from toma.adapters.layouts import Conditioned, Fit, InMask, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first
 from toma.adapters.grids import IdsGrid
@@ -54,8 +54,7 @@ SPEC = FamilySpec(
     grid=IdsGrid,
     enter=("output", "x_embedder"),
     leave="norm_out",
-    position_inputs=("img_ids",),
-    conditioning_tokens=True,
+    stream=Conditioned(positions=("img_ids",)),
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px
 )

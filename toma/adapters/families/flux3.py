@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.layouts import Fit, InMask, TEXT_FIRST
+from toma.adapters.layouts import Fit, InMask, Stream, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.grids import IdsGrid
@@ -67,7 +67,7 @@ SPEC = FamilySpec(
     grid=Flux3Grid,
     enter=("output", "x_embedders.image"),
     leave="norm_out",
-    position_inputs=("img_ids",),
+    stream=Stream(positions=("img_ids",)),
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: one token per 16x16 pixels (8x latents packed 2x2)
 )

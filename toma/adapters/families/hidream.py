@@ -12,7 +12,7 @@ it sees any others.
 The rotary tables come from ``pe_embedder`` over the image ids, then the text's:
 ``(B, N + text, 1, D/2, 2, 2)`` with the image's rows first. Tokens run in tile order from
 ``x_embedder`` to ``final_layer``, and the tables' image rows with them
-(``FamilySpec.rope_image_first``).
+(``RopeModule.image_first``).
 
 The forward pads a non-square image's tokens to ``max_resolution``'s count, the pad tokens
 after the image, and zeroes their keys with ``hidden_states_masks`` (ones over the image,
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from toma.adapters.layouts import Fit, IMAGE_FIRST
-from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
+from toma.adapters.spec import FamilySpec, Grid, RopeModule, Rotary, Site, gather_rows, skip_first
 from toma.core.masks import slice_image_first_mask
 
 # image_rotary_emb (B, N + text, 1, D/2, 2, 2): the image's rows first
@@ -67,8 +67,7 @@ SPEC = FamilySpec(
     grid=hidream_grid,
     enter=("output", "x_embedder"),
     leave="final_layer",
-    rope=("pe_embedder", 1),
-    rope_image_first=True,
+    tables=(RopeModule("pe_embedder", 1, image_first=True),),
     timestep=lambda call: call.get("timesteps"),
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: 8x VAE, 2x2 patches

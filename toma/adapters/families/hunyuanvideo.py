@@ -24,7 +24,7 @@ import torch
 
 from toma.adapters.layouts import Fit, InMask
 from toma.adapters.attention import key_bias_text_after
-from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
+from toma.adapters.spec import FamilySpec, RopeModule, Rotary, Site, skip_first, video_grid
 from toma.core.masks import slice_image_first_mask
 
 
@@ -68,7 +68,7 @@ SPEC = FamilySpec(
     grid=video_grid,
     enter=("output", "x_embedder"),
     leave="norm_out",
-    rope=("rope", 0),
+    tables=(RopeModule("rope", 0),),
     tile_order_ok=_tile_order_ok,
     default_blocks=skip_first(5),
     video=True,

@@ -21,7 +21,7 @@ import torch
 
 from toma.adapters.layouts import Fit, ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
-from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
+from toma.adapters.spec import FamilySpec, RopeModule, Rotary, Site, skip_first, video_grid
 
 
 def _text_mask(mask: torch.Tensor, tokens: int, kept: int) -> torch.Tensor | None:
@@ -53,7 +53,7 @@ SPEC = FamilySpec(
     grid=video_grid,
     enter=("output", "x_embedder"),
     leave="norm_out",
-    rope=("rope", 0),
+    tables=(RopeModule("rope", 0),),
     default_blocks=skip_first(5),
     video=True,
     reference=(45, 80),  # 720x1280

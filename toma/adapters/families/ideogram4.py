@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.layouts import Fit, InMask, TEXT_FIRST
+from toma.adapters.layouts import Fit, InMask, Packed, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 from toma.adapters.grids import ids_grid, tensor_version
@@ -139,8 +139,7 @@ SPEC = FamilySpec(
     grid=PackedImageGrid,
     enter=("block", ""),
     leave="final_layer",
-    position_inputs=("position_ids",),
-    packed=True,
+    stream=Packed(positions=("position_ids",)),
     tile_order_ok=per_sample_timestep,
     timestep=falling_timestep,
     default_blocks=skip_first(5),

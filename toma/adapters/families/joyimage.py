@@ -22,9 +22,9 @@ import math
 
 import torch
 
-from toma.adapters.layouts import ViaCall
+from toma.adapters.layouts import Conditioned, ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias_text_after, through_dispatch
-from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import BlockRope, FamilySpec, Grid, Rotary, Site, skip_first
 
 # image_rotary_emb is ((cos, sin), text table or None); cos and sin are (N + extra, D)
 _ROTARY = Rotary("image_rotary_emb", 2, shared=True, items=(0,))
@@ -61,10 +61,9 @@ SPEC = FamilySpec(
     grid=_grid,
     enter=("block", ""),
     leave="norm_out",
-    rope_items=(0,),
     # the blocks take the tables as image_rotary_emb=, or 4th positionally under checkpointing
-    block_rope=("image_rotary_emb", 3, 0),
-    conditioning_tokens=_references,
+    tables=(BlockRope("image_rotary_emb", 3, 0, items=(0,)),),
+    stream=Conditioned(count=_references),
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: the edit pipeline's bucket base size, VAE /8, patch 2
 )

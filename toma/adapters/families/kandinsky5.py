@@ -28,7 +28,7 @@ import torch
 
 from toma.adapters.layouts import ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
-from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
+from toma.adapters.spec import BlockRope, FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
 
 # rotations (B, N, 1, D/2, 2, 2) at the attention's call (the forward repeats one table
 # over the batch); its processor calls diffusers' dispatch with no mask of its own
@@ -66,10 +66,9 @@ SPEC = FamilySpec(
     stacks=("visual_transformer_blocks",),
     sites=_sites,
     grid=kandinsky5_grid,
-    enter=("output", "visual_embeddings"),
+    enter=("channels_last", "visual_embeddings"),
     leave="out_layer",
-    grid_tokens=True,
-    block_rope=("rope", 3, 1),  # the block's forward(visual_embed, text_embed, time_embed, rope, sparse_params)
+    tables=(BlockRope("rope", 3, 1),),  # the block's forward(visual_embed, text_embed, time_embed, rope, sparse_params)
     default_blocks=skip_first(5),
     video=True,
     reference=(32, 48),  # the T2V pipeline's 512x768: 8x VAE, 2x2 patches

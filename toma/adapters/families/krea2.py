@@ -24,7 +24,7 @@ import torch
 
 from toma.adapters.layouts import Fit, InMask, TEXT_FIRST
 from toma.adapters.attention import key_bias
-from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Grid, RopeModule, Rotary, Site, skip_first
 from toma.adapters.grids import ids_grid, tensor_version
 from toma.core.masks import slice_joint_mask
 
@@ -80,7 +80,7 @@ SPEC = FamilySpec(
     grid=PositionGrid,
     enter=("output", "img_in"),
     leave="final_layer",
-    rope=("rotary_emb", 0),
+    tables=(RopeModule("rotary_emb", 0),),
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: 8x VAE, 2x2 patches
 )

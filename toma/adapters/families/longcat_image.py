@@ -14,4 +14,4 @@ import dataclasses
 
 from toma.adapters.families.flux import SPEC as FLUX
 
-SPEC = dataclasses.replace(FLUX, name="longcat-image", classes=("LongCatImageTransformer2DModel",), raster_kwargs=())
+SPEC = dataclasses.replace(FLUX, name="longcat-image", classes=("LongCatImageTransformer2DModel",), tile_order_ok=None)

@@ -18,7 +18,7 @@ import torch
 
 from toma.adapters.layouts import ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
-from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_rows, skip_first
+from toma.adapters.spec import FamilySpec, Grid, RopeModule, Rotary, Site, gather_rows, skip_first
 
 
 def _sites(stack: str, block: torch.nn.Module) -> list[Site]:
@@ -60,7 +60,7 @@ SPEC = FamilySpec(
     grid=_grid,
     enter=("output", "proj_in"),
     leave="norm_out",
-    rope=("rope", 1),
+    tables=(RopeModule("rope", 1),),
     tile_order_ok=_tile_order_ok,
     default_blocks=skip_first(5),
     video=True,

@@ -46,7 +46,16 @@ import torch
 
 from toma.adapters.layouts import ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
-from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, gather_token_rows, skip_first
+from toma.adapters.spec import (
+    FamilySpec,
+    Grid,
+    RopeModule,
+    Rotary,
+    Site,
+    gather_token_rows,
+    skip_first,
+    tile_order_unless,
+)
 
 # LTX2Attention.forward(hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, ...)
 QUERY_TABLES = Rotary("query_rotary_emb", 3, gather_token_rows)
@@ -100,9 +109,8 @@ SPEC = FamilySpec(
     grid=_grid,
     enter=("output", "proj_in"),
     leave="norm_out",
-    rope=(("rope", -2), ("cross_attn_rope", -2)),
-    raster_kwargs=("video_self_attention_mask", "video_keyframes_mask"),
-    tile_order_ok=_tile_order_ok,
+    tables=(RopeModule("rope", -2), RopeModule("cross_attn_rope", -2)),
+    tile_order_ok=tile_order_unless("video_self_attention_mask", "video_keyframes_mask", check=_tile_order_ok),
     default_blocks=skip_first(5),
     video=True,
     reference=(16, 24),  # 768x512: the pipelines' default, VAE 32x

@@ -30,7 +30,7 @@ Under context parallelism diffusers splits the packed sequence where it enters t
 block, as it stands: the first shard would hold all the prefix. The model is indifferent
 to the order of its packed rows as long as every per-row input follows them, so in
 forwards that merge, the call's rows are moved instead (:func:`spread`,
-``FamilySpec.spread``): each shard then holds an equal part of the prefix (within one
+``Packed.spread_rows``): each shard then holds an equal part of the prefix (within one
 row), then a run of the video in raster order, and the modality indices point at the rows'
 new places, so that the outputs come back in the model's order. Each shard's video run is
 a span of the whole grid whose keep brings every shard to the same merged length
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from toma.adapters.layouts import InMask, TEXT_FIRST
+from toma.adapters.layouts import InMask, Packed, Spread, TEXT_FIRST
 from toma.adapters.attention import key_bias
 from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
 from toma.adapters.grids import tensor_version
@@ -136,9 +136,19 @@ def target_timestep(call: dict) -> torch.Tensor | None:
     return timestep.index_select(0, index[-1:].to(timestep.device))
 
 
+class PackedRows(Spread):
+    """The packed rows of a MiniMax H3 call, spread over context-parallel shards."""
+
+    def length(self, call: dict) -> int:
+        return call["position_ids"].shape[0]
+
+    def rows(self, model: torch.nn.Module, call: dict, order: torch.Tensor) -> dict:
+        return spread(model, call, order)
+
+
 def spread(model: torch.nn.Module, call: dict, order: torch.Tensor) -> dict:
     """The call's packed layout with its row ``i`` the model's row ``order[i]`` (under context
-    parallelism, ``FamilySpec.spread``): the per-row tensors are permuted, and the indices
+    parallelism, :class:`PackedRows`): the per-row tensors are permuted, and the indices
     that scatter each modality's rows into the sequence (and read the outputs back from it)
     point at the rows' new places, so that the outputs keep the model's order."""
     device = call["position_ids"].device
@@ -158,10 +168,7 @@ SPEC = FamilySpec(
     grid=PackedVideoGrid,
     enter=("block", ""),
     leave="proj_out",  # after norm_out, which reads timestep_indices in the blocks' order
-    position_inputs=("position_ids", "timestep_indices", "token_tags"),
-    packed=True,
-    spread=spread,
-    spread_length=lambda call: call["position_ids"].shape[0],
+    stream=Packed(positions=("position_ids", "timestep_indices", "token_tags"), spread_rows=PackedRows()),
     timestep=target_timestep,
     default_blocks=skip_first(5),
     video=True,

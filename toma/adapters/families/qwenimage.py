@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from toma.adapters.layouts import ViaCall
+from toma.adapters.layouts import Conditioned, ViaCall
 from toma.adapters.attention import dispatch_ok, key_bias, through_dispatch
-from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Grid, RopeModule, Rotary, Site, skip_first, tile_order_unless
 
 # image_rotary_emb is (image table (N, D/2), text table (T, D/2)), complex
 _ROTARY = Rotary("image_rotary_emb", None, shared=True, items=(0,))
@@ -52,16 +52,15 @@ def _grid(model: torch.nn.Module, call: dict) -> Grid | str | None:
 
 SPEC = FamilySpec(
     name="qwenimage",
-    conditioning_tokens=True,
+    stream=Conditioned(),
     classes=("QwenImageTransformer2DModel",),
     stacks=("transformer_blocks",),
     sites=_sites,
     grid=_grid,
     enter=("output", "img_in"),
     leave="norm_out",
-    rope=("pos_embed", 0),
-    rope_items=(0,),
-    raster_kwargs=("controlnet_block_samples",),
+    tables=(RopeModule("pos_embed", 0, items=(0,)),),
+    tile_order_ok=tile_order_unless("controlnet_block_samples"),
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px
 )

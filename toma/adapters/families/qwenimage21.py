@@ -28,9 +28,9 @@ import math
 
 import torch
 
-from toma.adapters.layouts import Fit, InMask
+from toma.adapters.layouts import Fit, InMask, Packed
 from toma.adapters.attention import dispatch_ok, key_bias_prefix
-from toma.adapters.spec import FamilySpec, Grid, Rotary, Site, skip_first
+from toma.adapters.spec import FamilySpec, Grid, RopeModule, Rotary, Site, skip_first
 from toma.core.masks import slice_joint_mask
 
 # rotary_emb: one complex (N, D/2) table over the target tokens in a cached pass
@@ -76,8 +76,8 @@ SPEC = FamilySpec(
     grid=qwenimage21_grid,
     enter=("output", "img_in"),
     leave="norm_out",  # its modulation mask is True over every target token: order-free
-    rope=("pos_embed", 0),  # one (prefix + target, D/2) table: the target's rows last
-    packed=True,
+    tables=(RopeModule("pos_embed", 0),),  # one (prefix + target, D/2) table: the target's rows last
+    stream=Packed(),
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px: the VAE's 16x latents, one token each
 )

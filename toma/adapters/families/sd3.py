@@ -14,7 +14,7 @@ import torch
 
 from toma.adapters.layouts import ViaCall
 from toma.adapters.attention import BIAS_KWARG, attend, key_bias, key_bias_text_after
-from toma.adapters.spec import FamilySpec, Site, image_grid, skip_first
+from toma.adapters.spec import FamilySpec, Site, image_grid, skip_first, tile_order_unless
 
 _STOCK, _FUSED = "JointAttnProcessor2_0", "FusedJointAttnProcessor2_0"
 
@@ -102,7 +102,7 @@ SPEC = FamilySpec(
     grid=image_grid,
     enter=("output", "pos_embed"),
     leave="norm_out",
-    raster_kwargs=("block_controlnet_hidden_states",),
+    tile_order_ok=tile_order_unless("block_controlnet_hidden_states"),
     default_blocks=skip_first(5),
     reference=(64, 64),  # 1024px
 )

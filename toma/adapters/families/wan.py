@@ -14,7 +14,7 @@ import torch
 
 from toma.adapters.layouts import InMask
 from toma.adapters.attention import key_bias
-from toma.adapters.spec import FamilySpec, Rotary, Site, skip_first, video_grid
+from toma.adapters.spec import FamilySpec, RopeModule, Rotary, Site, skip_first, video_grid
 
 
 # rotary tables are (1, N, 1, D); per-batch destinations give (Bp, K, 1, D), which the
@@ -45,7 +45,7 @@ SPEC = FamilySpec(
     # cache-dit watch that block's output minus its input, which must share one order
     enter=("grid", "patch_embedding"),
     leave="norm_out",
-    rope=("rope", 1),
+    tables=(RopeModule("rope", 1),),
     tile_order_ok=_tile_order_ok,
     default_blocks=skip_first(5),
     video=True,

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from toma.adapters.spec import Site
+from toma.adapters.spec import Site, tile_order_unless
 from toma.adapters.families.wan import SPEC as WAN
 
 
@@ -33,5 +33,5 @@ SPEC = dataclasses.replace(
     stacks=("blocks", "vace_blocks"),
     sites=_sites,
     # every call passes it (the model needs it); a call without it would fail in the model
-    raster_kwargs=("control_hidden_states",),
+    tile_order_ok=tile_order_unless("control_hidden_states", check=WAN.tile_order_ok),
 )
