@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -293,6 +294,42 @@ def test_families_rest_on_the_spec_and_derive_only_from_a_spec():
                     assert target.startswith(FAMILY_MAY_IMPORT), (
                         f"{module} imports {target}; a family imports only {', '.join(FAMILY_MAY_IMPORT)}"
                     )
+
+
+def test_the_registry_reads_each_familys_own_declaration():
+    # a family lands by adding its file: the registry reads the name and classes its SPEC
+    # states, without importing it; they must be what the imported spec says
+    from toma.adapters import FAMILIES
+
+    for name, (module, classes) in FAMILIES.items():
+        spec = importlib.import_module(module).SPEC
+        assert (spec.name, spec.classes) == (name, classes), module
+
+
+def test_a_new_family_file_is_found_without_registering_it(tmp_path):
+    import toma.adapters as adapters
+
+    source = ROOT / "toma" / "adapters" / "families"
+    package = tmp_path / "adapters" / "families"
+    package.mkdir(parents=True)
+    for path in source.glob("*.py"):
+        (package / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    (package / "toy.py").write_text(
+        "import dataclasses\n"
+        "from toma.adapters.families.wan import SPEC as WAN\n"
+        'SPEC = dataclasses.replace(WAN, name="toy", classes=("ToyTransformer3DModel",))\n',
+        encoding="utf-8",
+    )
+    real = adapters.__file__
+    adapters.__file__ = str(tmp_path / "adapters" / "__init__.py")
+    adapters._registry.cache_clear()
+    try:
+        found = adapters._registry()
+    finally:
+        adapters.__file__ = real
+        adapters._registry.cache_clear()
+    assert found["toy"] == ("toma.adapters.families.toy", ("ToyTransformer3DModel",))
+    assert set(found) - {"toy"} == set(adapters.FAMILIES)
 
 
 def test_nothing_outside_the_families_imports_or_names_one():

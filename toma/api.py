@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from toma.adapters import FAMILIES, adapter_for, check_placement, unsupported_reason
+from toma import adapters
+from toma.adapters import adapter_for, check_placement, unsupported_reason
 from toma.adapters.base import Patched, Skipped
 from toma.adapters.caches import guard as guard_forward
 from toma.adapters.ledger import Ledger
@@ -123,7 +124,7 @@ def apply_toma(
         raise ValueError(
             f"{type(model).__name__} has no blocks ToMA supports: expected a diffusers UNet with "
             "BasicTransformerBlock attention (SD 1.x/2.x, SDXL) or one of "
-            f"{', '.join(sorted(c for _, classes in FAMILIES.values() for c in classes))}"
+            f"{', '.join(sorted(c for _, classes in adapters.FAMILIES.values() for c in classes))}"
         )
     name, adapter = found
     refused = refusal(name, cp_config(model), cfg)

@@ -10,46 +10,51 @@ them, so that no family imports the engine.
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+from pathlib import Path
 from typing import Any
 
 import torch
 
-# family -> (adapter module, denoiser class names)
-FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "flux": ("toma.adapters.families.flux", ("FluxTransformer2DModel",)),
-    "sd3": ("toma.adapters.families.sd3", ("SD3Transformer2DModel",)),
-    "wan": ("toma.adapters.families.wan", ("WanTransformer3DModel",)),
-    "ltx": ("toma.adapters.families.ltx", ("LTXVideoTransformer3DModel",)),
-    "ltx2": ("toma.adapters.families.ltx2", ("LTX2VideoTransformer3DModel",)),
-    "pixart": ("toma.adapters.families.pixart", ("PixArtTransformer2DModel",)),
-    "hunyuanvideo": ("toma.adapters.families.hunyuanvideo", ("HunyuanVideoTransformer3DModel",)),
-    "cogvideox": ("toma.adapters.families.cogvideox", ("CogVideoXTransformer3DModel",)),
-    "qwenimage": ("toma.adapters.families.qwenimage", ("QwenImageTransformer2DModel",)),
-    "flux2": ("toma.adapters.families.flux2", ("Flux2Transformer2DModel",)),
-    "hunyuanvideo15": ("toma.adapters.families.hunyuanvideo15", ("HunyuanVideo15Transformer3DModel",)),
-    "wan-vace": ("toma.adapters.families.wan_vace", ("WanVACETransformer3DModel",)),
-    "skyreels-v2": ("toma.adapters.families.skyreels_v2", ("SkyReelsV2Transformer3DModel",)),
-    "wan-animate": ("toma.adapters.families.wan_animate", ("WanAnimateTransformer3DModel",)),
-    "cosmos": ("toma.adapters.families.cosmos", ("CosmosTransformer3DModel",)),
-    "longcat-image": ("toma.adapters.families.longcat_image", ("LongCatImageTransformer2DModel",)),
-    "hunyuanimage": ("toma.adapters.families.hunyuanimage", ("HunyuanImageTransformer2DModel",)),
-    "chroma": ("toma.adapters.families.chroma", ("ChromaTransformer2DModel",)),
-    "joyimage": ("toma.adapters.families.joyimage", ("JoyImageEditTransformer3DModel",)),
-    "krea2": ("toma.adapters.families.krea2", ("Krea2Transformer2DModel",)),
-    "bria-fibo": ("toma.adapters.families.bria_fibo", ("BriaFiboTransformer2DModel",)),
-    "zimage": ("toma.adapters.families.zimage", ("ZImageTransformer2DModel",)),
-    "hidream": ("toma.adapters.families.hidream", ("HiDreamImageTransformer2DModel",)),
-    "framepack": ("toma.adapters.families.framepack", ("HunyuanVideoFramepackTransformer3DModel",)),
-    "helios": ("toma.adapters.families.helios", ("HeliosTransformer3DModel",)),
-    "minimax-h3": ("toma.adapters.families.minimax_h3", ("MiniMaxH3Transformer3DModel",)),
-    "ideogram4": ("toma.adapters.families.ideogram4", ("Ideogram4Transformer2DModel",)),
-    "kandinsky5": ("toma.adapters.families.kandinsky5", ("Kandinsky5Transformer3DModel",)),
-    "ernie-image": ("toma.adapters.families.ernie_image", ("ErnieImageTransformer2DModel",)),
-    "lumina2": ("toma.adapters.families.lumina2", ("Lumina2Transformer2DModel",)),
-    "qwenimage21": ("toma.adapters.families.qwenimage21", ("QwenImage21Transformer2DModel",)),
-    "flux3": ("toma.adapters.families.flux3", ("Flux3Transformer2DModel",)),
-}
+FAMILY_PACKAGE = "toma.adapters.families"
+
+
+def _declared(path: Path) -> tuple[str, tuple[str, ...]] | None:
+    """The ``name`` and ``classes`` a family module's ``SPEC = ...(name=..., classes=...)``
+    states as literals, read from its source without importing it; None where it has none."""
+    for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+            continue
+        if any(getattr(target, "id", None) == "SPEC" for target in node.targets):
+            named = {k.arg: k.value for k in node.value.keywords if k.arg}
+            if "name" in named and "classes" in named:
+                return ast.literal_eval(named["name"]), tuple(ast.literal_eval(named["classes"]))
+    return None
+
+
+@functools.cache
+def _registry() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Every family module under ``toma/adapters/families/``, by the name its spec declares:
+    ``family -> (module, denoiser class names)``. A family lands by adding its file: the
+    registry reads each file's declaration (``tests/test_imports.py`` checks it against the
+    imported spec), so that matching a model imports only its own family's module."""
+    package = Path(__file__).parent / "families"
+    found: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for path in sorted(package.glob("*.py")):
+        declared = None if path.stem == "__init__" else _declared(path)
+        if declared is not None:
+            name, classes = declared
+            found[name] = (f"{FAMILY_PACKAGE}.{path.stem}", classes)
+    return found
+
+
+def __getattr__(name: str) -> Any:
+    # FAMILIES is read from the family files on first use, not when toma is imported
+    if name == "FAMILIES":
+        return _registry()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # denoiser classes toma knows and does not merge (yet), with why
@@ -124,9 +129,10 @@ def adapter_for(model: torch.nn.Module) -> tuple[str, Any] | None:
     An adapter has ``placement()``, ``find_targets(model, config)``,
     ``attach(model, targets, cache)``, ``detach(targets)`` and ``tile_frames(config)``.
     """
-    names = {cls.__name__ for cls in type(model).__mro__}
-    for name, (module, classes) in FAMILIES.items():
-        if names.intersection(classes):
+    by_class = {cls: (name, module) for name, (module, classes) in _registry().items() for cls in classes}
+    for cls in type(model).__mro__:  # the most derived class a family names
+        if cls.__name__ in by_class:
+            name, module = by_class[cls.__name__]
             family = importlib.import_module(module)
             # the engine loads with the first family found, not with the registry
             from toma.adapters.engine import EngineAdapter
