@@ -274,3 +274,15 @@ def test_node_page_lists_every_input_and_needs_a_tooltip_for_each(expected, monk
     with pytest.raises(ValueError, match="'extra' has no tooltip"):
         gen.node_page()
 
+
+def test_plain_doctor_names_the_supported_families_in_one_line(capsys):
+    from toma.support import family_names
+
+    tiny = ["--device", "cpu", "--grid", "8", "--channels", "16", "--attn-grid", "8", "--heads", "2"]
+    tiny += ["--head-dim", "8", "--repeats", "1", "--dtypes", "fp32", "--backends", "native"]
+    assert cli(["doctor", *tiny]) == 0
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if line.startswith("families: ")]
+    names = [f.family for f in toma.supported()]
+    assert family_names() == names
+    assert line == f"families: {len(names)}: {', '.join(names)} (toma doctor --models: what each supports)"
