@@ -229,7 +229,8 @@ def matrix() -> dict[str, dict[str, Cell]]:
             "proportional": Cell(NO, NO_BIAS.format(where="its attention processor"))
             if name in NO_KEY_BIAS
             else Cell(YES),
-            "context_parallel": Cell(YES) if cp_refusal is None else Cell(NO, "not among the families toma shards"),
+            # the refusal apply_toma gives under enable_parallelism, said of any model
+            "context_parallel": Cell(YES) if cp_refusal is None else Cell(NO, refusal(None, cp, None) or ""),
             "compile": Cell(YES),
             "fbcache": _declared(FIRST_BLOCK_CACHE, name),
             "cache_dit": _declared(CACHE_DIT, name),

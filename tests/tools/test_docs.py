@@ -241,7 +241,10 @@ def test_a_tick_no_test_covers_fails_the_generator(compat_marks, monkeypatch, ca
 
 
 def test_compatibility_page_shows_every_cell_and_the_codes_reasons(expected):
+    from types import SimpleNamespace
+
     from toma.adapters.engine import NO_PART
+    from toma.adapters.parallel import refusal
     from toma.compat import FEATURES, matrix
 
     page = expected[ROOT / "docs" / "compatibility.md"]
@@ -250,6 +253,10 @@ def test_compatibility_page_shows_every_cell_and_the_codes_reasons(expected):
     assert [row.split("]")[0][3:] for row in rows] == list(cells) == [f.family for f in toma.supported()]
     assert all(row.count(" | ") == len(FEATURES) for row in rows)
     assert f"no {NO_PART['cross']}" in page  # the refusal's own words
+    cp = SimpleNamespace(ulysses_anything=False, ring_anything=False)
+    for family, row in cells.items():
+        assert (row["context_parallel"].status == "✔") == (refusal(family, cp, None) is None), family
+    assert refusal(None, cp, None) in page
     from toma.comfyui.families import FAMILIES as COMFY
 
     for node in COMFY:
