@@ -1505,7 +1505,7 @@ FAMILIES: dict[str, Family] = {
             "unet",
             make_sdxl_unet,
             lambda b: unet_inputs(b, 16, 16, sdxl=True),
-            {"levels": 2, "merge_mlp": True},
+            {"merge_mlp": True},  # its one attention level: down_blocks.1 and the mid block, both at 1/2
             cross=True,
             odd=lambda b: unet_inputs(b, 8, 24, sdxl=True),
             odd_tokens=4 * 12,

@@ -42,7 +42,8 @@ class ToMAConfig:
         seed: seed of ``selection="random"``.
         levels: UNet only. How many attention resolution levels to merge, counted from the
             highest-resolution level that has attention (SD 1.x: 64x64 tokens at 512px;
-            SDXL: 64x64 tokens at 1024px). Use a large number for every level.
+            SDXL: 64x64 tokens at 1024px). At most the model's count of attention levels
+            (SD 1.x: 4, SDXL: 2); more is refused, naming the allowed range.
         merge_attn: Merge the tokens of self-attention (joint attention in MMDiTs).
         merge_crossattn: UNets and DiTs with cross-attention to text (PixArt, Wan, LTX).
             Merge the queries of cross-attention; text keys and values stay whole.

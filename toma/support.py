@@ -133,6 +133,19 @@ def supported() -> list[FamilySupport]:
     return out
 
 
+def family_names() -> list[str]:
+    """The names of the families :func:`supported` lists, in its order, without importing
+    their adapter modules (what ``toma doctor`` prints)."""
+    from toma.adapters import FAMILIES
+
+    return ["unet", *FAMILIES]
+
+
+def format_short(names: list[str]) -> str:
+    """One line naming the families (``toma doctor``'s ``families:`` line)."""
+    return f"{len(names)}: {', '.join(names)} (toma doctor --models: what each supports)"
+
+
 def refused() -> dict[str, str]:
     """Denoiser classes toma knows and refuses to merge, each with the reason
     (:data:`toma.adapters.UNSUPPORTED`)."""

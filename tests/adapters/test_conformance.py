@@ -22,7 +22,9 @@ import torch
 
 import toma
 from tests.cases import cache_dit_settings, fused_calls, sdpa_keys
+from tests.compat_cells import rows, skip_or_fail
 from tests.tiny_models import FAMILIES
+from toma import compat
 from toma.adapters.base import Hook, register_innermost, remove_hook
 from toma.adapters.layouts import IMAGE_FIRST, TEXT_FIRST
 from toma.adapters.merging import plan_group
@@ -51,7 +53,7 @@ def batch_slice(kw: dict, b: int, batch: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", rows("attention"))
 def test_ratio_zero_and_remove_are_bitwise_identical(name):
     fam = FAMILIES[name]
     model, kw = fam.make(), fam.inputs(2)
@@ -619,7 +621,7 @@ def first_blocks(patch) -> list[str]:
     return list(owners.values())
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", rows("compile"))
 def test_merged_blocks_compile_without_graph_breaks(name):
     # Dynamo's graph capture does not depend on the backend, and tracing a whole tiny model
     # costs 5-30 s here; the merge path's hooks sit on the blocks' sub-modules, so the first
@@ -848,10 +850,17 @@ def block_cache(cache: str, steps: int, merged: list[str], clock: list[float]):
     )
 
 
+# FirstBlockCache on the rows the compatibility matrix says it composes with; the other caches on every row
+DIFFUSERS_CACHES = rows("fbcache", compat.YES, "fbcache") + [
+    pytest.param(name, cache, id=f"{name}-{cache}")
+    for cache in ("magcache", "taylorseer", "pab", "fastercache")
+    for name in NAMES
+]
+
+
 @pytest.mark.filterwarnings("ignore:.*FasterCache")
-@pytest.mark.parametrize("cache", ["fbcache", "magcache", "taylorseer", "pab", "fastercache"])
-@pytest.mark.parametrize("name", NAMES)
-def test_diffusers_caches_compose_in_either_order(name, cache):
+@pytest.mark.parametrize("name,cache", DIFFUSERS_CACHES)
+def test_diffusers_caches_compose_in_either_order(name, cache, request):
     # diffusers' caches skip blocks or modules on some steps; ToMA merges inside the steps
     # that do run. Enabling either first gives the same outputs (bitwise), the cache does skip
     # merged modules on some steps, and removing both gives back the unpatched model. A
@@ -859,7 +868,7 @@ def test_diffusers_caches_compose_in_either_order(name, cache):
     fam = FAMILIES[name]
     kw = fam.inputs(1)
     if "sample" in kw:
-        pytest.skip(f"{name} is a UNet: neither diffusers nor cache-dit caches its blocks")
+        skip_or_fail(request, f"{name} is a UNet: neither diffusers nor cache-dit caches its blocks")
     steps, clock = 6, [1000.0]
 
     def denoise(model, steps: int = steps) -> torch.Tensor:
@@ -879,12 +888,12 @@ def test_diffusers_caches_compose_in_either_order(name, cache):
         calls = layer_calls(plain, names)
         denoise(plain)
     except Exception as error:  # noqa: BLE001 - the reason is the skip's message
-        pytest.skip(f"{cache} fails on {type(plain).__name__}, unpatched: {error!r}"[:300])
+        skip_or_fail(request, f"{cache} fails on {type(plain).__name__}, unpatched: {error!r}"[:300])
     # a merged module the cache skips on some steps, unpatched (not in the first block, nor
     # in a stack the cache leaves alone, as Wan VACE's control blocks)
     probe = next((n for n in names if 0 < len(calls[n]) < steps), None)
     if probe is None:
-        pytest.skip(f"{cache} skips no merged module of {type(plain).__name__}, unpatched")
+        skip_or_fail(request, f"{cache} skips no merged module of {type(plain).__name__}, unpatched")
     toma_only = denoise(merged)
 
     def removed(model):
@@ -898,9 +907,30 @@ def test_diffusers_caches_compose_in_either_order(name, cache):
     assert not torch.equal(outputs[0], toma_only)  # the cache acted
 
 
-@pytest.mark.parametrize("kind", ["dbcache", "taylorseer", "dbprune"])
-@pytest.mark.parametrize("name", NAMES)
-def test_cache_dit_composes_in_either_order(name, kind):
+@pytest.mark.parametrize("name", rows("fbcache", compat.NO))
+def test_first_block_cache_fails_unpatched_where_the_matrix_says(name):
+    # the matrix's ✖ cells: diffusers' FirstBlockCache fails on the model before ToMA is
+    # involved (when a diffusers release makes it run, this fails: the cell becomes ✔)
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(1)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - diffusers' own errors, which vary by class
+        model.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+        for i in range(2):
+            with model.cache_context("cond"):
+                fam.output(model, run_step(fam, kw, i))
+
+
+# cache-dit's DBCache on the rows the compatibility matrix says it composes with; its other
+# kinds on every row
+CACHE_DIT = rows("cache_dit", compat.YES, "dbcache") + [
+    pytest.param(name, kind, id=f"{name}-{kind}") for kind in ("taylorseer", "dbprune") for name in NAMES
+]
+
+
+@pytest.mark.parametrize("name,kind", CACHE_DIT)
+def test_cache_dit_composes_in_either_order(name, kind, request):
     # cache-dit on the bare transformer, through its own block adapter for the class: DBCache
     # (its first block computing, the rest skipped while the residual barely changes), the
     # same with its TaylorSeer calibrator (which predicts the skipped residual), or DBPrune
@@ -915,7 +945,7 @@ def test_cache_dit_composes_in_either_order(name, kind):
     fam = FAMILIES[name]
     kw = fam.inputs(1)
     if "sample" in kw:
-        pytest.skip(f"{name} is a UNet: neither diffusers nor cache-dit caches its blocks")
+        skip_or_fail(request, f"{name} is a UNet: neither diffusers nor cache-dit caches its blocks")
     steps = 6
 
     def settings(threshold: float) -> dict:
@@ -938,7 +968,7 @@ def test_cache_dit_composes_in_either_order(name, kind):
             cache_dit.enable_cache(cached, **settings(threshold))
             cache_only = denoise(cached)
         except Exception as error:  # noqa: BLE001 - the reason is the skip's message
-            pytest.skip(f"cache-dit {kind} fails on {type(cached).__name__}, unpatched: {error!r}"[:300])
+            skip_or_fail(request, f"cache-dit {kind} fails on {type(cached).__name__}, unpatched: {error!r}"[:300])
         probe = next((n for n in names if 0 < len(calls[n]) < steps), None)
         if probe is not None:
             break
@@ -955,3 +985,18 @@ def test_cache_dit_composes_in_either_order(name, kind):
     assert torch.equal(outputs[0], outputs[1])
     assert not torch.equal(outputs[0], toma_only)  # the cache acted
     assert not torch.equal(outputs[0], cache_only)  # merged
+
+
+@pytest.mark.parametrize("name", [p for p in rows("cache_dit", compat.NO) if FAMILIES[p.values[0]].adapter != "unet"])
+def test_cache_dit_fails_unpatched_where_the_matrix_says(name):
+    # the matrix's ✖ cells but the UNets' (which cache-dit's block adapters do not cover):
+    # cache-dit refuses the class before ToMA is involved
+    cache_dit = pytest.importorskip("cache_dit")
+    from toma.tools.eval.caches import quiet_cache_dit
+
+    quiet_cache_dit()
+    fam = FAMILIES[name]
+    model, kw = fam.make(), fam.inputs(1)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - cache-dit's own errors, which vary by class
+        cache_dit.enable_cache(model, **cache_dit_settings("dbcache", 2, 0.5, separate_cfg=False))
+        fam.output(model, run_step(fam, kw, 0))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import toma
+from tests.compat_cells import families
 from toma.adapters.parallel import refusal, shard_grid, spread_leads, spread_order, unsplit
 from toma.config import ToMAConfig
 from toma.core.plan import build_plan
@@ -547,3 +548,15 @@ def test_unsplit_finds_the_whole_tensor_of_a_chunk_view_only():
     assert unsplit(expanded.chunk(2, dim=1)[1], 2, 1, 1) is whole
     assert unsplit(whole.chunk(2)[0].clone(), 2, 0, 0) is None  # a copy
     assert unsplit(torch.cat([whole, whole])[:12].chunk(2)[0], 2, 0, 0) is None  # a slice of a longer tensor
+
+
+@pytest.mark.parametrize("family", families("context_parallel"))
+def test_each_family_the_matrix_marks_merges_under_context_parallelism(runs, family):
+    # docs/compatibility.md's ✔ cells: tile-aligned shards over two Ulysses ranks merge as one
+    # process does (a family in toma.adapters.parallel.SUPPORTED that tests/cp_worker.py cannot
+    # build has no records, and fails here)
+    recs = records(runs, 2, f"aligned/{family}/ulysses/cp_first")
+    assert len(recs) == 2
+    for r in recs:
+        assert r["gap_to_single"] <= REORDERING and r["gap_to_unmerged_cp"] > 1e-3
+        assert r["removed_equals_unmerged_cp"] and r["warnings"] == []

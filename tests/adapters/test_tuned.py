@@ -51,10 +51,9 @@ def test_one_computation_spelled_two_ways_has_one_key():
     model = make_sd15_unet()
     same = key_of(model, ratio=0.5, merge_mlp=True)
     assert key_of(model, ratio=0.5, merge_mlp=True, mlp_ratio=0.5, attn_ratio=0.5) == same
-    # the tiny UNet has two attention levels (its first and its middle block): 5 merges the same blocks as 2
-    assert (
-        key_of(model, ratio=0.5, merge_mlp=True, levels=5) == key_of(model, ratio=0.5, merge_mlp=True, levels=2) != same
-    )
+    # another level merges other blocks: another key (levels past the model's two are refused,
+    # tests/adapters/test_unet.py)
+    assert key_of(model, ratio=0.5, merge_mlp=True, levels=2) != same
     assert key_of(model, ratio=0.5, merge_mlp=True, mlp_ratio=0.25) != same
     assert key_of(model, ratio=0.5) != same
     assert key_of(model, ratio=0.5, merge_mlp=True, tile_size=2) != same

@@ -320,7 +320,7 @@ def test_tile_order_stacks_match_raster_order(sdxl_unet, monkeypatch, options, f
 
     if not flatten:
         monkeypatch.setattr(unet_adapter, "image_stack", lambda module: False)
-    patch = toma.apply_toma(sdxl_unet, ratio=0.5, levels=2, **options)
+    patch = toma.apply_toma(sdxl_unet, ratio=0.5, **options)
     conversions = []
     # the flattening is the UNet adapter's; reordering at blocks is the token order's, shared with the engine
     owner, name = (unet_adapter, "image_to_tile_order") if flatten else (toma.adapters.state, "tile_order")
@@ -352,7 +352,7 @@ def test_remove_leaves_no_trace_on_modules(sdxl_unet):
     # diffusers leaves the wrapped forward behind as an instance attribute; a later class
     # swap (tomesd patches blocks that way) would then be ignored
     before = {name: set(vars(m)) for name, m in sdxl_unet.named_modules()}
-    toma.apply_toma(sdxl_unet, ratio=0.5, levels=2, merge_mlp=True)
+    toma.apply_toma(sdxl_unet, ratio=0.5, merge_mlp=True)
     run(sdxl_unet, **unet_inputs(1, 16, 16, True))
     toma.remove_toma(sdxl_unet)
     assert {name: set(vars(m)) for name, m in sdxl_unet.named_modules()} == before
@@ -401,7 +401,7 @@ def test_flattening_into_tile_order_saves_two_copies_a_stack(monkeypatch, make):
         with monkeypatch.context() as m:
             if not flatten:
                 m.setattr(unet_adapter, "image_stack", lambda module: False)
-            patch = toma.apply_toma(unet, ratio=0.5, levels=2)
+            patch = toma.apply_toma(unet, ratio=0.5, levels=1 if sdxl else 2)  # every attention level
         assert all(unet_adapter.image_stack(s) for s in stacks)
         outs.append(run(unet, **kw))
         kernels.append(sum(count_kernels(lambda: run(unet, **kw)).values()))
@@ -472,3 +472,20 @@ def test_self_attention_with_a_mask_of_its_own_runs_unmerged_and_says_so():
     toma.remove_toma(unet)
     with torch.no_grad():
         assert torch.equal(out, attn1(x, attention_mask=mask))
+
+
+def test_levels_past_the_models_attention_levels_are_refused(sd15_unet):
+    # the tiny SD 1.5 UNet has two attention levels: levels=5 used to merge what levels=2
+    # does, silently; it is an error naming levels and its range, leaving the model unpatched
+    kw = unet_inputs(1, 16, 16, sdxl=False)
+    with torch.no_grad():
+        before = sd15_unet(**kw).sample
+    for levels in (3, 5):
+        with pytest.raises(
+            ValueError, match=rf"levels must be in 1\.\.2: UNet2DConditionModel has 2 attention .*levels={levels}"
+        ):
+            toma.apply_toma(sd15_unet, ratio=0.5, levels=levels)
+        assert toma.get_toma(sd15_unet) is None
+    with torch.no_grad():
+        assert torch.equal(sd15_unet(**kw).sample, before)
+    assert toma.apply_toma(sd15_unet, ratio=0.5, levels=2).patched

@@ -205,3 +205,91 @@ def test_a_page_missing_from_the_nav_fails_the_strict_build(tmp_path):
     assert run.returncode != 0
     assert any('not included in the "nav"' in w for w in _warnings(run)), run.stderr[-3000:]
     assert "  - orphan.md" in run.stderr.splitlines()
+
+
+# ------------------------------------------------------------------ the compatibility matrix
+@pytest.fixture(scope="module")
+def compat_marks() -> list[list[str]]:
+    """The ``compat`` marks of the tests that back the matrix, collected once (not run)."""
+    return gen.collect_marks(ROOT)
+
+
+def test_every_tick_of_the_matrix_is_backed_by_a_test(compat_marks):
+    from toma.compat import FEATURES, YES, matrix
+
+    assert gen.uncovered(matrix(), compat_marks) == []
+    # every feature has cases, each in one of the files the matrix names for it
+    files = {f.key: f.tests for f in FEATURES}
+    assert {feature for feature, *_ in compat_marks} == set(files)
+    for feature, family, status, test in compat_marks:
+        assert test.split("::")[0] in files[feature], test
+    cells = sum(row[f].status == YES for row in matrix().values() for f in files)
+    assert cells > 150  # 33 families x 9 features, most of them ✔
+
+
+def test_a_tick_no_test_covers_fails_the_generator(compat_marks, monkeypatch, capsys):
+    from toma import compat
+
+    # the matrix claims a cross-attention for Flux, whose blocks have none: no case covers it
+    monkeypatch.setattr(compat, "CROSS_ATTENTION", compat.CROSS_ATTENTION | {"flux"})
+    assert gen.uncovered(compat.matrix(), compat_marks) == [("flux", "cross")]
+    monkeypatch.setattr(gen, "collect_marks", lambda root: compat_marks)
+    assert gen.check_coverage(ROOT) == 1
+    assert "flux / cross" in capsys.readouterr().err
+    monkeypatch.setattr(compat, "CROSS_ATTENTION", compat.CROSS_ATTENTION - {"flux"})
+    assert gen.check_coverage(ROOT) == 0
+
+
+def test_compatibility_page_shows_every_cell_and_the_codes_reasons(expected):
+    from types import SimpleNamespace
+
+    from toma.adapters.engine import NO_PART
+    from toma.adapters.parallel import refusal
+    from toma.compat import FEATURES, matrix
+
+    page = expected[ROOT / "docs" / "compatibility.md"]
+    cells = matrix()
+    rows = [line for line in page.splitlines() if line.startswith("| [")]
+    assert [row.split("]")[0][3:] for row in rows] == list(cells) == [f.family for f in toma.supported()]
+    assert all(row.count(" | ") == len(FEATURES) for row in rows)
+    assert f"no {NO_PART['cross']}" in page  # the refusal's own words
+    cp = SimpleNamespace(ulysses_anything=False, ring_anything=False)
+    for family, row in cells.items():
+        assert (row["context_parallel"].status == "✔") == (refusal(family, cp, None) is None), family
+    assert refusal(None, cp, None) in page
+    from toma.comfyui.families import FAMILIES as COMFY
+
+    for node in COMFY:
+        name = node.name
+        assert (cells[name]["comfyui"].status == "✔") == node.merges
+        if not node.merges:
+            assert gen._md(node.reason) in page
+
+
+def test_node_page_lists_every_input_and_needs_a_tooltip_for_each(expected, monkeypatch):
+    from toma.comfyui.node import ToMAModel
+
+    page = expected[ROOT / "docs" / "comfyui-node.md"]
+    schema = ToMAModel.INPUT_TYPES()
+    for group in ("required", "optional"):
+        for name, spec in schema[group].items():
+            assert f"| `{name}` | {'yes' if group == 'required' else 'no'} |" in page
+            assert gen._cell(spec[1]["tooltip"]) in page
+    assert "| `ratio` | yes | `FLOAT` | `0.5` | 0.0 to 0.95, step 0.05 |" in page
+    untipped = {**schema, "optional": {**schema["optional"], "extra": ("INT", {"default": 1})}}
+    monkeypatch.setattr(ToMAModel, "INPUT_TYPES", classmethod(lambda cls: untipped))
+    with pytest.raises(ValueError, match="'extra' has no tooltip"):
+        gen.node_page()
+
+
+def test_plain_doctor_names_the_supported_families_in_one_line(capsys):
+    from toma.support import family_names
+
+    tiny = ["--device", "cpu", "--grid", "8", "--channels", "16", "--attn-grid", "8", "--heads", "2"]
+    tiny += ["--head-dim", "8", "--repeats", "1", "--dtypes", "fp32", "--backends", "native"]
+    assert cli(["doctor", *tiny]) == 0
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if line.startswith("families: ")]
+    names = [f.family for f in toma.supported()]
+    assert family_names() == names
+    assert line == f"families: {len(names)}: {', '.join(names)} (toma doctor --models: what each supports)"

@@ -258,7 +258,7 @@ def test_duplicates_are_dropped_and_flux_tries_default_and_all_blocks(tmp_path, 
     text = capsys.readouterr().out
     assert "* all attn @0.5" in text and "default attn @0.5" in text
     assert dict(toma.load_config(out).blocks) == {"transformer_blocks": (0, 1), "single_transformer_blocks": (0, 1)}
-    # the tiny UNet's attention levels are its first and its middle block: levels 3 merges what levels 2 does
+    # the tiny UNet's attention levels are its first and its middle block: levels 3 is refused, and skipped
     assert (
         main(
             [
@@ -278,7 +278,8 @@ def test_duplicates_are_dropped_and_flux_tries_default_and_all_blocks(tmp_path, 
         )
         == 0
     )
-    assert "skipping L3 attn @0.5: it merges what L2 attn @0.5 merges, at the same settings" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "skipping L3 attn @0.5: levels must be in 1..2: UNet2DConditionModel has 2 attention level(s)" in text
 
 
 def test_compile_times_the_fastest_eager_candidates_compiled_and_chooses_among_them(tmp_path, monkeypatch, capsys):

@@ -139,6 +139,13 @@ def chosen_blocks(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) 
     return out
 
 
+# what a family lacks when merge_crossattn / merge_mlp is refused, and why
+# proportional_attention=True is: the refusals' words, which the compatibility matrix
+# (toma.compat) shows in its cells
+NO_PART = {"cross": "cross-attention (its text joins the image tokens in attention)", "mlp": "separate MLP to merge"}
+NO_BIAS = "proportional_attention=True needs an attention mask, which {where} cannot take"
+
+
 def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patched], list[Skipped]]:
     """The sub-modules to merge and the blocks left alone, with why. Touches nothing."""
     wanted = {"attn": config.merge_attn, "cross": config.merge_crossattn, "mlp": config.merge_mlp}
@@ -148,12 +155,7 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
     has = {s.part for sites in sites_of.values() for s in sites}
     for part, option in (("cross", "merge_crossattn"), ("mlp", "merge_mlp")):
         if wanted[part] and part not in has:  # accepted but merging nothing: say so
-            what = (
-                "cross-attention (its text joins the image tokens in attention)"
-                if part == "cross"
-                else "separate MLP to merge"
-            )
-            raise ValueError(f"{option}=True: {spec.name} has no {what}; set {option}=False")
+            raise ValueError(f"{option}=True: {spec.name} has no {NO_PART[part]}; set {option}=False")
     targets: list[Patched] = []
     skipped: list[Skipped] = []
     for stack, indices in chosen_blocks(spec, model, config).items():
@@ -167,8 +169,8 @@ def find_targets(spec: FamilySpec, model: torch.nn.Module, config: ToMAConfig) -
                 lacking = [s.path for s in sites if s.part == "attn" and not s.takes_bias]
                 if lacking:
                     raise ValueError(
-                        f"proportional_attention=True needs an attention mask, which {spec.name}'s "
-                        f"{name}.{lacking[0]} cannot take; use proportional_attention=False or None"
+                        NO_BIAS.format(where=f"{spec.name}'s {name}.{lacking[0]}")
+                        + "; use proportional_attention=False or None"
                     )
             if not sites:
                 skipped.append(Skipped(name, "none of its parts is merged with these settings"))

@@ -94,6 +94,12 @@ def find_targets(model: torch.nn.Module, config: ToMAConfig) -> tuple[list[Patch
             downsample = 2 ** (len(model.up_blocks) - 1 - int(found.group(2)))
         blocks.append((name, module, downsample))
     attention_levels = sorted({ds for _, _, ds in blocks})
+    if attention_levels and config.levels > len(attention_levels):
+        # more levels than the model has would merge what levels=len does: say so, not accept it
+        raise ValueError(
+            f"levels must be in 1..{len(attention_levels)}: {type(model).__name__} has "
+            f"{len(attention_levels)} attention level(s); got levels={config.levels}"
+        )
     merged_levels = set(attention_levels[: config.levels])
     if config.mlp_levels is not None and config.mlp_levels[-1] > len(attention_levels):
         raise ValueError(

@@ -20,7 +20,10 @@ class ToMAModel:
         """The node's inputs, in ComfyUI's schema."""
         return {
             "required": {
-                "model": ("MODEL",),
+                "model": (
+                    "MODEL",
+                    {"tooltip": "The model to merge; a patched clone comes out, the input is unchanged."},
+                ),
                 "ratio": (
                     "FLOAT",
                     {
@@ -42,8 +45,26 @@ class ToMAModel:
                         "tooltip": "Tile side in tokens; 0 = auto (scaled to the grid).",
                     },
                 ),
-                "start_percent": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.001}),
-                "end_percent": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.001}),
+                "start_percent": (
+                    "FLOAT",
+                    {
+                        "default": 0.0,
+                        "min": 0.0,
+                        "max": 1.0,
+                        "step": 0.001,
+                        "tooltip": "Merging starts at this point of the schedule (0 = the first step).",
+                    },
+                ),
+                "end_percent": (
+                    "FLOAT",
+                    {
+                        "default": 1.0,
+                        "min": 0.0,
+                        "max": 1.0,
+                        "step": 0.001,
+                        "tooltip": "Merging stops at this point of the schedule (1 = the last step).",
+                    },
+                ),
                 "blocks": (
                     "STRING",
                     {
@@ -52,8 +73,18 @@ class ToMAModel:
                         "or 'levels:1,2' (SD/SDXL UNet attention levels, 1 = highest resolution).",
                     },
                 ),
-                "merge_mlp": (list(MLP_CHOICES), {"default": "auto"}),
-                "proportional_attention": ("BOOLEAN", {"default": True}),
+                "merge_mlp": (
+                    list(MLP_CHOICES),
+                    {
+                        "default": "auto",
+                        "tooltip": "Merge the MLP's tokens too: auto = the family's way; on or off is refused "
+                        "where the family's hook cannot honour it.",
+                    },
+                ),
+                "proportional_attention": (
+                    "BOOLEAN",
+                    {"default": True, "tooltip": "Weigh each merged key by the number of tokens it stands for."},
+                ),
             },
         }
 

@@ -2,18 +2,27 @@
 
 ``python -m toma.tools.docs`` writes ``docs/models.md`` (from the family records, through
 :func:`toma.support.supported`), ``docs/options.md`` (from :class:`toma.ToMAConfig`'s fields
-and docstring), ``docs/cli.md`` (from the ``toma`` command's argparse parsers) and the
-supported-models table of ``README.md`` (between its ``models-table`` markers).
-``--check`` writes nothing and exits 1 naming each page that differs from what the code
-gives, which is what the tests run: a committed page cannot go stale.
+and docstring), ``docs/cli.md`` (from the ``toma`` command's argparse parsers),
+``docs/compatibility.md`` (from :func:`toma.compat.matrix`), ``docs/comfyui-node.md`` (from
+the ComfyUI node's ``INPUT_TYPES()``) and the supported-models table of ``README.md`` (between
+its ``models-table`` markers). ``--check`` writes nothing and exits 1 naming each page that
+differs from what the code gives, which is what the tests run: a committed page cannot go stale.
+
+In a checkout (a ``tests/`` folder beside ``pyproject.toml``) it also collects the tests that
+back the compatibility matrix (``pytest --collect-only``, a few seconds, nothing runs) and
+exits 1 naming each ``✔`` cell that no test case covers.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -198,10 +207,134 @@ def readme_with_table(text: str) -> str:
     return f"{head}{TABLE_START}\n{readme_table()}\n{TABLE_END}{tail}"
 
 
+def compat_page() -> str:
+    """``docs/compatibility.md``: the families x features matrix of :func:`toma.compat.matrix`."""
+    from toma.compat import FEATURES, NO, YES, matrix
+
+    cells = matrix()
+    reasons: dict[str, int] = {}  # each distinct reason, numbered in order of appearance
+
+    def shown(cell) -> str:
+        if cell.status == YES or not cell.reason:
+            return cell.status
+        number = reasons.setdefault(cell.reason, len(reasons) + 1)
+        return f"{cell.status} ({number})"
+
+    lines = [
+        "# Compatibility",
+        "",
+        GENERATED,
+        "",
+        "Each family toma merges ([models](models.md)) against the features it composes with: ✔ a test "
+        "checks it, ✖ refused or failing (the number leads to the reason the code gives), untested where "
+        "nothing has tried it.",
+        "",
+        "The matrix is data in one place, `toma/compat.py` (`toma.compat.matrix()` at run time). The tests "
+        "that back it are parametrized from its cells (`tests/compat_cells.py`), each case marked "
+        "`compat(feature, family, status)`; a case backing a ✔ fails rather than skips. "
+        "`python -m toma.tools.docs` collects those marks (`pytest --collect-only` on the files below) and "
+        "fails on a ✔ that no test case covers, and the docs tests fail on a page it would write differently.",
+        "",
+        "Pipelines, LoRA, ControlNet, img2img and the other caches, family by family: "
+        "[compatibility notes](compatibility-notes.md), written by hand.",
+        "",
+        "| family | " + " | ".join(f.title for f in FEATURES) + " |",
+        "| --- | " + " | ".join("---" for _ in FEATURES) + " |",
+    ]
+    for family, row in cells.items():
+        lines.append(f"| [{family}](models.md#{family}) | " + " | ".join(shown(row[f.key]) for f in FEATURES) + " |")
+    lines += ["", "## Why not", ""]
+    lines += [f"{number}. {_md(reason)}" for reason, number in reasons.items()]
+    lines += ["", "## Features", "", "| feature | ✔ means | tests |", "| --- | --- | --- |"]
+    for f in FEATURES:
+        count = sum(row[f.key].status == YES for row in cells.values())
+        refused = sum(row[f.key].status == NO for row in cells.values())
+        tests = ", ".join(f"`{t}`" for t in f.tests)
+        lines.append(f"| {f.title} ({count} ✔, {refused} ✖) | {_cell(f.what)} | {tests} |")
+    return "\n".join(lines) + "\n"
+
+
+def collect_marks(root: Path) -> list[list[str]]:
+    """The ``compat`` marks of the tests that back the matrix, collected (not run) by pytest in
+    the checkout ``root``: one ``[feature, family, status, test id]`` per marked case.
+
+    Raises:
+        RuntimeError: pytest failed to collect them (its output's tail is in the message).
+    """
+    from toma.compat import FEATURES
+
+    files = sorted({t for f in FEATURES for t in f.tests})
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "marks.json"
+        command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "toma.tools.compat_collect"]
+        command += ["-p", "no:cacheprovider", *files]
+        env = {**os.environ, "TOMA_COMPAT_MARKS": str(out)}
+        run = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        if run.returncode != 0 or not out.exists():
+            tail = (run.stdout + run.stderr)[-3000:]
+            raise RuntimeError(f"collecting the compatibility tests failed ({' '.join(command)}):\n{tail}")
+        return json.loads(out.read_text(encoding="utf-8"))
+
+
+def uncovered(cells: dict, marks: list[list[str]]) -> list[tuple[str, str]]:
+    """``(family, feature)`` of every ✔ in ``cells`` (:func:`toma.compat.matrix`) that no
+    marked test case (:func:`collect_marks`) backs."""
+    from toma.compat import YES
+
+    backed = {(family, feature) for feature, family, status, _ in marks if status == YES}
+    return [
+        (family, feature)
+        for family, row in cells.items()
+        for feature, cell in row.items()
+        if cell.status == YES and (family, feature) not in backed
+    ]
+
+
+def node_page() -> str:
+    """``docs/comfyui-node.md``: the ComfyUI node's inputs, from its ``INPUT_TYPES()``."""
+    from toma.comfyui.node import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+    lines = ["# ComfyUI node inputs", "", GENERATED, ""]
+    for key, node in NODE_CLASS_MAPPINGS.items():
+        schema = node.INPUT_TYPES()
+        lines += [
+            f"## {NODE_DISPLAY_NAME_MAPPINGS.get(key, key)}",
+            "",
+            f"`{key}`, in ComfyUI's `{node.CATEGORY}` menu: {_md(node.DESCRIPTION)} "
+            f"It returns {', '.join(f'`{t}`' for t in node.RETURN_TYPES)}. How to install it and what each "
+            "family does: [ComfyUI](comfyui.md).",
+            "",
+            "| input | required | type | default | range | meaning |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for group in ("required", "optional"):
+            for name, spec in schema.get(group, {}).items():
+                kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
+                if not options.get("tooltip"):
+                    raise ValueError(f"the node's input {name!r} has no tooltip: add one in {node.__module__}")
+                if isinstance(kind, (list, tuple)):
+                    kind = "one of " + ", ".join(f"`{c}`" for c in kind)
+                else:
+                    kind = f"`{kind}`"
+                default = f"`{options['default']!r}`" if "default" in options else ""
+                bounds = [f"{options[b]}" for b in ("min", "max") if b in options]
+                span = " to ".join(bounds) if len(bounds) == 2 else ""
+                if span and "step" in options:
+                    span += f", step {options['step']}"
+                lines.append(
+                    f"| `{name}` | {'yes' if group == 'required' else 'no'} | {kind} | {default} | {span} | "
+                    f"{_cell(options.get('tooltip', ''))} |"
+                )
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "docs/models.md": models_page,
     "docs/options.md": options_page,
     "docs/cli.md": cli_page,
+    "docs/compatibility.md": compat_page,
+    "docs/comfyui-node.md": node_page,
 }
 
 
@@ -236,6 +369,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for path in stale:
         print(f"wrote {path.relative_to(args.root)}")
+    return check_coverage(args.root)
+
+
+def check_coverage(root: Path) -> int:
+    """0 where every ✔ of the compatibility matrix is backed by a test case in the checkout
+    ``root``, or where ``root`` has no tests (an installed package); else 1, naming the cells."""
+    from toma.compat import matrix
+
+    if not (root / "tests").is_dir():
+        print("no tests/ here: the compatibility matrix's ✔ cells were not checked against the tests")
+        return 0
+    missing = uncovered(matrix(), collect_marks(root))
+    if missing:
+        cells = ", ".join(f"{family} / {feature}" for family, feature in missing)
+        print(
+            f"no test covers these ✔ cells of docs/compatibility.md: {cells}; parametrize a test from them "
+            "(tests/compat_cells.py) or change toma/compat.py",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

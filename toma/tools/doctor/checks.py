@@ -77,6 +77,7 @@ def _wants_cpu(device: str) -> bool:
 
 def _run(args: argparse.Namespace) -> int:
     from toma.tools.doctor.attention import AttentionSetup, attention_checks, backend_checks, backend_names
+    from toma.support import family_names, format_short
     from toma.tools.doctor.merge_checks import MergeSetup, kernel_checks, torch_path_checks
 
     try:
@@ -108,6 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     for i, line in enumerate(env.format_device(dev)):
         report.say(("device:   " if i == 0 else "") + line)
     report.say(f"kernels:  {path}: {why}" + (" (Triton's interpreter: slow, tiny sizes)" if interpreter else ""))
+    report.say(f"families: {format_short(family_names())}")
 
     merge = MergeSetup(device, h, w, pick("channels"), args.batch, args.tile, args.ratio, dtypes, args.seed)
     attn = AttentionSetup(
