@@ -1424,6 +1424,44 @@ def framepack_inputs(batch: int, frames: int, h: int, w: int, text: int = 6, pad
     }
 
 
+def make_chronoedit(seed: int = 0, layers: int = 2, image: bool = False):
+    """ChronoEdit-like: condition channels, a reasoning clip of 8 frames whose ends a
+    two-frame call takes; with ``image``, image embeddings before the text (as Wan 2.1 I2V,
+    whose cross-attention takes the keys before the last 512 as the image's)."""
+    from diffusers import ChronoEditTransformer3DModel
+
+    torch.manual_seed(seed)
+    return ChronoEditTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=8,
+        out_channels=4,
+        text_dim=CROSS_DIM,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        image_dim=16 if image else None,
+        added_kv_proj_dim=16 if image else None,
+        rope_max_seq_len=32,
+        rope_temporal_skip_len=8,
+    ).eval()
+
+
+def chronoedit_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, image: int = 0, seed: int = 1) -> dict:
+    """Latents and condition (8 channels) of ``frames x h x w`` (tokens ``frames x h/2 x w/2``),
+    with ``image`` image-embedding tokens (then the text must be the pipeline's 512)."""
+    g = torch.Generator().manual_seed(seed)
+    kw = {
+        "hidden_states": torch.randn(batch, 8, frames, h, w, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+    }
+    if image:
+        kw["encoder_hidden_states_image"] = torch.randn(batch, image, 16, generator=g)
+    return kw
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -1948,6 +1986,19 @@ FAMILIES: dict[str, Family] = {
             odd=lambda b: flux3_inputs(b, 5, 7),
             odd_tokens=35,
             grid=(1, 8, 8),
+        ),
+        Family(
+            "chronoedit",
+            "chronoedit",
+            make_chronoedit,
+            # two frames: the pipeline's edit without temporal reasoning (input and edited image)
+            lambda b: chronoedit_inputs(b, 2, 12, 16),
+            {"blocks": {"blocks": range(2)}},
+            cross=True,
+            odd=lambda b: chronoedit_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            divided=lambda b: chronoedit_inputs(b, 2, 16, 16),
+            grid=(2, 6, 8),
         ),
     )
 }

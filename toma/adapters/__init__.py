@@ -49,6 +49,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "lumina2": ("toma.adapters.families.lumina2", ("Lumina2Transformer2DModel",)),
     "qwenimage21": ("toma.adapters.families.qwenimage21", ("QwenImage21Transformer2DModel",)),
     "flux3": ("toma.adapters.families.flux3", ("Flux3Transformer2DModel",)),
+    "chronoedit": ("toma.adapters.families.chronoedit", ("ChronoEditTransformer3DModel",)),
 }
 
 

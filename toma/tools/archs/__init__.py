@@ -52,6 +52,7 @@ from toma.tools.archs.families import (
     qwenimage21,
     flux3,
     helios,
+    chronoedit,
 )
 from toma.tools.archs.families.unet import SDXL_UNET, SD15_UNET, TINY_UNET
 from toma.tools.archs.families.flux import FLUX_DEV, TINY_FLUX
@@ -80,6 +81,7 @@ from toma.tools.archs.families.lumina2 import LUMINA2
 from toma.tools.archs.families.qwenimage21 import QWEN_IMAGE_21
 from toma.tools.archs.families.flux3 import FLUX3
 from toma.tools.archs.families.helios import HELIOS
+from toma.tools.archs.families.chronoedit import CHRONOEDIT_14B, TINY_CHRONOEDIT
 
 
 # each arch family's module: its configs, DEPTH_KEYS and inputs builder (torch loads in the builder)
@@ -111,6 +113,7 @@ FAMILY_MODULES: dict[str, Any] = {
     "qwenimage21": qwenimage21,
     "flux3": flux3,
     "helios": helios,
+    "chronoedit": chronoedit,
 }
 
 # the config keys that count blocks, per transformer family (what --depth divides)
@@ -340,6 +343,24 @@ ARCHS: dict[str, Arch] = {
     # longest of a CFG batch): 128 stands for one of a few sentences
     "ernie-image": Arch(
         "ernie-image", "ernie-image", ERNIE_IMAGE, 1024, 128, 3072, 0, 16, "ERNIE-Image transformer (8B)", patch=1
+    ),
+    # the pipeline's 480x832 and its edit without temporal reasoning: 5 frames (2 latent: the
+    # input image and the edited one); the T5 prompt padded to 512
+    "chronoedit": Arch(
+        "chronoedit", "chronoedit", CHRONOEDIT_14B, 480, 512, 4096, 0, 8, "ChronoEdit-14B transformer", 832 / 480, 5
+    ),
+    "tiny-chronoedit": Arch(
+        "tiny-chronoedit",
+        "chronoedit",
+        TINY_CHRONOEDIT,
+        64,
+        512,
+        32,
+        0,
+        8,
+        "tiny ChronoEdit-like transformer (tests)",
+        1.0,
+        5,
     ),
 }
 
