@@ -1462,6 +1462,41 @@ def chronoedit_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, im
     return kw
 
 
+def make_cogview4(seed: int = 0, layers: int = 2, in_channels: int = 4):
+    """CogView4-like: joint [text; image] attention, rotary on the image part, size conditioning."""
+    from diffusers import CogView4Transformer2DModel
+
+    torch.manual_seed(seed)
+    return CogView4Transformer2DModel(
+        patch_size=2,
+        in_channels=in_channels,
+        out_channels=4,
+        num_layers=layers,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        text_embed_dim=CROSS_DIM,
+        time_embed_dim=16,
+        condition_dim=4,
+        pos_embed_max_size=32,
+        sample_size=16,
+        rope_axes_dim=(16, 16),
+    ).eval()
+
+
+def cogview4_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Latents ``(B, 4, h, w)`` (tokens ``h/2 x w/2``), the pipeline's size conditioning."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.tensor([[8.0 * h, 8.0 * w]]).repeat(batch, 1)
+    return {
+        "hidden_states": torch.randn(batch, 4, h, w, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "original_size": size,
+        "target_size": size.clone(),
+        "crop_coords": torch.zeros(batch, 2),
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -1475,6 +1510,7 @@ class Family:
     options: dict = field(default_factory=dict)
     proportional: bool = True  # whether apply_toma accepts proportional_attention=True here
     cross: bool = False  # whether it has a cross-attention to merge the queries of
+    mlp: bool = True  # whether it has an MLP to merge (CogView4's runs on image and text in turn: none)
     # a call on an odd, non-square token grid (video: 1 or an odd number of frames; the
     # UNets, whose convolutions halve the latent, a non-square one whose tiles pad), and
     # the image tokens each merged block sees there
@@ -1520,7 +1556,7 @@ class Family:
 
     def every_part(self) -> dict:
         """``options`` merging every part the family has: attention, MLP, cross-attention."""
-        return {**self.options, "merge_mlp": True, "merge_crossattn": self.cross}
+        return {**self.options, "merge_mlp": self.mlp, "merge_crossattn": self.cross}
 
     def output(self, model: torch.nn.Module, kw: dict) -> torch.Tensor:
         """The denoiser's prediction for ``kw``, without gradients."""
@@ -1999,6 +2035,19 @@ FAMILIES: dict[str, Family] = {
             odd_tokens=3 * 35,
             divided=lambda b: chronoedit_inputs(b, 2, 16, 16),
             grid=(2, 6, 8),
+        ),
+        Family(
+            "cogview4",
+            "cogview4",
+            make_cogview4,
+            lambda b: cogview4_inputs(b, 16, 20),
+            {"blocks": {"transformer_blocks": range(2)}},
+            odd=lambda b: cogview4_inputs(b, 10, 14),
+            odd_tokens=35,
+            divided=lambda b: cogview4_inputs(b, 16, 16),
+            grid=(1, 8, 10),
+            text_mask="attention_mask",
+            mlp=False,
         ),
     )
 }

@@ -50,6 +50,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwenimage21": ("toma.adapters.families.qwenimage21", ("QwenImage21Transformer2DModel",)),
     "flux3": ("toma.adapters.families.flux3", ("Flux3Transformer2DModel",)),
     "chronoedit": ("toma.adapters.families.chronoedit", ("ChronoEditTransformer3DModel",)),
+    "cogview4": ("toma.adapters.families.cogview4", ("CogView4Transformer2DModel",)),
 }
 
 

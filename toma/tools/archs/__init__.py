@@ -53,6 +53,7 @@ from toma.tools.archs.families import (
     flux3,
     helios,
     chronoedit,
+    cogview4,
 )
 from toma.tools.archs.families.unet import SDXL_UNET, SD15_UNET, TINY_UNET
 from toma.tools.archs.families.flux import FLUX_DEV, TINY_FLUX
@@ -82,6 +83,7 @@ from toma.tools.archs.families.qwenimage21 import QWEN_IMAGE_21
 from toma.tools.archs.families.flux3 import FLUX3
 from toma.tools.archs.families.helios import HELIOS
 from toma.tools.archs.families.chronoedit import CHRONOEDIT_14B, TINY_CHRONOEDIT
+from toma.tools.archs.families.cogview4 import COGVIEW4_6B, TINY_COGVIEW4
 
 
 # each arch family's module: its configs, DEPTH_KEYS and inputs builder (torch loads in the builder)
@@ -114,6 +116,7 @@ FAMILY_MODULES: dict[str, Any] = {
     "flux3": flux3,
     "helios": helios,
     "chronoedit": chronoedit,
+    "cogview4": cogview4,
 }
 
 # the config keys that count blocks, per transformer family (what --depth divides)
@@ -361,6 +364,12 @@ ARCHS: dict[str, Arch] = {
         "tiny ChronoEdit-like transformer (tests)",
         1.0,
         5,
+    ),
+    # the pipeline's 1024px; its GLM-4 prompt embeddings are as long as the prompt, padded to a
+    # multiple of 16: 128 stands for one of a few sentences
+    "cogview4": Arch("cogview4", "cogview4", COGVIEW4_6B, 1024, 128, 4096, 0, 8, "CogView4-6B transformer"),
+    "tiny-cogview4": Arch(
+        "tiny-cogview4", "cogview4", TINY_COGVIEW4, 64, 16, 32, 0, 8, "tiny CogView4-like transformer (tests)"
     ),
 }
 
