@@ -270,7 +270,7 @@ def ltx2_inputs(
         "audio_hidden_states": torch.randn(batch, audio, 8, generator=g),
         "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
         "audio_encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
-        "timestep": torch.full((batch,), 500.0),
+        "timestep": torch.full((batch,), 0.5),
         "encoder_attention_mask": mask,
         "audio_encoder_attention_mask": mask.clone(),
         "num_frames": frames,
@@ -1497,6 +1497,46 @@ def cogview4_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) ->
     }
 
 
+def make_mochi(seed: int = 0, layers: int = 2, trainable_rotary: bool = False):
+    """Mochi-like: a video stream and a narrower text stream in joint attention, 3-D rotary
+    (its frequencies drawn at random: the class starts them at 0, where every row is alike;
+    frozen, as LoRA training leaves them, unless ``trainable_rotary``)."""
+    from diffusers import MochiTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = MochiTransformer3DModel(
+        patch_size=2,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=layers,
+        pooled_projection_dim=16,
+        in_channels=4,
+        text_embed_dim=CROSS_DIM,
+        time_embed_dim=16,
+        max_sequence_length=16,
+    )
+    with torch.no_grad():
+        model.pos_frequencies.normal_()
+    model.pos_frequencies.requires_grad_(trainable_rotary)
+    return model.eval()
+
+
+def mochi_inputs(batch: int, frames: int, h: int, w: int, text: int = 6, padded: int = 2, seed: int = 1) -> dict:
+    """Latents ``(B, 4, frames, h, w)`` (tokens ``frames x h/2 x w/2``), text whose last sample
+    pads its last ``padded`` tokens (the pipeline's T5 mask), and an early step's timestep,
+    which rises over a run (from 0 to 1000)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, text, dtype=torch.bool)
+    if padded:
+        mask[-1, -padded:] = False
+    return {
+        "hidden_states": torch.randn(batch, 4, frames, h, w, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "timestep": torch.full((batch,), 0.5),
+        "encoder_attention_mask": mask,
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -2048,6 +2088,18 @@ FAMILIES: dict[str, Family] = {
             grid=(1, 8, 10),
             text_mask="attention_mask",
             mlp=False,
+        ),
+        Family(
+            "mochi",
+            "mochi",
+            make_mochi,
+            lambda b: mochi_inputs(b, 3, 8, 8),
+            {"blocks": {"transformer_blocks": range(2)}},
+            odd=lambda b: mochi_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            grid=(3, 4, 4),
+            text_mask="encoder_attention_mask",
+            rising_timestep=True,
         ),
     )
 }

@@ -51,6 +51,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "flux3": ("toma.adapters.families.flux3", ("Flux3Transformer2DModel",)),
     "chronoedit": ("toma.adapters.families.chronoedit", ("ChronoEditTransformer3DModel",)),
     "cogview4": ("toma.adapters.families.cogview4", ("CogView4Transformer2DModel",)),
+    "mochi": ("toma.adapters.families.mochi", ("MochiTransformer3DModel",)),
 }
 
 

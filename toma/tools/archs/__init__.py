@@ -54,6 +54,7 @@ from toma.tools.archs.families import (
     helios,
     chronoedit,
     cogview4,
+    mochi,
 )
 from toma.tools.archs.families.unet import SDXL_UNET, SD15_UNET, TINY_UNET
 from toma.tools.archs.families.flux import FLUX_DEV, TINY_FLUX
@@ -84,6 +85,7 @@ from toma.tools.archs.families.flux3 import FLUX3
 from toma.tools.archs.families.helios import HELIOS
 from toma.tools.archs.families.chronoedit import CHRONOEDIT_14B, TINY_CHRONOEDIT
 from toma.tools.archs.families.cogview4 import COGVIEW4_6B, TINY_COGVIEW4
+from toma.tools.archs.families.mochi import MOCHI_1, TINY_MOCHI
 
 
 # each arch family's module: its configs, DEPTH_KEYS and inputs builder (torch loads in the builder)
@@ -117,6 +119,7 @@ FAMILY_MODULES: dict[str, Any] = {
     "helios": helios,
     "chronoedit": chronoedit,
     "cogview4": cogview4,
+    "mochi": mochi,
 }
 
 # the config keys that count blocks, per transformer family (what --depth divides)
@@ -371,6 +374,14 @@ ARCHS: dict[str, Arch] = {
     "tiny-cogview4": Arch(
         "tiny-cogview4", "cogview4", TINY_COGVIEW4, 64, 16, 32, 0, 8, "tiny CogView4-like transformer (tests)"
     ),
+    # the pipeline's 480x848 x 19 frames (4 latent: its VAE keeps the first and compresses 6
+    # into 1) and T5 prompt padded to 256
+    "mochi": Arch(
+        "mochi", "mochi", MOCHI_1, 480, 256, 4096, 0, 8, "Mochi 1 preview transformer (10B)", 848 / 480, 19, 6
+    ),
+    "tiny-mochi": Arch(
+        "tiny-mochi", "mochi", TINY_MOCHI, 64, 8, 32, 0, 8, "tiny Mochi-like transformer (tests)", 1.0, 13, 6
+    ),
 }
 
 
@@ -505,6 +516,8 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
         return {**inputs, "t": torch.full_like(inputs["t"], 1.0 - frac)}
     if arch.family == "hidream":
         return {**inputs, "timesteps": torch.full_like(inputs["timesteps"], 999.0 * frac)}
+    if arch.family == "mochi":  # its scheduler inverts the sigmas: t = 1000 (1 - sigma) rises over a run
+        return {**inputs, "timestep": torch.full_like(inputs["timestep"], 1000.0 * (1.0 - frac))}
     if arch.family in ("ideogram4", "lumina2"):  # model time 1 - sigma (0 is noise): rises over a run
         return {**inputs, "timestep": torch.full_like(inputs["timestep"], 1.0 - frac)}
     t = inputs["timestep"]
