@@ -270,7 +270,7 @@ def ltx2_inputs(
         "audio_hidden_states": torch.randn(batch, audio, 8, generator=g),
         "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
         "audio_encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
-        "timestep": torch.full((batch,), 500.0),
+        "timestep": torch.full((batch,), 0.5),
         "encoder_attention_mask": mask,
         "audio_encoder_attention_mask": mask.clone(),
         "num_frames": frames,
@@ -1424,6 +1424,119 @@ def framepack_inputs(batch: int, frames: int, h: int, w: int, text: int = 6, pad
     }
 
 
+def make_chronoedit(seed: int = 0, layers: int = 2, image: bool = False):
+    """ChronoEdit-like: condition channels, a reasoning clip of 8 frames whose ends a
+    two-frame call takes; with ``image``, image embeddings before the text (as Wan 2.1 I2V,
+    whose cross-attention takes the keys before the last 512 as the image's)."""
+    from diffusers import ChronoEditTransformer3DModel
+
+    torch.manual_seed(seed)
+    return ChronoEditTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=8,
+        out_channels=4,
+        text_dim=CROSS_DIM,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        image_dim=16 if image else None,
+        added_kv_proj_dim=16 if image else None,
+        rope_max_seq_len=32,
+        rope_temporal_skip_len=8,
+    ).eval()
+
+
+def chronoedit_inputs(batch: int, frames: int, h: int, w: int, text: int = 5, image: int = 0, seed: int = 1) -> dict:
+    """Latents and condition (8 channels) of ``frames x h x w`` (tokens ``frames x h/2 x w/2``),
+    with ``image`` image-embedding tokens (then the text must be the pipeline's 512)."""
+    g = torch.Generator().manual_seed(seed)
+    kw = {
+        "hidden_states": torch.randn(batch, 8, frames, h, w, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+    }
+    if image:
+        kw["encoder_hidden_states_image"] = torch.randn(batch, image, 16, generator=g)
+    return kw
+
+
+def make_cogview4(seed: int = 0, layers: int = 2, in_channels: int = 4):
+    """CogView4-like: joint [text; image] attention, rotary on the image part, size conditioning."""
+    from diffusers import CogView4Transformer2DModel
+
+    torch.manual_seed(seed)
+    return CogView4Transformer2DModel(
+        patch_size=2,
+        in_channels=in_channels,
+        out_channels=4,
+        num_layers=layers,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        text_embed_dim=CROSS_DIM,
+        time_embed_dim=16,
+        condition_dim=4,
+        pos_embed_max_size=32,
+        sample_size=16,
+        rope_axes_dim=(16, 16),
+    ).eval()
+
+
+def cogview4_inputs(batch: int, h: int, w: int, text: int = 5, seed: int = 1) -> dict:
+    """Latents ``(B, 4, h, w)`` (tokens ``h/2 x w/2``), the pipeline's size conditioning."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.tensor([[8.0 * h, 8.0 * w]]).repeat(batch, 1)
+    return {
+        "hidden_states": torch.randn(batch, 4, h, w, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "timestep": torch.full((batch,), 500.0),
+        "original_size": size,
+        "target_size": size.clone(),
+        "crop_coords": torch.zeros(batch, 2),
+    }
+
+
+def make_mochi(seed: int = 0, layers: int = 2, trainable_rotary: bool = False):
+    """Mochi-like: a video stream and a narrower text stream in joint attention, 3-D rotary
+    (its frequencies drawn at random: the class starts them at 0, where every row is alike;
+    frozen, as LoRA training leaves them, unless ``trainable_rotary``)."""
+    from diffusers import MochiTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = MochiTransformer3DModel(
+        patch_size=2,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=layers,
+        pooled_projection_dim=16,
+        in_channels=4,
+        text_embed_dim=CROSS_DIM,
+        time_embed_dim=16,
+        max_sequence_length=16,
+    )
+    with torch.no_grad():
+        model.pos_frequencies.normal_()
+    model.pos_frequencies.requires_grad_(trainable_rotary)
+    return model.eval()
+
+
+def mochi_inputs(batch: int, frames: int, h: int, w: int, text: int = 6, padded: int = 2, seed: int = 1) -> dict:
+    """Latents ``(B, 4, frames, h, w)`` (tokens ``frames x h/2 x w/2``), text whose last sample
+    pads its last ``padded`` tokens (the pipeline's T5 mask), and an early step's timestep,
+    which rises over a run (from 0 to 1000)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, text, dtype=torch.bool)
+    if padded:
+        mask[-1, -padded:] = False
+    return {
+        "hidden_states": torch.randn(batch, 4, frames, h, w, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
+        "timestep": torch.full((batch,), 0.5),
+        "encoder_attention_mask": mask,
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the table: ``make()`` builds the tiny model, ``inputs(batch)`` one call's
@@ -1437,6 +1550,7 @@ class Family:
     options: dict = field(default_factory=dict)
     proportional: bool = True  # whether apply_toma accepts proportional_attention=True here
     cross: bool = False  # whether it has a cross-attention to merge the queries of
+    mlp: bool = True  # whether it has an MLP to merge (CogView4's runs on image and text in turn: none)
     # a call on an odd, non-square token grid (video: 1 or an odd number of frames; the
     # UNets, whose convolutions halve the latent, a non-square one whose tiles pad), and
     # the image tokens each merged block sees there
@@ -1482,7 +1596,7 @@ class Family:
 
     def every_part(self) -> dict:
         """``options`` merging every part the family has: attention, MLP, cross-attention."""
-        return {**self.options, "merge_mlp": True, "merge_crossattn": self.cross}
+        return {**self.options, "merge_mlp": self.mlp, "merge_crossattn": self.cross}
 
     def output(self, model: torch.nn.Module, kw: dict) -> torch.Tensor:
         """The denoiser's prediction for ``kw``, without gradients."""
@@ -1948,6 +2062,44 @@ FAMILIES: dict[str, Family] = {
             odd=lambda b: flux3_inputs(b, 5, 7),
             odd_tokens=35,
             grid=(1, 8, 8),
+        ),
+        Family(
+            "chronoedit",
+            "chronoedit",
+            make_chronoedit,
+            # two frames: the pipeline's edit without temporal reasoning (input and edited image)
+            lambda b: chronoedit_inputs(b, 2, 12, 16),
+            {"blocks": {"blocks": range(2)}},
+            cross=True,
+            odd=lambda b: chronoedit_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            divided=lambda b: chronoedit_inputs(b, 2, 16, 16),
+            grid=(2, 6, 8),
+        ),
+        Family(
+            "cogview4",
+            "cogview4",
+            make_cogview4,
+            lambda b: cogview4_inputs(b, 16, 20),
+            {"blocks": {"transformer_blocks": range(2)}},
+            odd=lambda b: cogview4_inputs(b, 10, 14),
+            odd_tokens=35,
+            divided=lambda b: cogview4_inputs(b, 16, 16),
+            grid=(1, 8, 10),
+            text_mask="attention_mask",
+            mlp=False,
+        ),
+        Family(
+            "mochi",
+            "mochi",
+            make_mochi,
+            lambda b: mochi_inputs(b, 3, 8, 8),
+            {"blocks": {"transformer_blocks": range(2)}},
+            odd=lambda b: mochi_inputs(b, 3, 10, 14),
+            odd_tokens=3 * 35,
+            grid=(3, 4, 4),
+            text_mask="encoder_attention_mask",
+            rising_timestep=True,
         ),
     )
 }

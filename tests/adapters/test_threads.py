@@ -27,7 +27,7 @@ DISPATCHED = [
     "hunyuanvideo15", "wan-vace", "skyreels-v2", "wan-animate", "cosmos", "longcat-image",
     "longcat-image-edit", "hunyuanimage", "chroma", "joyimage", "joyimage-edit", "krea2", "zimage",
     "bria-fibo", "framepack", "helios", "minimax-h3", "ideogram4", "kandinsky5", "ernie-image",
-    "qwenimage21", "flux3",
+    "qwenimage21", "flux3", "chronoedit", "cogview4", "mochi",
 ]  # fmt: skip
 SETTINGS = {"defaults": {}, "proportional": {"proportional_attention": True}}
 WAIT_S = 60

@@ -52,6 +52,9 @@ from toma.tools.archs.families import (
     qwenimage21,
     flux3,
     helios,
+    chronoedit,
+    cogview4,
+    mochi,
 )
 from toma.tools.archs.families.unet import SDXL_UNET, SD15_UNET, TINY_UNET
 from toma.tools.archs.families.flux import FLUX_DEV, TINY_FLUX
@@ -80,6 +83,9 @@ from toma.tools.archs.families.lumina2 import LUMINA2
 from toma.tools.archs.families.qwenimage21 import QWEN_IMAGE_21
 from toma.tools.archs.families.flux3 import FLUX3
 from toma.tools.archs.families.helios import HELIOS
+from toma.tools.archs.families.chronoedit import CHRONOEDIT_14B, TINY_CHRONOEDIT
+from toma.tools.archs.families.cogview4 import COGVIEW4_6B, TINY_COGVIEW4
+from toma.tools.archs.families.mochi import MOCHI_1, TINY_MOCHI
 
 
 # each arch family's module: its configs, DEPTH_KEYS and inputs builder (torch loads in the builder)
@@ -111,6 +117,9 @@ FAMILY_MODULES: dict[str, Any] = {
     "qwenimage21": qwenimage21,
     "flux3": flux3,
     "helios": helios,
+    "chronoedit": chronoedit,
+    "cogview4": cogview4,
+    "mochi": mochi,
 }
 
 # the config keys that count blocks, per transformer family (what --depth divides)
@@ -341,6 +350,38 @@ ARCHS: dict[str, Arch] = {
     "ernie-image": Arch(
         "ernie-image", "ernie-image", ERNIE_IMAGE, 1024, 128, 3072, 0, 16, "ERNIE-Image transformer (8B)", patch=1
     ),
+    # the pipeline's 480x832 and its edit without temporal reasoning: 5 frames (2 latent: the
+    # input image and the edited one); the T5 prompt padded to 512
+    "chronoedit": Arch(
+        "chronoedit", "chronoedit", CHRONOEDIT_14B, 480, 512, 4096, 0, 8, "ChronoEdit-14B transformer", 832 / 480, 5
+    ),
+    "tiny-chronoedit": Arch(
+        "tiny-chronoedit",
+        "chronoedit",
+        TINY_CHRONOEDIT,
+        64,
+        512,
+        32,
+        0,
+        8,
+        "tiny ChronoEdit-like transformer (tests)",
+        1.0,
+        5,
+    ),
+    # the pipeline's 1024px; its GLM-4 prompt embeddings are as long as the prompt, padded to a
+    # multiple of 16: 128 stands for one of a few sentences
+    "cogview4": Arch("cogview4", "cogview4", COGVIEW4_6B, 1024, 128, 4096, 0, 8, "CogView4-6B transformer"),
+    "tiny-cogview4": Arch(
+        "tiny-cogview4", "cogview4", TINY_COGVIEW4, 64, 16, 32, 0, 8, "tiny CogView4-like transformer (tests)"
+    ),
+    # the pipeline's 480x848 x 19 frames (4 latent: its VAE keeps the first and compresses 6
+    # into 1) and T5 prompt padded to 256
+    "mochi": Arch(
+        "mochi", "mochi", MOCHI_1, 480, 256, 4096, 0, 8, "Mochi 1 preview transformer (10B)", 848 / 480, 19, 6
+    ),
+    "tiny-mochi": Arch(
+        "tiny-mochi", "mochi", TINY_MOCHI, 64, 8, 32, 0, 8, "tiny Mochi-like transformer (tests)", 1.0, 13, 6
+    ),
 }
 
 
@@ -475,6 +516,8 @@ def set_timestep(arch: Arch, inputs: dict[str, Any], step: int, steps: int) -> d
         return {**inputs, "t": torch.full_like(inputs["t"], 1.0 - frac)}
     if arch.family == "hidream":
         return {**inputs, "timesteps": torch.full_like(inputs["timesteps"], 999.0 * frac)}
+    if arch.family == "mochi":  # its scheduler inverts the sigmas: t = 1000 (1 - sigma) rises over a run
+        return {**inputs, "timestep": torch.full_like(inputs["timestep"], 1000.0 * (1.0 - frac))}
     if arch.family in ("ideogram4", "lumina2"):  # model time 1 - sigma (0 is noise): rises over a run
         return {**inputs, "timestep": torch.full_like(inputs["timestep"], 1.0 - frac)}
     t = inputs["timestep"]
