@@ -61,13 +61,16 @@ def _check_inputs(
         raise ValueError(f"proportional_attention must be true or false; got {proportional_attention!r}")
 
 
-def parse_blocks(text: Any, stacks: dict[str, int], defaults: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+def parse_blocks(
+    text: Any, stacks: dict[str, int], defaults: dict[str, tuple[int, ...]], first: int = 0
+) -> dict[str, tuple[int, ...]]:
     """The blocks to merge, from the node's ``blocks`` input.
 
     ``text`` is empty or ``"auto"`` for the family's ``defaults``, else whitespace-separated
     ``stack:indices`` groups, indices being comma-separated ints and inclusive ranges
     (``double:5-18 single:0,2,4-37``), ``all`` or ``none``. ``stacks`` maps each stack name
-    to its number of blocks. Stacks left out merge nothing.
+    to its number of blocks. Stacks left out merge nothing. The text counts from ``first``
+    (the UNet's levels from 1, as its docs and log line do); the result counts from 0.
     """
     if not isinstance(text, str):
         raise ValueError(f"blocks must be a string such as 'double:5-18 single:all'; got {text!r}")
@@ -93,12 +96,14 @@ def parse_blocks(text: Any, stacks: dict[str, int], defaults: dict[str, tuple[in
         for item in spec.split(","):
             lo, dash, hi = item.partition("-")
             try:
-                first, last = int(lo), int(hi) if dash else int(lo)
+                lo_i, hi_i = int(lo), int(hi) if dash else int(lo)
             except ValueError:
                 raise ValueError(f"blocks: {item!r} in {group!r} is not an index or a range a-b") from None
-            if first > last or first < 0 or last >= count:
-                raise ValueError(f"blocks: {stack} {item!r} is outside 0-{count - 1} ({count} {stack} blocks here)")
-            picked.update(range(first, last + 1))
+            if lo_i > hi_i or lo_i < first or hi_i >= count + first:
+                raise ValueError(
+                    f"blocks: {stack} {item!r} is outside {first}-{count - 1 + first} ({count} {stack} blocks here)"
+                )
+            picked.update(range(lo_i - first, hi_i - first + 1))
         out[stack] = tuple(sorted(picked))
     return out
 
@@ -702,8 +707,8 @@ def patch_model(
         # SDXL (no attention at full resolution) merges its top two levels, SD 1.x its top one
         default = 2 if attention_levels and attention_levels[0] > 1 else 1
         counts = {"levels": len(attention_levels)}
-        chosen = parse_blocks(blocks, counts, {"levels": tuple(range(min(default, len(attention_levels))))})
-        # "levels" count from 1 in logs and the input's docs, from 0 in indices
+        chosen = parse_blocks(blocks, counts, {"levels": tuple(range(min(default, len(attention_levels))))}, first=1)
+        # "levels" count from 1 in the input, its docs and the log line, from 0 in indices
         levels = tuple(attention_levels[i] for i in chosen.get("levels", ()))
         chosen = {"levels": tuple(i + 1 for i in chosen.get("levels", ()))}
         patch = 1
