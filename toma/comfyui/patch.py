@@ -145,9 +145,11 @@ class ComfyRun:
         family: the model's family.
         config: the ToMA settings (ratio, tile size, proportional attention).
         blocks: the blocks to merge, ``{stack: indices}``.
-        window: ``(sigma_start, sigma_end)``: calls whose sigma is outside merge nothing.
+        window: ``(sigma_start, sigma_end)``: calls whose sigma is outside merge nothing;
+            read again from ``percents`` at the start of each sampling run (:meth:`read_window`).
         patch: latent pixels per token side, or ``(frames, height, width)`` for video.
         levels: UNet only: downsample factors whose self-attention merges.
+        percents: ``(start_percent, end_percent)`` the window was read from.
     """
 
     def __init__(
@@ -158,8 +160,10 @@ class ComfyRun:
         window: tuple[float, float],
         patch: int | tuple[int, int, int] = 1,
         levels: tuple[int, ...] = (),
+        percents: tuple[float, float] = (0.0, 1.0),
     ) -> None:
         self.family = family
+        self.percents = percents
         self.config = config
         self.blocks = blocks
         self.window = window
@@ -212,6 +216,14 @@ class ComfyRun:
         if self.calls and not self.window_calls:
             return "no step fell inside start_percent / end_percent"
         return "the selected blocks never ran with a grid that merges"
+
+    def read_window(self, sampling: Any) -> None:
+        """Read the window from the model sampling of the model being sampled: a node put
+        after ToMA (ModelSamplingSD3, ModelSamplingFlux, ...) replaces the schedule, and
+        ComfyUI's own nodes read their percents at sampling time too."""
+        to_sigma = getattr(sampling, hooks.PERCENT_TO_SIGMA, None)
+        if to_sigma is not None:
+            self.window = (float(to_sigma(self.percents[0])), float(to_sigma(self.percents[1])))
 
     # -- per denoiser call -----------------------------------------------------------------
     def _in_window(self, sigma: float) -> bool:
@@ -271,9 +283,20 @@ _TOME = "ComfyUI's TomePatchModel is applied to this model too: two token mergin
 
 
 # -- wrappers ---------------------------------------------------------------------------------
+def _sampling_of(executor: Any) -> Any:
+    """The model sampling of the ModelPatcher an OUTER_SAMPLE executor samples (its guider's),
+    with the object patches of every node up to the sampler; None where it cannot be read."""
+    guider = getattr(executor, hooks.EXECUTOR_CLASS_OBJ, None)
+    get = getattr(getattr(guider, hooks.GUIDER_PATCHER, None), "get_model_object", None)
+    return None if get is None else get(hooks.MODEL_SAMPLING)
+
+
 def _outer_sample(run: ComfyRun) -> Callable:
     def wrapper(executor: Any, *args: Any, **kwargs: Any) -> Any:
         run.begin_run()
+        sampling = _sampling_of(executor)
+        if sampling is not None:
+            run.read_window(sampling)
         out = executor(*args, **kwargs)
         run.report()
         return out
@@ -721,7 +744,7 @@ def patch_model(
         tile_size="auto" if tile_size == 0 else int(tile_size),
         proportional_attention=proportional_attention,
     )
-    run = ComfyRun(family, config, chosen, window, patch=patch, levels=levels)
+    run = ComfyRun(family, config, chosen, window, patch=patch, levels=levels, percents=(start_percent, end_percent))
 
     clone = model.clone()
     override = None
