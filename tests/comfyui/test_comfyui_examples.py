@@ -15,6 +15,11 @@ Validation ignores inputs a node does not declare, so an optional input renamed 
 would pass silently: the test also compares the ToMA node's inputs in each JSON with the
 node's schema, and applies those inputs to a tiny model of the workflow's family to check
 the node accepts them there and merges.
+
+Each API file has a UI-format twin (``*_ui.json``, what ComfyUI's menu saves and loads),
+written by ``scripts/comfyui_ui_workflows.py`` from the node schemas: the test rebuilds it
+from the API file and the current schemas (a moved widget or a renamed node changes it),
+and pins the order of the ToMA node's widgets, which saved UI workflows store by position.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_comfy import flux_patcher, unet_patcher, wan_patcher
+from tiny_comfy import flux_patcher, node_widgets, ui_workflow, unet_patcher, wan_patcher
 
 from toma.comfyui.node import ToMAModel
 from toma.comfyui.patch import patch_model
@@ -39,6 +44,9 @@ WORKFLOWS = {
     "flux_toma_api.json": (lambda comfy: flux_patcher(comfy, double=6, single=6), "flux"),
     "wan21_t2v_toma_api.json": (lambda comfy: wan_patcher(comfy, layers=6), "wan"),
 }
+# the order of the ToMA node's widgets: a saved UI workflow stores their values by position,
+# so reordering the node's inputs would feed old workflows' values to the wrong inputs
+TOMA_WIDGETS = ["ratio", "tile_size", "start_percent", "end_percent", "blocks", "merge_mlp", "proportional_attention"]
 # the core nodes the examples use that live in comfy_extras (loaded by ComfyUI at start-up)
 EXTRAS = ("nodes_sd3.py", "nodes_flux.py", "nodes_hunyuan.py", "nodes_model_advanced.py", "nodes_video.py")
 # loader inputs whose options are a model folder's listing
@@ -163,3 +171,18 @@ def test_validation_catches_a_broken_example(comfy, registered, model_folders, c
     assert not ok
     types = {error["type"]} | {e["type"] for n in node_errors.values() for e in n["errors"]}
     assert error_type in types, (error, node_errors)
+
+
+@pytest.mark.parametrize("name", list(WORKFLOWS))
+def test_ui_twin_is_the_api_workflow_under_the_current_schemas(comfy, registered, name):
+    ui_path = EXAMPLES / name.replace("_api.json", "_ui.json")
+    ui = json.loads(ui_path.read_text())
+    prompt = _load(name)
+    assert ui == ui_workflow(prompt, comfy.nodes.NODE_CLASS_MAPPINGS), (
+        f"rerun scripts/comfyui_ui_workflows.py for {ui_path.name}"
+    )
+    assert [w for w, _ in node_widgets(ToMAModel)] == TOMA_WIDGETS
+    (toma_node,) = [n for n in ui["nodes"] if n["type"] == "ToMAModel"]
+    api_inputs = _toma_node(prompt)["inputs"]
+    assert toma_node["widgets_values"] == [api_inputs[w] for w in TOMA_WIDGETS]
+    assert [i["name"] for i in toma_node["inputs"]] == ["model"] and toma_node["outputs"][0]["type"] == "MODEL"

@@ -602,3 +602,100 @@ def diffusers_denoise(family: str, patcher, model, x, sigma, context, pooled=Non
 def fp32_floor(reference: torch.Tensor) -> float:
     """One fp32 rounding step at the output's scale: ``eps * max|reference|``."""
     return _EPS * float(reference.abs().max())
+
+
+# -- UI-format workflows from API-format prompts (examples/comfyui/, scripts/comfyui_ui_workflows.py) --
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+
+
+def node_widgets(node_class) -> list[tuple[str, dict]]:
+    """The widgets of a ComfyUI node class, in the order the front end lays out
+    ``widgets_values``: its required, then optional, inputs that are widgets (numbers,
+    strings, booleans, choices), each ``(input name, options)``; a seed's
+    ``control_after_generate`` is a widget of its own, right after it, named ``"<name>:control"``."""
+    schema = node_class.INPUT_TYPES()
+    out = []
+    for part in ("required", "optional"):
+        for name, spec in schema.get(part, {}).items():
+            kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
+            if isinstance(kind, (list, tuple)) or kind in WIDGET_TYPES:
+                out.append((name, options))
+                if options.get("control_after_generate"):
+                    out.append((f"{name}:control", {}))
+    return out
+
+
+def ui_workflow(prompt: dict, mappings: dict) -> dict:
+    """The UI-format (LiteGraph) workflow of an API-format ``prompt``: the same nodes (ids
+    kept), links and widget values, laid out in columns by depth. ``mappings`` is ComfyUI's
+    ``nodes.NODE_CLASS_MAPPINGS``. Seeds are ``"fixed"`` after generation, so the workflow
+    reproduces the prompt."""
+    ids = sorted(prompt, key=int)
+    depth: dict[str, int] = {}
+
+    def depth_of(nid: str) -> int:
+        if nid not in depth:
+            sources = [v[0] for v in prompt[nid]["inputs"].values() if isinstance(v, list)]
+            depth[nid] = 1 + max((depth_of(s) for s in sources), default=-1)
+        return depth[nid]
+
+    links: list[list] = []
+    outputs: dict[str, list[dict]] = {}
+    for nid in ids:
+        cls = mappings[prompt[nid]["class_type"]]
+        names = getattr(cls, "RETURN_NAMES", None) or cls.RETURN_TYPES
+        outputs[nid] = [
+            {"name": n, "type": t, "links": [], "slot_index": i}
+            for i, (n, t) in enumerate(zip(names, cls.RETURN_TYPES))
+        ]
+    nodes, rows = [], {}
+    for order, nid in enumerate(ids):
+        node = prompt[nid]
+        cls = mappings[node["class_type"]]
+        schema = cls.INPUT_TYPES()
+        sockets, widgets = [], []
+        for part in ("required", "optional"):
+            for name, spec in schema.get(part, {}).items():
+                value = node["inputs"].get(name)
+                if isinstance(value, list):  # a link [source id, output slot]
+                    source, slot = value
+                    link = len(links) + 1
+                    kind = outputs[source][slot]["type"]
+                    links.append([link, int(source), slot, int(nid), len(sockets), kind])
+                    outputs[source][slot]["links"].append(link)
+                    sockets.append({"name": name, "type": kind, "link": link})
+        for name, options in node_widgets(cls):
+            if name.endswith(":control"):
+                widgets.append("fixed")
+            elif name in node["inputs"] or "default" in options:
+                widgets.append(node["inputs"].get(name, options.get("default")))
+            else:
+                raise ValueError(f"node {nid} ({node['class_type']}): give a value for its widget {name!r}")
+        column = depth_of(nid)
+        row = rows[column] = rows.get(column, -1) + 1
+        nodes.append(
+            {
+                "id": int(nid),
+                "type": node["class_type"],
+                "title": node.get("_meta", {}).get("title", node["class_type"]),
+                "pos": [40 + 380 * column, 40 + 260 * row],
+                "size": [340, 130 + 26 * len(widgets)],
+                "flags": {},
+                "order": order,
+                "mode": 0,
+                "inputs": sockets,
+                "outputs": outputs[nid],
+                "properties": {"Node name for S&R": node["class_type"]},
+                "widgets_values": widgets,
+            }
+        )
+    return {
+        "last_node_id": max(int(i) for i in ids),
+        "last_link_id": len(links),
+        "nodes": nodes,
+        "links": links,
+        "groups": [],
+        "config": {},
+        "extra": {},
+        "version": 0.4,
+    }
