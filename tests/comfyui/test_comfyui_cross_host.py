@@ -16,7 +16,7 @@ Merged at ratio 0.5 (every block, proportional attention on), what the hosts mer
   ``merge_crossattn``, so that every part merges as in ComfyUI). ``norm(M x)`` and
   ``M norm(x)`` differ when ``M`` averages distinct tokens, and the hosts select on
   different features (raw vs normed tokens), so on generic inputs the outputs differ
-  (measured, docs/comfyui.md: about as far apart as each is from unmerged on Flux, a fifth
+  (measured, docs/comfyui.md: about as far apart as each is from unmerged on Flux, 1/4-1/7
   of that on Wan). They coincide where the merge commutes with the norms: image tokens in
   equal pairs (``twin_inputs(pairs=True)``) within each 2x2 tile. Merging a pair is then a
   copy, both hosts pick the same destinations (exact ties break on the same index), and
