@@ -71,6 +71,30 @@ def test_img2img_window_reads_sigmas_like_comfyui(comfy, flux):
     assert torch.isfinite(out).all()
 
 
+def test_window_reads_the_schedule_of_a_sampling_node_put_after_toma(comfy, flux):
+    """ModelSamplingSD3 after the ToMA node replaces the schedule; the window follows the
+    model being sampled, read when sampling starts, as ComfyUI's own nodes read it."""
+    import comfy.samplers
+    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
+
+    steps, start = 6, 0.3
+    patched = patch_model(flux, 0.5, blocks=ALL_FLUX, start_percent=start)
+    (shifted,) = ModelSamplingSD3().patch(patched, shift=6.0)
+    sampling = shifted.get_model_object("model_sampling")
+    sigmas = comfy.samplers.KSampler(shifted, steps=steps, device="cpu", sampler="euler", scheduler="normal").sigmas
+    expected = [64 if float(s) > sampling.percent_to_sigma(start) else 32 for s in sigmas[:-1]]
+    # the schedule the node was given would put the cut elsewhere
+    before = flux.get_model_object("model_sampling").percent_to_sigma(start)
+    assert expected != [64 if float(s) > before else 32 for s in sigmas[:-1]] and 32 in expected
+    seen, handles = _record(_flux_modules(flux))
+    try:
+        sample(comfy, shifted, "flux", steps=steps)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen["double0.qkv"] == expected
+
+
 @pytest.mark.parametrize("layout", ["flux1", "flux2"])
 def test_kontext_reference_tokens_pass_whole(comfy, flux, layout, caplog):
     """Reference latents (Kontext, Flux.2) join the image tokens in the sequence: they pass

@@ -201,8 +201,13 @@ def test_bad_input_is_an_error_naming_it_and_patches_nothing(comfy, flux, kwargs
 def test_unet_blocks_are_checked_against_its_levels(comfy, sdxl):
     with pytest.raises(ValueError, match="blocks: unknown block stack 'double'; allowed: levels|unknown block stack"):
         patch_model(sdxl, 0.5, blocks="double:0")
-    with pytest.raises(ValueError, match="levels '3' is outside 0-1"):
+    # levels count from 1, as the docs and the log line count them
+    with pytest.raises(ValueError, match="levels '3' is outside 1-2"):
         patch_model(sdxl, 0.5, blocks="levels:3")
+    with pytest.raises(ValueError, match="levels '0' is outside 1-2"):
+        patch_model(sdxl, 0.5, blocks="levels:0")
+    assert patch_model(sdxl, 0.5, blocks="levels:2").toma_run.levels == (4,)  # SDXL-like: levels at /2, /4
+    assert patch_model(sdxl, 0.5, blocks="levels:1,2").toma_run.levels == (2, 4)
     with pytest.raises(ValueError, match="merge_mlp: 'on' is not available on the SD/SDXL UNet"):
         patch_model(sdxl, 0.5, merge_mlp="on")
 

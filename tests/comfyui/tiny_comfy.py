@@ -445,3 +445,257 @@ def sd3_patcher(comfy, seed: int = 0):
             torch.randn(model.diffusion_model.pos_embed.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
         )
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+# -- the same weights in diffusers' models (tests/comfyui/test_comfyui_cross_host.py) -------------
+# Import diffusers' model classes before ComfyUI: with the torchvision stand-ins in place,
+# diffusers' import-time version checks fail.
+TWIN_FAMILIES = ("flux", "unet", "wan")
+_EPS = torch.finfo(torch.float32).eps
+
+
+def diffusers_twin(comfy, family: str, seed: int = 0):
+    """A tiny ComfyUI model of ``family`` (``"flux"``, ``"unet"``: SDXL's attention layout, or
+    ``"wan"``: Wan 2.1 T2V) with seeded weights, and diffusers' model of that family holding
+    the same weights: ``(patcher, diffusers_model)``.
+
+    The keys are converted by the hosts' own maps: ComfyUI's ``comfy.utils.flux_to_diffusers``
+    and ``unet_to_diffusers`` (diffusers key -> ComfyUI key, fused q/k/v sliced), and for Wan,
+    whose ComfyUI keys are the original checkpoint's, diffusers'
+    ``convert_wan_transformer_to_diffusers``. Loading is strict: every key of both is used.
+    """
+    import comfy.utils
+
+    if family == "flux":
+        from diffusers import FluxTransformer2DModel
+
+        patcher = flux_patcher(comfy, double=2, single=2, seed=seed, mlp_ratio=4.0)  # diffusers' Flux: 4
+        model = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,  # 4 latent channels x 2 x 2, packed as ComfyUI patchifies
+            out_channels=16,
+            num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=32,
+            num_attention_heads=2,
+            joint_attention_dim=FLUX_CONTEXT,
+            pooled_projection_dim=FLUX_VEC,
+            guidance_embeds=False,
+            axes_dims_rope=(8, 12, 12),
+        )
+        key_map = comfy.utils.flux_to_diffusers({"depth": 2, "depth_single_blocks": 2, "hidden_size": 64})
+    elif family == "unet":
+        from diffusers import UNet2DConditionModel
+
+        patcher = unet_patcher(comfy, sdxl_like=True, seed=seed)
+        model = UNet2DConditionModel(
+            sample_size=32,
+            in_channels=4,
+            out_channels=4,
+            block_out_channels=(32, 64, 64),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            layers_per_block=1,
+            cross_attention_dim=UNET_CONTEXT,
+            attention_head_dim=(2, 4, 4),  # heads per level (diffusers' legacy name): 16 channels each
+            use_linear_projection=True,
+        )
+        key_map = comfy.utils.unet_to_diffusers(patcher.model.model_config.unet_config)
+    elif family == "wan":
+        from diffusers import WanTransformer3DModel
+        from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+        patcher = wan_patcher(comfy, layers=2, seed=seed)
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=32,
+            in_channels=4,
+            out_channels=4,
+            text_dim=WAN_TEXT,
+            freq_dim=32,
+            ffn_dim=128,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+        )
+        original = {k: v.clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
+        model.load_state_dict(convert_wan_transformer_to_diffusers(original), strict=True)
+        return patcher, model.eval()
+    else:
+        raise ValueError(f"family must be one of {TWIN_FAMILIES}; got {family!r}")
+    source = patcher.model.diffusion_model.state_dict()
+    weights = {}
+    for key, like in model.state_dict().items():
+        found = key_map[key]
+        if isinstance(found, str):
+            value = source[found]
+        elif found[1] is None:  # (ComfyUI key, None, transform)
+            value = found[2](source[found[0]])
+        else:  # (ComfyUI key, (dim, offset, size)): a slice of a fused tensor
+            value = source[found[0]].narrow(*found[1])
+        weights[key] = value.reshape(like.shape)
+    model.load_state_dict(weights, strict=True)
+    return patcher, model.eval()
+
+
+def twin_inputs(family: str, pairs: bool = False, seed: int = 3) -> dict:
+    """Seeded inputs of one denoiser call for :func:`diffusers_twin`'s models: ``x`` (latent),
+    ``sigma``, ``context`` and, for Flux, ``pooled``. With ``pairs``, the image tokens come
+    in equal pairs (token columns 2j and 2j + 1 equal), so that each 2x2 tile holds two
+    pairs (see the cross-host test for why)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, 4, 3, 8, 8) if family == "wan" else (1, 4, 16, 16)
+    x = torch.randn(shape, generator=g)
+    if pairs:  # a token is 2x2 latent pixels: latent columns 4j, 4j+1 repeat as 4j+2, 4j+3
+        halves = x.unflatten(-1, (shape[-1] // 4, 4))[..., :2]
+        x = torch.cat((halves, halves), -1).flatten(-2)
+    dim = {"flux": FLUX_CONTEXT, "unet": UNET_CONTEXT, "wan": WAN_TEXT}[family]
+    inputs = {"x": x, "sigma": torch.tensor([0.7 if family != "unet" else 2.0])}
+    inputs["context"] = torch.randn(1, 6, dim, generator=g)
+    if family == "flux":
+        inputs["pooled"] = torch.randn(1, FLUX_VEC, generator=g)
+    return inputs
+
+
+def comfy_denoise(patcher, x, sigma, context, pooled=None) -> torch.Tensor:
+    """One denoiser call of ComfyUI's ``BaseModel.apply_model`` with ``patcher``'s patches and
+    wrappers (as sampling passes them): the denoised latent."""
+    options = {**patcher.model_options.get("transformer_options", {}), "wrappers": patcher.wrappers}
+    extra = {} if pooled is None else {"y": pooled}
+    with torch.no_grad():
+        return patcher.model.apply_model(
+            x, sigma, c_crossattn=context, transformer_options={**options, "sigmas": sigma}, **extra
+        )
+
+
+def diffusers_denoise(family: str, patcher, model, x, sigma, context, pooled=None) -> torch.Tensor:
+    """The same call on diffusers' ``model``: ComfyUI's model sampling turns sigma into the
+    denoiser's input scaling and timestep, and its output into the denoised latent, exactly as
+    ``apply_model`` does; the latent is packed into tokens as ComfyUI's Flux patchifies it."""
+    sampling = patcher.model.model_sampling
+    xc = sampling.calculate_input(sigma, x)
+    t = sampling.timestep(sigma).float()
+    with torch.no_grad():
+        if family == "flux":
+            b, c, h, w = x.shape
+            hp, wp = h // 2, w // 2
+            packed = xc.reshape(b, c, hp, 2, wp, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, hp * wp, c * 4)
+            rows, cols = torch.meshgrid(torch.arange(hp), torch.arange(wp), indexing="ij")
+            img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
+            out = model(
+                hidden_states=packed,
+                encoder_hidden_states=context,
+                pooled_projections=pooled,
+                timestep=t,
+                img_ids=img_ids,
+                txt_ids=torch.zeros(context.shape[1], 3),
+                return_dict=False,
+            )[0]
+            out = out.reshape(b, hp, wp, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+        else:
+            out = model(xc, t, encoder_hidden_states=context, return_dict=False)[0]
+    return sampling.calculate_denoised(sigma, out, x)
+
+
+def fp32_floor(reference: torch.Tensor) -> float:
+    """One fp32 rounding step at the output's scale: ``eps * max|reference|``."""
+    return _EPS * float(reference.abs().max())
+
+
+# -- UI-format workflows from API-format prompts (examples/comfyui/, scripts/comfyui_ui_workflows.py) --
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+
+
+def node_widgets(node_class) -> list[tuple[str, dict]]:
+    """The widgets of a ComfyUI node class, in the order the front end lays out
+    ``widgets_values``: its required, then optional, inputs that are widgets (numbers,
+    strings, booleans, choices), each ``(input name, options)``; a seed's
+    ``control_after_generate`` is a widget of its own, right after it, named ``"<name>:control"``."""
+    schema = node_class.INPUT_TYPES()
+    out = []
+    for part in ("required", "optional"):
+        for name, spec in schema.get(part, {}).items():
+            kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
+            if isinstance(kind, (list, tuple)) or kind in WIDGET_TYPES:
+                out.append((name, options))
+                if options.get("control_after_generate"):
+                    out.append((f"{name}:control", {}))
+    return out
+
+
+def ui_workflow(prompt: dict, mappings: dict) -> dict:
+    """The UI-format (LiteGraph) workflow of an API-format ``prompt``: the same nodes (ids
+    kept), links and widget values, laid out in columns by depth. ``mappings`` is ComfyUI's
+    ``nodes.NODE_CLASS_MAPPINGS``. Seeds are ``"fixed"`` after generation, so the workflow
+    reproduces the prompt."""
+    ids = sorted(prompt, key=int)
+    depth: dict[str, int] = {}
+
+    def depth_of(nid: str) -> int:
+        if nid not in depth:
+            sources = [v[0] for v in prompt[nid]["inputs"].values() if isinstance(v, list)]
+            depth[nid] = 1 + max((depth_of(s) for s in sources), default=-1)
+        return depth[nid]
+
+    links: list[list] = []
+    outputs: dict[str, list[dict]] = {}
+    for nid in ids:
+        cls = mappings[prompt[nid]["class_type"]]
+        names = getattr(cls, "RETURN_NAMES", None) or cls.RETURN_TYPES
+        outputs[nid] = [
+            {"name": n, "type": t, "links": [], "slot_index": i}
+            for i, (n, t) in enumerate(zip(names, cls.RETURN_TYPES))
+        ]
+    nodes, rows = [], {}
+    for order, nid in enumerate(ids):
+        node = prompt[nid]
+        cls = mappings[node["class_type"]]
+        schema = cls.INPUT_TYPES()
+        sockets, widgets = [], []
+        for part in ("required", "optional"):
+            for name, spec in schema.get(part, {}).items():
+                value = node["inputs"].get(name)
+                if isinstance(value, list):  # a link [source id, output slot]
+                    source, slot = value
+                    link = len(links) + 1
+                    kind = outputs[source][slot]["type"]
+                    links.append([link, int(source), slot, int(nid), len(sockets), kind])
+                    outputs[source][slot]["links"].append(link)
+                    sockets.append({"name": name, "type": kind, "link": link})
+        for name, options in node_widgets(cls):
+            if name.endswith(":control"):
+                widgets.append("fixed")
+            elif name in node["inputs"] or "default" in options:
+                widgets.append(node["inputs"].get(name, options.get("default")))
+            else:
+                raise ValueError(f"node {nid} ({node['class_type']}): give a value for its widget {name!r}")
+        column = depth_of(nid)
+        row = rows[column] = rows.get(column, -1) + 1
+        nodes.append(
+            {
+                "id": int(nid),
+                "type": node["class_type"],
+                "title": node.get("_meta", {}).get("title", node["class_type"]),
+                "pos": [40 + 380 * column, 40 + 260 * row],
+                "size": [340, 130 + 26 * len(widgets)],
+                "flags": {},
+                "order": order,
+                "mode": 0,
+                "inputs": sockets,
+                "outputs": outputs[nid],
+                "properties": {"Node name for S&R": node["class_type"]},
+                "widgets_values": widgets,
+            }
+        )
+    return {
+        "last_node_id": max(int(i) for i in ids),
+        "last_link_id": len(links),
+        "nodes": nodes,
+        "links": links,
+        "groups": [],
+        "config": {},
+        "extra": {},
+        "version": 0.4,
+    }

@@ -80,6 +80,12 @@ ARG_HUNYUAN_SPANS = ("modulation_dims_img", "modulation_dims")  # modulation add
 ATTN_MASK = "mask"
 ATTN_SKIP_RESHAPE = "skip_reshape"
 
+# what an OUTER_SAMPLE wrapper reads of the run it wraps: the executor's class_obj is the
+# guider, whose model_patcher is the model being sampled (with every node's object patches)
+EXECUTOR_CLASS_OBJ = "class_obj"
+GUIDER_PATCHER = "model_patcher"
+WRAPPER_EXECUTOR = "comfy.patcher_extension:WrapperExecutor"
+
 # wrapper kinds (attributes of WrappersMP)
 OUTER_SAMPLE = "OUTER_SAMPLE"  # once per sampling run: toma resets and logs there
 APPLY_MODEL = "APPLY_MODEL"  # once per denoiser call: x (latent), t (sigma), ... transformer_options
@@ -185,7 +191,12 @@ COMMON: tuple[Need, ...] = (
         params=("x", "t", "transformer_options"),
         source=(f"WrappersMP.{APPLY_MODEL}",),
     ),
-    Need(f"{CFG_GUIDER}.sample", "the OUTER_SAMPLE wrapper's call", source=(f"WrappersMP.{OUTER_SAMPLE}",)),
+    Need(
+        f"{CFG_GUIDER}.sample",
+        "the OUTER_SAMPLE wrapper's call",
+        source=(f"WrappersMP.{OUTER_SAMPLE}", f"self.{GUIDER_PATCHER}"),
+    ),
+    Need(f"{WRAPPER_EXECUTOR}.__init__", "the wrapped object of a wrapper", params=("self", EXECUTOR_CLASS_OBJ)),
     Need(f"{BASE_MODEL}._apply_model", "the sigma passed to apply_model", source=("sigma = t",)),
     # a patcher's wrappers reach transformer_options when sampling prepares the model
     Need(

@@ -61,13 +61,16 @@ def _check_inputs(
         raise ValueError(f"proportional_attention must be true or false; got {proportional_attention!r}")
 
 
-def parse_blocks(text: Any, stacks: dict[str, int], defaults: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+def parse_blocks(
+    text: Any, stacks: dict[str, int], defaults: dict[str, tuple[int, ...]], first: int = 0
+) -> dict[str, tuple[int, ...]]:
     """The blocks to merge, from the node's ``blocks`` input.
 
     ``text`` is empty or ``"auto"`` for the family's ``defaults``, else whitespace-separated
     ``stack:indices`` groups, indices being comma-separated ints and inclusive ranges
     (``double:5-18 single:0,2,4-37``), ``all`` or ``none``. ``stacks`` maps each stack name
-    to its number of blocks. Stacks left out merge nothing.
+    to its number of blocks. Stacks left out merge nothing. The text counts from ``first``
+    (the UNet's levels from 1, as its docs and log line do); the result counts from 0.
     """
     if not isinstance(text, str):
         raise ValueError(f"blocks must be a string such as 'double:5-18 single:all'; got {text!r}")
@@ -93,12 +96,14 @@ def parse_blocks(text: Any, stacks: dict[str, int], defaults: dict[str, tuple[in
         for item in spec.split(","):
             lo, dash, hi = item.partition("-")
             try:
-                first, last = int(lo), int(hi) if dash else int(lo)
+                lo_i, hi_i = int(lo), int(hi) if dash else int(lo)
             except ValueError:
                 raise ValueError(f"blocks: {item!r} in {group!r} is not an index or a range a-b") from None
-            if first > last or first < 0 or last >= count:
-                raise ValueError(f"blocks: {stack} {item!r} is outside 0-{count - 1} ({count} {stack} blocks here)")
-            picked.update(range(first, last + 1))
+            if lo_i > hi_i or lo_i < first or hi_i >= count + first:
+                raise ValueError(
+                    f"blocks: {stack} {item!r} is outside {first}-{count - 1 + first} ({count} {stack} blocks here)"
+                )
+            picked.update(range(lo_i - first, hi_i - first + 1))
         out[stack] = tuple(sorted(picked))
     return out
 
@@ -140,9 +145,11 @@ class ComfyRun:
         family: the model's family.
         config: the ToMA settings (ratio, tile size, proportional attention).
         blocks: the blocks to merge, ``{stack: indices}``.
-        window: ``(sigma_start, sigma_end)``: calls whose sigma is outside merge nothing.
+        window: ``(sigma_start, sigma_end)``: calls whose sigma is outside merge nothing;
+            read again from ``percents`` at the start of each sampling run (:meth:`read_window`).
         patch: latent pixels per token side, or ``(frames, height, width)`` for video.
         levels: UNet only: downsample factors whose self-attention merges.
+        percents: ``(start_percent, end_percent)`` the window was read from.
     """
 
     def __init__(
@@ -153,8 +160,10 @@ class ComfyRun:
         window: tuple[float, float],
         patch: int | tuple[int, int, int] = 1,
         levels: tuple[int, ...] = (),
+        percents: tuple[float, float] = (0.0, 1.0),
     ) -> None:
         self.family = family
+        self.percents = percents
         self.config = config
         self.blocks = blocks
         self.window = window
@@ -207,6 +216,14 @@ class ComfyRun:
         if self.calls and not self.window_calls:
             return "no step fell inside start_percent / end_percent"
         return "the selected blocks never ran with a grid that merges"
+
+    def read_window(self, sampling: Any) -> None:
+        """Read the window from the model sampling of the model being sampled: a node put
+        after ToMA (ModelSamplingSD3, ModelSamplingFlux, ...) replaces the schedule, and
+        ComfyUI's own nodes read their percents at sampling time too."""
+        to_sigma = getattr(sampling, hooks.PERCENT_TO_SIGMA, None)
+        if to_sigma is not None:
+            self.window = (float(to_sigma(self.percents[0])), float(to_sigma(self.percents[1])))
 
     # -- per denoiser call -----------------------------------------------------------------
     def _in_window(self, sigma: float) -> bool:
@@ -266,9 +283,20 @@ _TOME = "ComfyUI's TomePatchModel is applied to this model too: two token mergin
 
 
 # -- wrappers ---------------------------------------------------------------------------------
+def _sampling_of(executor: Any) -> Any:
+    """The model sampling of the ModelPatcher an OUTER_SAMPLE executor samples (its guider's),
+    with the object patches of every node up to the sampler; None where it cannot be read."""
+    guider = getattr(executor, hooks.EXECUTOR_CLASS_OBJ, None)
+    get = getattr(getattr(guider, hooks.GUIDER_PATCHER, None), "get_model_object", None)
+    return None if get is None else get(hooks.MODEL_SAMPLING)
+
+
 def _outer_sample(run: ComfyRun) -> Callable:
     def wrapper(executor: Any, *args: Any, **kwargs: Any) -> Any:
         run.begin_run()
+        sampling = _sampling_of(executor)
+        if sampling is not None:
+            run.read_window(sampling)
         out = executor(*args, **kwargs)
         run.report()
         return out
@@ -702,8 +730,8 @@ def patch_model(
         # SDXL (no attention at full resolution) merges its top two levels, SD 1.x its top one
         default = 2 if attention_levels and attention_levels[0] > 1 else 1
         counts = {"levels": len(attention_levels)}
-        chosen = parse_blocks(blocks, counts, {"levels": tuple(range(min(default, len(attention_levels))))})
-        # "levels" count from 1 in logs and the input's docs, from 0 in indices
+        chosen = parse_blocks(blocks, counts, {"levels": tuple(range(min(default, len(attention_levels))))}, first=1)
+        # "levels" count from 1 in the input, its docs and the log line, from 0 in indices
         levels = tuple(attention_levels[i] for i in chosen.get("levels", ()))
         chosen = {"levels": tuple(i + 1 for i in chosen.get("levels", ()))}
         patch = 1
@@ -716,7 +744,7 @@ def patch_model(
         tile_size="auto" if tile_size == 0 else int(tile_size),
         proportional_attention=proportional_attention,
     )
-    run = ComfyRun(family, config, chosen, window, patch=patch, levels=levels)
+    run = ComfyRun(family, config, chosen, window, patch=patch, levels=levels, percents=(start_percent, end_percent))
 
     clone = model.clone()
     override = None
