@@ -115,16 +115,27 @@ class Call:
         return torch.full((self.batch,), 999.0, device=self.device, dtype=self.dtype)
 
 
+def flow_timestep(frac: float) -> float:
+    """A flow-matching transformer's timestep at ``frac`` of the noise left: sigma, in [0, 1]
+    (kept off 0). A family module's ``timestep_at``, see :func:`toma.tools.archs.set_timestep`."""
+    return max(frac, 1e-3)
+
+
+def rising_timestep(frac: float) -> float:
+    """A model time of 1 - sigma (0 is noise, rising over a run) at ``frac`` of the noise
+    left. A family module's ``timestep_at``, see :func:`toma.tools.archs.set_timestep`."""
+    return 1.0 - frac
+
+
 def latent_frames(arch: Arch, frames: int | None = None) -> int:
     """Latent frames of a video arch for ``frames`` pixel frames (its default if None): the
-    VAE keeps the first frame and compresses the rest ``time_scale`` times. 1 for images."""
-    if arch.family == "minimax-h3":  # its video VAE encodes chunks of 17 frames to 5 latents
-        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import video_latent_num_frames
+    VAE keeps the first frame and compresses the rest ``time_scale`` times, or as the family
+    module's ``count_latent_frames`` says. 1 for images."""
+    from toma.tools.archs import FAMILY_MODULES  # imported by then: it imports this module first
 
-        frames = arch.frames if frames is None else frames
-        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 5 or frames % 17 != 5:
-            raise ValueError(f"frames must be 17k + 5 (MiniMax H3's video VAE chunks); got {frames!r}")
-        return video_latent_num_frames(frames, 17, 5)
+    own = getattr(FAMILY_MODULES.get(arch.family), "count_latent_frames", None)
+    if own is not None:
+        return own(arch, frames)
     if not arch.frames:
         if frames not in (None, 0, 1):
             raise ValueError(f"frames applies to video archs; {arch.name} draws images")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "bria-fibo"
 
 
 # Bria FIBO: 8 double-stream and 38 single-stream blocks at Flux's width (8.29B parameters
@@ -54,3 +57,16 @@ def inputs(c: Call) -> dict[str, Any]:
         "txt_ids": torch.zeros(arch.text_tokens, 3, device=device),
         "return_dict": False,
     }
+
+
+def call(model: Any, inputs: dict[str, Any]) -> Any:
+    """One forward with one text-encoder layer per block the model has (at ``--depth``, fewer)."""
+    return model(**{**inputs, "text_encoder_layers": inputs["text_encoder_layers"][: len(model.caption_projection)]})
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # FIBO's prompt is a structured JSON caption of up to 1000+ words, as long as it is:
+    # 1024 tokens stands for one
+    Arch("bria-fibo", FAMILY, BRIA_FIBO, 1024, 1024, 4096, 0, 16, "Bria FIBO transformer", patch=1),
+)

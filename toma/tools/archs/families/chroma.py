@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, flow_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "chroma"
 
 
 # Chroma1-HD (8.9B): the class defaults, Flux.1's blocks at Flux's width with the pooled
@@ -50,3 +53,14 @@ def inputs(c: Call) -> dict[str, Any]:
         "txt_ids": torch.zeros(arch.text_tokens, 3, device=device, dtype=dtype),
         "return_dict": False,
     }
+
+
+# a flow-matching transformer: the timestep is sigma, in [0, 1]
+timestep_at = flow_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # Chroma's pipeline pads the T5 prompt to 512 tokens, as Flux's
+    Arch("chroma", FAMILY, CHROMA, 1024, 512, 4096, 0, 8, "Chroma1-HD transformer (8.9B)"),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call, latent_frames
+from toma.tools.archs.arch import Arch, Call, latent_frames
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "chronoedit"
 
 # ChronoEdit-14B: Wan 2.1 I2V 14B's layout, which it is fine-tuned from (36 input channels:
 # 16 latent, 4 mask and 16 condition; CLIP image embeddings of 1280 before the text), with
@@ -64,3 +67,24 @@ def inputs(c: Call) -> dict[str, Any]:
         "encoder_hidden_states_image": c.rand(c.batch, IMAGE_TOKENS, arch.config["image_dim"]),
         "return_dict": False,
     }
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the pipeline's 480x832 and its edit without temporal reasoning: 5 frames (2 latent: the
+    # input image and the edited one); the T5 prompt padded to 512
+    Arch("chronoedit", FAMILY, CHRONOEDIT_14B, 480, 512, 4096, 0, 8, "ChronoEdit-14B transformer", 832 / 480, 5),
+    Arch(
+        "tiny-chronoedit",
+        FAMILY,
+        TINY_CHRONOEDIT,
+        64,
+        512,
+        32,
+        0,
+        8,
+        "tiny ChronoEdit-like transformer (tests)",
+        1.0,
+        5,
+    ),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from toma.tools.archs.arch import Call, latent_frames
+from toma.tools.archs.arch import Arch, Call, latent_frames
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "cogvideox"
 
 if TYPE_CHECKING:
     import torch
@@ -95,3 +98,22 @@ def inputs(c: Call) -> dict[str, Any]:
         "image_rotary_emb": cogvideox_rotary(arch.config, count, lh, lw, device, dtype),
         "return_dict": False,
     }
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    Arch("cogvideox", FAMILY, COGVIDEOX_5B, 480, 226, 4096, 0, 8, "CogVideoX-5B transformer", 720 / 480, 49),
+    Arch(
+        "tiny-cogvideox",
+        FAMILY,
+        TINY_COGVIDEOX,
+        64,
+        8,
+        32,
+        0,
+        8,
+        "tiny CogVideoX-like transformer (tests)",
+        1.0,
+        5,
+    ),
+)

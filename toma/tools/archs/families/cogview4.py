@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "cogview4"
 
 # CogView4-6B: 28 blocks of 32 heads of 128 (width 4096), GLM-4 prompt embeddings of 4096
 COGVIEW4_6B: dict[str, Any] = {
@@ -57,3 +60,12 @@ def inputs(c: Call) -> dict[str, Any]:
         "crop_coords": torch.zeros_like(size),
         "return_dict": False,
     }
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the pipeline's 1024px; its GLM-4 prompt embeddings are as long as the prompt, padded to a
+    # multiple of 16: 128 stands for one of a few sentences
+    Arch("cogview4", FAMILY, COGVIEW4_6B, 1024, 128, 4096, 0, 8, "CogView4-6B transformer"),
+    Arch("tiny-cogview4", FAMILY, TINY_COGVIEW4, 64, 16, 32, 0, 8, "tiny CogView4-like transformer (tests)"),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, flow_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "cosmos"
 
 
 # Cosmos-Predict2 2B Text2Image (diffusers' scripts/convert_cosmos_to_diffusers.py), without
@@ -49,3 +52,14 @@ def inputs(c: Call) -> dict[str, Any]:
         "encoder_hidden_states": text,
         "return_dict": False,
     }
+
+
+# a flow-matching transformer: the timestep is sigma, in [0, 1]
+timestep_at = flow_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the pipeline's 768x1360 image (Wan's 8x VAE) and T5 prompt of 512
+    Arch("cosmos", FAMILY, COSMOS_PREDICT2_2B, 768, 512, 1024, 0, 8, "Cosmos-Predict2 2B text-to-image", 1360 / 768),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "ernie-image"
 
 
 # ERNIE-Image (8B; Turbo has the same transformer): baidu's transformer/config.json (diffusers'
@@ -49,3 +52,12 @@ def inputs(c: Call) -> dict[str, Any]:
         "text_lens": torch.full((batch,), arch.text_tokens, device=device, dtype=torch.long),
         "return_dict": False,
     }
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # 1024px: the pipeline's 16x latents (the VAE's 8x, patchified 2x2 by the pipeline), one
+    # token each; its Mistral3 prompt embeddings are as long as the prompt (padded to the
+    # longest of a CFG batch): 128 stands for one of a few sentences
+    Arch("ernie-image", FAMILY, ERNIE_IMAGE, 1024, 128, 3072, 0, 16, "ERNIE-Image transformer (8B)", patch=1),
+)

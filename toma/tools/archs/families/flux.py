@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, flow_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "flux"
 
 
 FLUX_DEV: dict[str, Any] = {
@@ -68,3 +71,38 @@ def inputs(c: Call) -> dict[str, Any]:
         "guidance": torch.full((batch,), 3.5, device=device, dtype=dtype),
         "return_dict": False,
     }
+
+
+# a flow-matching transformer: the timestep is sigma, in [0, 1]
+timestep_at = flow_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    Arch("flux", FAMILY, FLUX_DEV, 1024, 512, 4096, 768, 8, "Flux.1-dev transformer"),
+    Arch(
+        "flux-kontext",
+        FAMILY,
+        FLUX_DEV,
+        1024,
+        512,
+        4096,
+        768,
+        8,
+        "Flux.1 Kontext transformer, editing one reference image",
+        references=1,
+    ),
+    Arch("tiny-flux", FAMILY, TINY_FLUX, 128, 8, 32, 16, 8, "tiny Flux-like transformer (tests)"),
+    Arch(
+        "tiny-flux-kontext",
+        FAMILY,
+        TINY_FLUX,
+        128,
+        8,
+        32,
+        16,
+        8,
+        "tiny Flux-like transformer with a reference image (tests)",
+        references=1,
+    ),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, flow_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "flux2"
 
 
 # FLUX.2-dev (32B): black-forest-labs/FLUX.2-dev transformer/config.json, which matches
@@ -68,3 +71,15 @@ def inputs(c: Call) -> dict[str, Any]:
         "guidance": torch.full((batch,), 4.0, device=device, dtype=dtype),
         "return_dict": False,
     }
+
+
+# a flow-matching transformer: the timestep is sigma, in [0, 1]
+timestep_at = flow_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the pipeline pads the prompt to 512 tokens
+    Arch("flux2", FAMILY, FLUX2_DEV, 1024, 512, 15360, 0, 8, "FLUX.2-dev transformer"),
+    Arch("tiny-flux2", FAMILY, TINY_FLUX2, 64, 8, 32, 0, 8, "tiny FLUX.2-like transformer (tests)"),
+)

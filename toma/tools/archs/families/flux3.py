@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, flow_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "flux3"
 
 
 # FLUX.3: diffusers' Flux3Transformer2DModel defaults (5 blocks per mode and 28 single-stream
@@ -53,3 +56,11 @@ def inputs(c: Call) -> dict[str, Any]:
         "txt_ids": torch.cartesian_prod(one, one, one, torch.arange(arch.text_tokens, device=device)),
         "return_dict": False,
     }
+
+
+# a flow-matching transformer: the timestep is sigma, in [0, 1]
+timestep_at = flow_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (Arch("flux3", FAMILY, FLUX3, 1024, 512, 20480, 0, 8, "FLUX.3 transformer"),)

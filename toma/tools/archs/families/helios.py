@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call, latent_frames
+from toma.tools.archs.arch import Arch, Call, latent_frames
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "helios"
 
 
 # Helios: diffusers' class defaults (Wan 2.1 14B's blocks, 40 x 128, and the three history
@@ -66,3 +69,10 @@ def inputs(c: Call) -> dict[str, Any]:
         **call,
         "return_dict": False,
     }
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the pipeline's 384x640 and chunks of 9 latent frames (33 frames), after its histories
+    Arch("helios", FAMILY, HELIOS, 384, 512, 4096, 0, 8, "Helios transformer, a chunk", 640 / 384, 33),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "hidream"
 
 
 # HiDream-I1-Full (17B): the class defaults, with the published config's 16-channel latents
@@ -55,3 +58,20 @@ def inputs(c: Call) -> dict[str, Any]:
         "pooled_embeds": rand(batch, arch.pooled_dim),
         "return_dict": False,
     }
+
+
+def reduce(full: dict[str, Any], reduced: dict[str, Any], depth: int) -> dict[str, Any]:
+    """``reduced`` (``full`` with ``depth`` times fewer blocks) with one Llama layer's
+    features per block built. See :func:`toma.tools.archs.reduced_config`."""
+    return {**reduced, "llama_layers": full["llama_layers"][: reduced["num_layers"] + reduced["num_single_layers"]]}
+
+
+# the call's timestep argument (999 at the first step, as the default)
+TIMESTEP_KEY = "timesteps"
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the pipeline's T5 and Llama prompts, 128 tokens each
+    Arch("hidream", FAMILY, HIDREAM, 1024, 128, 4096, 2048, 8, "HiDream-I1-Full transformer (17B)"),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call, latent_frames
+from toma.tools.archs.arch import Arch, Call, latent_frames
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "hunyuanvideo"
 
 
 # HunyuanVideo (13B): diffusers' class defaults are the published model (its conversion
@@ -71,3 +74,34 @@ def inputs(c: Call) -> dict[str, Any]:
         "guidance": torch.full((batch,), 6000.0, device=device, dtype=dtype),
         "return_dict": False,
     }
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    Arch(
+        "hunyuanvideo",
+        FAMILY,
+        HUNYUAN_VIDEO,
+        720,
+        256,
+        4096,
+        768,
+        8,
+        "HunyuanVideo 13B transformer",
+        1280 / 720,
+        129,
+    ),
+    Arch(
+        "tiny-hunyuanvideo",
+        FAMILY,
+        TINY_HUNYUAN_VIDEO,
+        64,
+        8,
+        32,
+        16,
+        8,
+        "tiny HunyuanVideo-like transformer (tests)",
+        1.0,
+        5,
+    ),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call, latent_frames
+from toma.tools.archs.arch import Arch, Call, latent_frames
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "hunyuanvideo15"
 
 
 # HunyuanVideo 1.5 (8.3B, 480p): the class defaults; 32-channel latents of a 16x VAE (4x in
@@ -65,3 +68,24 @@ def inputs(c: Call) -> dict[str, Any]:
         "image_embeds": torch.zeros(batch, 729, arch.config["image_embed_dim"], device=device, dtype=dtype),
         "return_dict": False,
     }
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # 480p (848x480, the pipeline's 16:9), 16x VAE, 1000 MLLM + 256 ByT5 prompt tokens as padded
+    # by the pipeline, text to video (its image embedding of zeros)
+    Arch(
+        "hunyuanvideo15",
+        FAMILY,
+        HUNYUAN_VIDEO15,
+        480,
+        1000,
+        3584,
+        0,
+        16,
+        "HunyuanVideo 1.5 480p transformer (8.3B)",
+        848 / 480,
+        121,
+        patch=1,
+    ),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, rising_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "ideogram4"
 
 
 # Ideogram 4: diffusers' class defaults, as its docs give them (the published config.json is
@@ -60,3 +63,15 @@ def inputs(c: Call) -> dict[str, Any]:
         "indicator": indicator,
         "return_dict": False,
     }
+
+
+# model time 1 - sigma (0 is noise): rises over a run
+timestep_at = rising_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the pipeline's 2048px default; its conditional transformer always takes 2048 text slots
+    # (max_sequence_length), a prompt's tokens left-padded to it
+    Arch("ideogram4", FAMILY, IDEOGRAM4, 2048, 2048, 53248, 0, 8, "Ideogram 4 transformer (9.3B)"),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call, latent_frames
+from toma.tools.archs.arch import Arch, Call, latent_frames
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "kandinsky5"
 
 
 # Kandinsky 5.0 T2V Lite (2B), its 5 s SFT checkpoint: kandinskylab's configs/config_5s_sft.yaml
@@ -55,3 +58,23 @@ def inputs(c: Call) -> dict[str, Any]:
         "scale_factor": (1, 2, 2),  # the pipeline's at 480-854 pixels a side
         "return_dict": False,
     }
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the T2V pipeline's 512x768 x 121 frames; its Qwen2.5-VL prompt embeddings are as long as
+    # the longest prompt (up to 256 tokens): 128 stands for one of a few sentences
+    Arch(
+        "kandinsky5",
+        FAMILY,
+        KANDINSKY5_LITE,
+        512,
+        128,
+        3584,
+        768,
+        8,
+        "Kandinsky 5.0 T2V Lite transformer (2B)",
+        768 / 512,
+        121,
+    ),
+)

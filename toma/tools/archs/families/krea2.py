@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, flow_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "krea2"
 
 
 # Krea 2 (Raw / Turbo): diffusers' class defaults, which are the released 12.9B model's
@@ -54,3 +57,15 @@ def inputs(c: Call) -> dict[str, Any]:
         "encoder_attention_mask": torch.ones(batch, arch.text_tokens, dtype=torch.bool, device=device),
         "return_dict": False,
     }
+
+
+# a flow-matching transformer: the timestep is sigma, in [0, 1]
+timestep_at = flow_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # Krea 2's pipeline pads the prompt to 512 tokens (and masks the padding); each token
+    # carries 12 tapped text-encoder layers of 2560
+    Arch("krea2", FAMILY, KREA2, 1024, 512, 2560, 0, 8, "Krea 2 transformer (12.9B)"),
+)

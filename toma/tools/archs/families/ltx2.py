@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call, latent_frames, ltx2_audio_frames
+from toma.tools.archs.arch import Arch, Call, latent_frames, ltx2_audio_frames
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "ltx2"
 
 
 # LTX-2 (19B, Lightricks/LTX-2): diffusers 0.42.1's LTX2VideoTransformer3DModel defaults are
@@ -70,3 +73,24 @@ def inputs(c: Call) -> dict[str, Any]:
         "audio_num_frames": audio,
         "return_dict": False,
     }
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # LTX2Pipeline's defaults: 768x512, 121 frames at 24 fps, prompts padded to 1024 tokens
+    Arch(
+        "ltx2",
+        FAMILY,
+        LTX2_VIDEO,
+        512,
+        1024,
+        3840,
+        0,
+        32,
+        "LTX-2 19B transformer (video + audio)",
+        768 / 512,
+        121,
+        8,
+        1,
+    ),
+)

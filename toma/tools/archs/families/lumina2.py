@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, rising_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "lumina2"
 
 
 # Lumina-Image 2.0 (2.6B), Alpha-VLLM/Lumina-Image-2.0's published transformer config: Gemma-2-2B
@@ -54,3 +57,13 @@ def inputs(c: Call) -> dict[str, Any]:
         "encoder_attention_mask": torch.ones(batch, arch.text_tokens, dtype=torch.bool, device=device),
         "return_dict": False,
     }
+
+
+# model time 1 - sigma (0 is noise): rises over a run
+timestep_at = rising_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    Arch("lumina2", FAMILY, LUMINA2, 1024, 256, 2304, 0, 8, "Lumina-Image 2.0 transformer (2.6B)"),
+)

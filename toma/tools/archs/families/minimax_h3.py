@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from toma.tools.archs.arch import Arch, Call, latent_frames
+from toma.tools.archs.arch import Arch, Call, flow_timestep, latent_frames
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "minimax-h3"
 
 if TYPE_CHECKING:
     import torch
@@ -80,3 +83,39 @@ def inputs(c: Call) -> dict[str, Any]:
     lw = c.lw
     rand = c.rand
     return minimax_h3_inputs(arch, rand, batch, lh, lw, frames, device)
+
+
+# a flow-matching transformer: the timestep is sigma, in [0, 1]
+timestep_at = flow_timestep
+
+
+def count_latent_frames(arch: Arch, frames: int | None = None) -> int:
+    """Latent frames for ``frames`` pixel frames (the arch's if None): the video VAE encodes
+    chunks of 17 frames to 5 latents. See :func:`toma.tools.archs.arch.latent_frames`."""
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import video_latent_num_frames
+
+    frames = arch.frames if frames is None else frames
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 5 or frames % 17 != 5:
+        raise ValueError(f"frames must be 17k + 5 (MiniMax H3's video VAE chunks); got {frames!r}")
+    return video_latent_num_frames(frames, 17, 5)
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the modular pipeline's default canvas (768x1344, 16x VAE) and shortest clip (5 s at 24 fps:
+    # 124 frames, 37 latent frames); the prompt is as long as it is (no padding): 256 tokens
+    # stand for one
+    Arch(
+        "minimax-h3",
+        FAMILY,
+        MINIMAX_H3,
+        768,
+        256,
+        5120,
+        0,
+        16,
+        "MiniMax H3 transformer (33B, video + audio)",
+        1344 / 768,
+        124,
+    ),
+)

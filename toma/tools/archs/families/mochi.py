@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call, latent_frames
+from toma.tools.archs.arch import Arch, Call, latent_frames
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "mochi"
 
 # Mochi 1 preview: the class defaults (48 blocks of 24 heads of 128, a text stream of 1536,
 # T5-XXL prompt embeddings of 4096, 12 latent channels)
@@ -52,3 +55,18 @@ def inputs(c: Call) -> dict[str, Any]:
         "encoder_attention_mask": torch.ones(c.batch, c.arch.text_tokens, dtype=torch.bool, device=c.device),
         "return_dict": False,
     }
+
+
+def timestep_at(frac: float) -> float:
+    """The timestep at ``frac`` of the noise left: Mochi's scheduler inverts the sigmas, so
+    t = 1000 (1 - sigma) rises over a run."""
+    return 1000.0 * (1.0 - frac)
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the pipeline's 480x848 x 19 frames (4 latent: its VAE keeps the first and compresses 6
+    # into 1) and T5 prompt padded to 256
+    Arch("mochi", FAMILY, MOCHI_1, 480, 256, 4096, 0, 8, "Mochi 1 preview transformer (10B)", 848 / 480, 19, 6),
+    Arch("tiny-mochi", FAMILY, TINY_MOCHI, 64, 8, 32, 0, 8, "tiny Mochi-like transformer (tests)", 1.0, 13, 6),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "pixart"
 
 
 PIXART_SIGMA: dict[str, Any] = {
@@ -48,3 +51,9 @@ def inputs(c: Call) -> dict[str, Any]:
         "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
         "return_dict": False,
     }
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    Arch("pixart", FAMILY, PIXART_SIGMA, 1024, 300, 4096, 0, 8, "PixArt-Sigma XL 1024 transformer"),
+)

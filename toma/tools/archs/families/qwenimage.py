@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, flow_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "qwenimage"
 
 
 # Qwen-Image (20B): Qwen/Qwen-Image transformer/config.json, which matches diffusers'
@@ -54,3 +57,16 @@ def inputs(c: Call) -> dict[str, Any]:
         "img_shapes": [[(1, th, tw)]] * batch,
         "return_dict": False,
     }
+
+
+# a flow-matching transformer: the timestep is sigma, in [0, 1]
+timestep_at = flow_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # Qwen-Image's prompt embeddings are as long as the prompt (its pipeline trims the
+    # padding); 128 tokens stands for a prompt of a few sentences.
+    Arch("qwenimage", FAMILY, QWEN_IMAGE, 1024, 128, 3584, 0, 8, "Qwen-Image transformer"),
+    Arch("tiny-qwenimage", FAMILY, TINY_QWEN_IMAGE, 64, 8, 32, 0, 8, "tiny Qwen-Image-like transformer (tests)"),
+)

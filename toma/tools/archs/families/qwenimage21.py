@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, flow_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "qwenimage21"
 
 
 # Qwen-Image 2.1: diffusers' QwenImage21Transformer2DModel defaults (32 single-stream blocks
@@ -61,3 +64,14 @@ def inputs(c: Call) -> dict[str, Any]:
         "kv_cache_mode": "cached",
         "return_dict": False,
     }
+
+
+# a flow-matching transformer: the timestep is sigma, in [0, 1]
+timestep_at = flow_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # a step after the first: the target's tokens, decoding from a cache of a 128-token prompt
+    Arch("qwenimage21", FAMILY, QWEN_IMAGE_21, 1024, 128, 4096, 0, 8, "Qwen-Image 2.1 transformer, a cached step"),
+)

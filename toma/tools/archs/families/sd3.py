@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "sd3"
 
 
 SD35_MEDIUM: dict[str, Any] = {
@@ -60,3 +63,19 @@ def inputs(c: Call) -> dict[str, Any]:
         "timestep": timestep,
         "return_dict": False,
     }
+
+
+def reduce(full: dict[str, Any], reduced: dict[str, Any], depth: int) -> dict[str, Any]:
+    """``reduced`` (``full`` with ``depth`` times fewer blocks) with SD3.5's image-only second
+    attention on the same share of the first blocks. See :func:`toma.tools.archs.reduced_config`."""
+    if not full.get("dual_attention_layers"):
+        return reduced
+    dual = round(len(full["dual_attention_layers"]) / depth)
+    return {**reduced, "dual_attention_layers": tuple(range(min(dual, reduced["num_layers"])))}
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    Arch("sd35", FAMILY, SD35_MEDIUM, 1024, 333, 4096, 2048, 8, "SD3.5-Medium transformer"),
+    Arch("tiny-sd3", FAMILY, TINY_SD3, 128, 8, 32, 16, 8, "tiny SD3-like transformer (tests)"),
+)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "unet"
 
 
 # Published configs (only the fields that differ from diffusers' defaults
@@ -82,3 +85,23 @@ def inputs(c: Call) -> dict[str, Any]:
             "time_ids": torch.tensor([size] * batch, device=device, dtype=dtype),
         }
     return inputs
+
+
+# diffusers' class and the weights' subfolder: the UNets have no transformer spec to name them
+DENOISER_CLASS = "UNet2DConditionModel"
+WEIGHTS_SUBFOLDER = "unet"
+
+
+def call(model: Any, inputs: dict[str, Any]) -> Any:
+    """One forward with ``sample`` and ``timestep`` positional, as diffusers pipelines pass
+    them (tomesd's hook reads the latent size from the first positional argument)."""
+    rest = {k: v for k, v in inputs.items() if k not in ("sample", "timestep")}
+    return model(inputs["sample"], inputs["timestep"], return_dict=False, **rest)
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    Arch("sdxl", FAMILY, SDXL_UNET, 1024, 77, 2048, 1280, 8, "SDXL-base UNet", patch=1),
+    Arch("sd15", FAMILY, SD15_UNET, 512, 77, 768, 0, 8, "Stable Diffusion 1.5 UNet", patch=1),
+    Arch("tiny-unet", FAMILY, TINY_UNET, 128, 8, 32, 0, 8, "tiny SD-like UNet (tests)", patch=1),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call, latent_frames
+from toma.tools.archs.arch import Arch, Call, latent_frames
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "wan-vace"
 
 
 # Wan 2.1 VACE 14B: the class defaults (Wan 14B's blocks, control blocks joining every 5th)
@@ -53,3 +56,16 @@ def inputs(c: Call) -> dict[str, Any]:
         "control_hidden_states": rand(batch, arch.config["vace_in_channels"], count, lh, lw),
         "return_dict": False,
     }
+
+
+def reduce(full: dict[str, Any], reduced: dict[str, Any], depth: int) -> dict[str, Any]:
+    """``reduced`` (``full`` with ``depth`` times fewer blocks) with the control blocks joining
+    the blocks built at the same share. See :func:`toma.tools.archs.reduced_config`."""
+    every = max(1, round(full["num_layers"] / len(full["vace_layers"])))
+    return {**reduced, "vace_layers": list(range(0, reduced["num_layers"], every))}
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    Arch("wan-vace", FAMILY, WAN_VACE_14B, 480, 512, 4096, 0, 8, "Wan 2.1 VACE 14B transformer", 832 / 480, 81),
+)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Call
+from toma.tools.archs.arch import Arch, Call, rising_timestep
+
+# the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
+FAMILY = "zimage"
 
 
 # Z-Image-Turbo: the published transformer/config.json (Tongyi-MAI/Z-Image-Turbo); 6B.
@@ -53,3 +56,15 @@ def inputs(c: Call) -> dict[str, Any]:
         "cap_feats": [rand(arch.text_tokens, arch.text_dim) for _ in range(batch)],
         "return_dict": False,
     }
+
+
+# the call's timestep argument: t = 1 - sigma, rising over a run
+TIMESTEP_KEY = "t"
+timestep_at = rising_timestep
+
+
+# this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
+ARCHS: tuple[Arch, ...] = (
+    # the pipeline passes each prompt's own tokens (up to 512), padded to a multiple of 32: 512 stands for one
+    Arch("zimage", FAMILY, ZIMAGE, 1024, 512, 2560, 0, 8, "Z-Image-Turbo transformer (6B)"),
+)
