@@ -230,19 +230,10 @@ def make_inputs(
 ) -> dict[str, Any]:
     """Keyword arguments of one denoiser call at ``resolution`` pixels high (see :meth:`Arch.size`).
 
-    UNet: ``sample (B, 4, R/8, R/8)``, ``encoder_hidden_states (B, L, text_dim)``, plus SDXL's
-    ``added_cond_kwargs``. Flux: packed latents ``hidden_states (B, (R/16)^2, 64)``, text
-    ``(B, 512, 4096)``, ``pooled_projections (B, 768)``, ``img_ids``, ``txt_ids``, ``guidance``.
-    SD3: latents ``(B, 16, R/8, R/8)``, text, pooled. Wan: latents ``(B, 16, F', H/8, W/8)``
-    with ``F' = (frames - 1) / 4 + 1`` latent frames (``frames`` defaults to the arch's), text.
-    HunyuanVideo: the same latents, text with its (all-ones) mask, pooled, guidance.
-    CogVideoX: latents ``(B, F', 16, H/8, W/8)``, text, the pipeline's rotary tables.
-    Kandinsky 5: channel-last latents ``(B, F', H/8, W/8, C)``, text, pooled, rotary positions.
-    ERNIE-Image: latents ``(B, 128, R/16, R/16)``, text ``text_bth`` with its ``text_lens``.
-    Qwen-Image: packed latents ``(B, (R/16)^2, 64)``, text, ``img_shapes``. Flux.2: packed
-    latents ``(B, (R/16)^2, 128)``, text ``(B, 512, 15360)``, 4-column ``img_ids``, ``txt_ids``.
-    The timestep is a placeholder; :func:`set_timestep` changes it per step. ``dtype`` None
-    means float32.
+    The arguments are the arch's family module's ``inputs`` (its docstring lists them), from
+    a :class:`Call` that draws the prompt embeddings ``(B, text_tokens, text_dim)`` first, so
+    every family's random draws start alike. The timestep is a placeholder; :func:`set_timestep`
+    changes it per step. ``dtype`` None means float32.
     """
     import torch
 

@@ -78,7 +78,8 @@ def cogvideox_rotary(
 
 
 def inputs(c: Call) -> dict[str, Any]:
-    """One denoiser call. See :func:`toma.tools.archs.make_inputs`."""
+    """CogVideoX's call: latents ``(B, F', 16, H/8, W/8)``, text, the pipeline's rotary tables.
+    See :func:`toma.tools.archs.make_inputs`."""
     arch = c.arch
     batch = c.batch
     dtype = c.dtype

@@ -33,7 +33,9 @@ DEPTH_KEYS: tuple[str, ...] = ("num_layers",)
 
 
 def inputs(c: Call) -> dict[str, Any]:
-    """One token per 16x latent pixel; every prompt its full length. See :func:`toma.tools.archs.make_inputs`."""
+    """ERNIE-Image's call: latents ``(B, 128, R/16, R/16)``, one token per 16x latent pixel,
+    text ``text_bth`` with its ``text_lens`` (every prompt its full length).
+    See :func:`toma.tools.archs.make_inputs`."""
     import torch
 
     arch = c.arch

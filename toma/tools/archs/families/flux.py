@@ -42,7 +42,9 @@ DEPTH_KEYS: tuple[str, ...] = ("num_layers", "num_single_layers")
 
 
 def inputs(c: Call) -> dict[str, Any]:
-    """Flux.1's call; Kontext's references (frames 1, 2, ...) follow the image's tokens.
+    """Flux.1's call: packed latents ``hidden_states (B, (R/16)^2, 64)``, text ``(B, 512, 4096)``,
+    ``pooled_projections (B, 768)``, ``img_ids``, ``txt_ids``, ``guidance``; Kontext's
+    references (frames 1, 2, ...) follow the image's tokens.
 
     See :func:`toma.tools.archs.make_inputs`.
     """

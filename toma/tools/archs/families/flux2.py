@@ -46,7 +46,8 @@ DEPTH_KEYS: tuple[str, ...] = ("num_layers", "num_single_layers")
 
 
 def inputs(c: Call) -> dict[str, Any]:
-    """One denoiser call. See :func:`toma.tools.archs.make_inputs`."""
+    """FLUX.2's call: packed latents ``(B, (R/16)^2, 128)``, text ``(B, 512, 15360)``,
+    4-column ``img_ids``, ``txt_ids``. See :func:`toma.tools.archs.make_inputs`."""
     import torch
 
     arch = c.arch

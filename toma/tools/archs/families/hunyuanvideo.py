@@ -50,7 +50,8 @@ DEPTH_KEYS: tuple[str, ...] = ("num_layers", "num_single_layers")
 
 
 def inputs(c: Call) -> dict[str, Any]:
-    """One denoiser call. See :func:`toma.tools.archs.make_inputs`."""
+    """HunyuanVideo's call: Wan's latents, text with its (all-ones) mask, pooled, guidance.
+    See :func:`toma.tools.archs.make_inputs`."""
     import torch
 
     arch = c.arch

@@ -34,7 +34,8 @@ DEPTH_KEYS: tuple[str, ...] = ("num_visual_blocks",)
 
 
 def inputs(c: Call) -> dict[str, Any]:
-    """Channel-last latents (with visual_cond: + conditioning + its mask). See :func:`toma.tools.archs.make_inputs`."""
+    """Kandinsky 5's call: channel-last latents ``(B, F', H/8, W/8, C)`` (with visual_cond:
+    + conditioning + its mask), text, pooled, rotary positions. See :func:`toma.tools.archs.make_inputs`."""
     import torch
 
     arch = c.arch

@@ -42,7 +42,8 @@ DEPTH_KEYS: tuple[str, ...] = ("num_layers",)
 
 
 def inputs(c: Call) -> dict[str, Any]:
-    """No text mask: the pipeline drops an all-ones mask. See :func:`toma.tools.archs.make_inputs`."""
+    """Qwen-Image's call: packed latents ``(B, (R/16)^2, 64)``, text, ``img_shapes``; no text
+    mask (the pipeline drops an all-ones mask). See :func:`toma.tools.archs.make_inputs`."""
     batch = c.batch
     rand = c.rand
     text = c.text

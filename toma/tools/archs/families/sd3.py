@@ -47,7 +47,7 @@ DEPTH_KEYS: tuple[str, ...] = ("num_layers",)
 
 
 def inputs(c: Call) -> dict[str, Any]:
-    """One denoiser call. See :func:`toma.tools.archs.make_inputs`."""
+    """SD3's call: latents ``(B, 16, R/8, R/8)``, text, pooled. See :func:`toma.tools.archs.make_inputs`."""
     arch = c.arch
     batch = c.batch
     lh = c.lh

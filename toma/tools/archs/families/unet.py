@@ -59,7 +59,8 @@ TINY_UNET: dict[str, Any] = {
 
 
 def inputs(c: Call) -> dict[str, Any]:
-    """One denoiser call. See :func:`toma.tools.archs.make_inputs`."""
+    """The UNet's call: ``sample (B, 4, R/8, R/8)``, ``encoder_hidden_states (B, L, text_dim)``,
+    plus SDXL's ``added_cond_kwargs``. See :func:`toma.tools.archs.make_inputs`."""
     import torch
 
     arch = c.arch

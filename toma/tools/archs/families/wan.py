@@ -45,7 +45,8 @@ DEPTH_KEYS: tuple[str, ...] = ("num_layers",)
 
 
 def inputs(c: Call) -> dict[str, Any]:
-    """One denoiser call. See :func:`toma.tools.archs.make_inputs`."""
+    """Wan's call: latents ``(B, 16, F', H/8, W/8)`` with ``F' = (frames - 1) / 4 + 1`` latent
+    frames (``frames`` defaults to the arch's), text. See :func:`toma.tools.archs.make_inputs`."""
     arch = c.arch
     batch = c.batch
     frames = c.frames
