@@ -862,7 +862,8 @@ def test_ltx2_arch_calls_merge_the_video_and_carry_the_pipelines_audio():
     import dataclasses
 
     import toma
-    from toma.tools.archs import default_placement, ltx2_audio_frames
+    from toma.tools.archs import default_placement
+    from toma.tools.archs.families.ltx2 import audio_frames
 
     arch = ARCHS["ltx2"]
     narrow = {
@@ -879,7 +880,7 @@ def test_ltx2_arch_calls_merge_the_video_and_carry_the_pipelines_audio():
         "audio_out_channels": 8,
     }
     tiny = dataclasses.replace(arch, config={**arch.config, **narrow}, text_dim=32, text_tokens=16)
-    assert ltx2_audio_frames(arch) == 126  # 121 frames: 5.04 s
+    assert audio_frames(arch) == 126  # 121 frames: 5.04 s
     model = build_model(tiny, depth=12)
     kw = make_inputs(tiny, 128, batch=2, frames=9)
     assert kw["audio_hidden_states"].shape == (2, 9, 8) and kw["audio_num_frames"] == 9

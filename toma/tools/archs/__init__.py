@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 # reads ARCHS without paying for it
 
 from toma.tools.archs.arch import Arch, Call, latent_frames
-from toma.tools.archs.arch import ltx2_audio_frames as ltx2_audio_frames  # for the bench's users
 
 FAMILIES_PACKAGE = "toma.tools.archs.families"
 

@@ -1,5 +1,6 @@
 """What every arch family's module builds on: :class:`Arch`, one call's setting
-(:class:`Call`) and the frame counts of video archs. Imports nothing of the families."""
+(:class:`Call`), the frame counts of video archs and the common timestep rules. Imports
+nothing of the families: :func:`latent_frames` looks a family's own count up when called."""
 
 from __future__ import annotations
 
@@ -147,12 +148,3 @@ def latent_frames(arch: Arch, frames: int | None = None) -> int:
             f"frames must be 1 + {k}k (the video VAE keeps the first frame and compresses {k} into 1); got {frames!r}"
         )
     return (frames - 1) // k + 1
-
-
-def ltx2_audio_frames(arch: Arch, frames: int | None = None, fps: float = 24.0) -> int:
-    """Audio latents LTX2Pipeline makes for ``frames`` pixel frames (the arch's default if None)
-    at ``fps``: the clip's seconds times the audio VAE's latents a second."""
-    frames = arch.frames if frames is None else frames
-    config = arch.config
-    per_second = config["audio_sampling_rate"] / config["audio_hop_length"] / config["audio_scale_factor"]
-    return max(1, round(frames / fps * per_second))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from toma.tools.archs.arch import Arch, Call, latent_frames, ltx2_audio_frames
+from toma.tools.archs.arch import Arch, Call, latent_frames
 
 # the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
 FAMILY = "ltx2"
@@ -57,7 +57,7 @@ def inputs(c: Call) -> dict[str, Any]:
     channels = c.channels
     timestep = c.timestep
     count = latent_frames(arch, frames)
-    audio = ltx2_audio_frames(arch, frames)
+    audio = audio_frames(arch, frames)
     mask = torch.ones(batch, arch.text_tokens, device=device, dtype=dtype)
     return {
         "hidden_states": rand(batch, count * lh * lw, channels),
@@ -73,6 +73,15 @@ def inputs(c: Call) -> dict[str, Any]:
         "audio_num_frames": audio,
         "return_dict": False,
     }
+
+
+def audio_frames(arch: Arch, frames: int | None = None, fps: float = 24.0) -> int:
+    """Audio latents LTX2Pipeline makes for ``frames`` pixel frames (the arch's default if None)
+    at ``fps``: the clip's seconds times the audio VAE's latents a second."""
+    frames = arch.frames if frames is None else frames
+    config = arch.config
+    per_second = config["audio_sampling_rate"] / config["audio_hop_length"] / config["audio_scale_factor"]
+    return max(1, round(frames / fps * per_second))
 
 
 # this family's entries of toma.tools.archs.ARCHS: the published configs, then tiny ones for tests
