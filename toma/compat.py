@@ -106,8 +106,24 @@ FEATURES: tuple[Feature, ...] = (
 # Families whose blocks have a cross-attention (text as keys and values only); in the others
 # the text joins the image tokens in one attention, and merge_crossattn=True is refused.
 CROSS_ATTENTION = frozenset(
-    {"unet", "pixart", "wan", "ltx", "ltx2", "wan-vace", "skyreels-v2", "wan-animate", "cosmos", "helios", "kandinsky5"}
+    {
+        "unet",
+        "pixart",
+        "wan",
+        "ltx",
+        "ltx2",
+        "wan-vace",
+        "skyreels-v2",
+        "wan-animate",
+        "cosmos",
+        "helios",
+        "kandinsky5",
+        "chronoedit",
+    }
 )
+# Families with no MLP site: merge_mlp=True is refused (CogView4's feed-forward runs on the
+# image and then on the text, two calls a site cannot tell apart)
+NO_MLP = frozenset({"cogview4"})
 # Families whose attention processors cannot take the key bias: proportional_attention=True is
 # refused (None, the default, runs without it).
 NO_KEY_BIAS = frozenset({"hidream", "lumina2"})
@@ -224,7 +240,7 @@ def matrix() -> dict[str, dict[str, Cell]]:
         node = comfy.get(name)
         out[name] = {
             "attention": Cell(YES),
-            "mlp": Cell(YES),
+            "mlp": Cell(NO, f"has no {NO_PART['mlp']}") if name in NO_MLP else Cell(YES),
             "cross": Cell(YES) if name in CROSS_ATTENTION else Cell(NO, f"has no {NO_PART['cross']}"),
             "proportional": Cell(NO, NO_BIAS.format(where="its attention processor"))
             if name in NO_KEY_BIAS
