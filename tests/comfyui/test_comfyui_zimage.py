@@ -16,6 +16,7 @@ from tiny_comfy import fp32_floor, loaded_denoise, sample, zimage_patcher
 
 from toma.comfyui import hooks
 from toma.comfyui.families import family_of
+from toma.comfyui.node import ToMAModel
 from toma.comfyui.patch import NextDiTLayer, patch_model
 
 H, W = 12, 20  # latent; patch 2: a 6x10 grid, 60 image tokens padded to 64
@@ -68,7 +69,7 @@ def test_zimage_layers_see_k_tokens_and_the_input_model_is_unchanged(comfy, zima
     dm = zimage.model.diffusion_model
     layers = list(dm.layers)
     keys = list(dm.state_dict())
-    patched = patch_model(zimage, 0.5, blocks=ALL)
+    (patched,) = ToMAModel().patch(zimage, 0.5, blocks=ALL)
     assert not zimage.object_patches and set(patched.object_patches) == {
         "diffusion_model.layers.0",
         "diffusion_model.layers.1",
@@ -237,3 +238,83 @@ def test_zimage_mask_over_keys_is_fitted_and_any_other_runs_unmerged(comfy, zima
     assert whole.equal(plain)
     warnings = [r for r in caplog.records if "runs unmerged: the attention mask" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_zimage_patched_while_another_patched_clone_is_loaded(comfy, zimage):
+    """While a patched clone is loaded its stand-ins sit in the shared model. A clone's
+    ``get_model_object`` finds the layers in the backups it shares with its parent; a
+    patcher made apart around the same model has no such backups and finds the stand-ins:
+    toma wraps the layers themselves, never another patch's stand-ins."""
+    first = patch_model(zimage, 0.5, blocks=ALL)
+    out = _run(comfy, first)
+    layers = zimage.model.diffusion_model.layers
+    assert isinstance(getattr(layers[0], "toma_layer", None), NextDiTLayer)
+    apart = comfy.model_patcher.ModelPatcher(
+        zimage.model, load_device=torch.device("cpu"), offload_device=torch.device("cpu")
+    )
+    for parent in (zimage, apart):
+        second = patch_model(parent, 0.5, blocks=ALL)
+        for i in range(2):
+            wrapped = second.object_patches[f"diffusion_model.layers.{i}"].toma_layer.layer
+            assert not hasattr(wrapped, "toma_layer")
+    assert _run(comfy, patch_model(zimage, 0.5, blocks=ALL)).equal(out)
+
+
+def test_zimage_key_bias_reaches_the_merged_layers_attention_only(comfy, zimage):
+    """Proportional attention through the attention override, chained in front of one set
+    before toma: of the four attention calls of a denoiser call (caption refiner, noise
+    refiner, layers 0 and 1) only the merged layer's gets the key bias, over the merged
+    sequence."""
+    calls = []
+
+    def other_override(*args, **kwargs):  # another node's attention, as set_model_optimized_attention takes it
+        mask = args[4] if len(args) > 4 else kwargs.get("mask")
+        calls.append((args[1].shape[-2], None if mask is None else tuple(mask.shape)))
+        return hooks.resolve("comfy.ldm.modules.attention:attention_pytorch")(*args, **kwargs)
+
+    before = zimage.clone()
+    before.set_model_optimized_attention(other_override)
+    _run(comfy, patch_model(before, 0.5, blocks="layers:1"), steps=1)
+    merged = CAPTION + 30 + PAD
+    assert calls == [(CAPTION, None), (N + PAD, None), (CAPTION + N + PAD, None), (merged, (2, 1, 1, merged))]
+    calls.clear()
+    _run(comfy, patch_model(before, 0.5, blocks="layers:1", proportional_attention=False), steps=1)
+    assert calls[-1] == (merged, None)
+
+
+def test_zimage_forward_without_its_layer_call_is_refused(comfy, zimage, caplog, monkeypatch):
+    cls = hooks.resolve(hooks.NEXTDIT)
+
+    def _forward(self, x, timesteps, context, num_tokens, attention_mask=None, transformer_options={}, **kwargs):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(cls, "_forward", _forward)
+    with caplog.at_level(logging.WARNING, logger="toma.comfyui"):
+        out = patch_model(zimage, 0.5)
+    assert out is zimage
+    assert "NextDiT's main layers" in caplog.text and "no longer contains" in caplog.text
+
+
+def test_lumina2_layout_merges_too(comfy, caplog):
+    """Lumina 2 is the same class without the padding to 32 and with grouped keys and values:
+    the sequence is [caption; image], nothing after the image."""
+    model = zimage_patcher(
+        comfy,
+        seed=2,
+        pad_tokens_multiple=None,
+        n_kv_heads=1,
+        z_image_modulation=False,
+        dim=64,
+        n_heads=2,
+        axes_dims=[8, 12, 12],
+    )
+    reference = _run(comfy, model)
+    patched = patch_model(model, 0.5, blocks=ALL)
+    seen, handles = _record(model)
+    try:
+        out = _run(comfy, patched)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen["layer0.mlp"] == [6 + 30] * 2 and seen["refiner"] == [N] * 2
+    assert torch.isfinite(out).all() and not out.equal(reference)

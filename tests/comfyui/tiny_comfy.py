@@ -149,10 +149,11 @@ def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, **overr
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
 
 
-def zimage_patcher(comfy, layers: int = 2, seed: int = 0):
+def zimage_patcher(comfy, layers: int = 2, seed: int = 0, **overrides):
     """A ModelPatcher around a tiny ``comfy.model_base.Lumina2`` with Z-Image's layout (dim 256,
     2 heads of Z-Image's 128 rotary dims, its modulation, caption and image padded to 32
-    tokens; 4 latent channels; caption features of ``conds("flux")``)."""
+    tokens; 4 latent channels; caption features of ``conds("flux")``); ``overrides`` change
+    the config (Lumina 2's layout: no padding, grouped keys, its own modulation)."""
     import comfy.model_base
     import comfy.model_patcher
     import comfy.supported_models
@@ -175,6 +176,7 @@ def zimage_patcher(comfy, layers: int = 2, seed: int = 0):
         "z_image_modulation": True,
         "time_scale": 1000.0,
         "pad_tokens_multiple": 32,
+        **overrides,
     }
     config = comfy.supported_models.ZImage(unet_config)
     config.latent_format = comfy.latent_formats.LatentFormat()

@@ -609,7 +609,16 @@ class NextDiTLayer:
         """The object that replaces the layer while the model is patched."""
         twin = copy.copy(self.layer)  # shares _modules, _parameters, _buffers and the hooks
         twin.forward = self.forward  # on toma's copy only
+        twin.toma_layer = self
         return twin
+
+    @staticmethod
+    def original(layer: Any) -> Any:
+        """``layer`` without toma's stand-ins: while another patched clone of the same model
+        is loaded, its stand-ins sit in the model, and ``get_model_object`` returns them."""
+        while isinstance(getattr(layer, "toma_layer", None), NextDiTLayer):
+            layer = layer.toma_layer.layer
+        return layer
 
     def forward(
         self,
@@ -879,7 +888,7 @@ def patch_model(
         for i in chosen.get("layers", ()):
             name = f"{hooks.DIFFUSION_MODEL}.{hooks.NEXTDIT_LAYERS}.{i}"
             # the layer as this model has it: another node's object patch of it is wrapped
-            layer = model.get_model_object(name)
+            layer = NextDiTLayer.original(model.get_model_object(name))
             clone.add_object_patch(name, NextDiTLayer(run, i, layer, proportional_attention, multiple).stand_in())
         if proportional_attention:
             override = KeyBias(run)
