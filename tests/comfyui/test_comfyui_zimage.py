@@ -63,6 +63,9 @@ def test_zimage_is_merged_by_the_node_through_its_own_hooks(comfy, zimage):
     family = family_of(zimage.model.diffusion_model)
     assert family.name == "zimage" and family.merges and family.reason is None
     assert hooks.first_problem(hooks.NEXTDIT_NEEDS + hooks.ATTENTION_OVERRIDE_NEEDS) is None
+    dm = zimage.model.diffusion_model
+    assert len(getattr(dm, hooks.NEXTDIT_LAYERS)) == 2 and getattr(dm, hooks.NEXTDIT_PAD_MULTIPLE) == 32
+    assert getattr(dm, hooks.PATCH_SIZE) == 2
 
 
 def test_zimage_layers_see_k_tokens_and_the_input_model_is_unchanged(comfy, zimage, reference, caplog):
@@ -94,7 +97,7 @@ def test_zimage_layers_see_k_tokens_and_the_input_model_is_unchanged(comfy, zima
     ]
     assert torch.isfinite(merged).all() and (merged - reference).abs().max() > 1e-2
     # ComfyUI undid the object patches: the same layer objects, nothing left on them
-    assert _run(comfy, zimage).equal(reference)
+    assert _run(comfy, zimage).equal(reference) and _run(comfy, zimage.clone()).equal(reference)
     assert list(dm.layers) == layers and all(a is b for a, b in zip(dm.layers, layers))
     assert all("forward" not in vars(layer) for layer in layers) and list(dm.state_dict()) == keys
 
@@ -207,7 +210,7 @@ def test_zimage_weight_patches_reach_the_merged_layers(comfy, zimage, reference)
     assert not merged.equal(_run(comfy, patch_model(zimage, 0.5, blocks=ALL)))
 
 
-def test_zimage_mask_over_keys_is_fitted_and_any_other_runs_unmerged(comfy, zimage, caplog):
+def test_zimage_key_mask_is_fitted_other_masks_and_omni_run_unmerged(comfy, zimage, caplog):
     """This ComfyUI passes no mask to the layers (``patchify_and_embed`` returns None); one that
     does gets a key mask taken at the kept positions, and any other mask runs the layer
     unmerged, with one warning."""
@@ -234,8 +237,14 @@ def test_zimage_mask_over_keys_is_fitted_and_any_other_runs_unmerged(comfy, zima
             whole = stand_in.forward(x, queries, pe, adaln, transformer_options={})
             stand_in.forward(x, queries, pe, adaln, transformer_options={})
         plain = layer.forward(x, queries, pe, adaln, transformer_options={})
+        # omni mode: parts of the sequence modulated at their own timestep run unmerged too
+        zero = [(CAPTION, CAPTION + N)]
+        with caplog.at_level(logging.WARNING, logger="toma.comfyui"):
+            omni = stand_in.forward(x, None, pe, adaln, timestep_zero_index=zero, transformer_options={})
+        omni_plain = layer.forward(x, None, pe, adaln, timestep_zero_index=zero, transformer_options={})
     assert masked.shape == unmasked.shape == x.shape and (masked - unmasked).abs().max() > 1e-3
-    assert whole.equal(plain)
+    assert whole.equal(plain) and omni.equal(omni_plain)
+    assert "runs unmerged: omni mode" in caplog.text
     warnings = [r for r in caplog.records if "runs unmerged: the attention mask" in r.getMessage()]
     assert len(warnings) == 1
 
