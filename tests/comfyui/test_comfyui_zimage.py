@@ -327,3 +327,27 @@ def test_lumina2_layout_merges_too(comfy, caplog):
             h.remove()
     assert seen["layer0.mlp"] == [6 + 30] * 2 and seen["refiner"] == [N] * 2
     assert torch.isfinite(out).all() and not out.equal(reference)
+
+
+def test_torch_compile_model_traces_the_stand_ins_without_graph_breaks(comfy, zimage):
+    """Core TorchCompileModel's wrapper compiles the whole diffusion model, whose merged
+    layers are toma's stand-ins (a copied module with its own ``forward``): dynamo's
+    ``eager`` backend (tracing only) traces them with no break and gives the eager output."""
+    import torch._dynamo
+    from comfy_api.torch_helpers.torch_compile import set_torch_compile_wrapper
+    from torch._dynamo.utils import counters
+
+    patched = patch_model(zimage, 0.5, blocks=ALL)
+    eager = _run(comfy, patched, steps=1)
+    compiled = patched.clone()
+    set_torch_compile_wrapper(compiled, backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        out = _run(comfy, compiled, steps=1)
+        breaks, frames = dict(counters["graph_break"]), dict(counters["frames"])
+    finally:
+        torch._dynamo.reset()
+    assert frames.get("ok", 0) > 0 and breaks == {}
+    assert patched.toma_run.merged_calls == 1
+    assert torch.equal(out, eager)
