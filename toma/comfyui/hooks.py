@@ -51,8 +51,8 @@ PATCHER_METHODS: dict[str, tuple[str, ...]] = {
     "set_model_attn1_patch": ("patch",),
     "set_model_attn1_output_patch": ("patch",),
     "add_wrapper_with_key": ("wrapper_type", "key", "wrapper"),
-    "add_object_patch": ("name", "obj"),
 }
+OBJECT_PATCH = "add_object_patch"  # (name, obj): Z-Image's layers only
 # ModelPatcher attributes read, and the model object toma asks it for
 PATCHER_MODEL = "model"  # the BaseModel, whose .diffusion_model is the denoiser
 DIFFUSION_MODEL = "diffusion_model"
@@ -327,6 +327,7 @@ WAN_NEEDS: tuple[Need, ...] = (
 # submodules; the layers run on [caption (padded); image; image pad], the rotary table
 # (tokens on dim 1) beside it, and the layer passes the mask to its attention
 NEXTDIT_NEEDS: tuple[Need, ...] = (
+    Need(f"{MODEL_PATCHER}.{OBJECT_PATCH}", f"ModelPatcher.{OBJECT_PATCH}", params=("self", "name", "obj")),
     Need(
         f"{NEXTDIT}._forward",
         "NextDiT's main layers",

@@ -889,7 +889,8 @@ def patch_model(
             name = f"{hooks.DIFFUSION_MODEL}.{hooks.NEXTDIT_LAYERS}.{i}"
             # the layer as this model has it: another node's object patch of it is wrapped
             layer = NextDiTLayer.original(model.get_model_object(name))
-            clone.add_object_patch(name, NextDiTLayer(run, i, layer, proportional_attention, multiple).stand_in())
+            stand_in = NextDiTLayer(run, i, layer, proportional_attention, multiple).stand_in()
+            clone.add_object_patch(name, stand_in)
         if proportional_attention:
             override = KeyBias(run)
     elif family.hook == "wan_blocks":
