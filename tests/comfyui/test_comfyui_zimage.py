@@ -351,3 +351,27 @@ def test_torch_compile_model_traces_the_stand_ins_without_graph_breaks(comfy, zi
     assert frames.get("ok", 0) > 0 and breaks == {}
     assert patched.toma_run.merged_calls == 1
     assert torch.equal(out, eager)
+
+
+def test_zimage_odd_latent_batch_two_with_cfg_gets_a_plan_per_sample(comfy, zimage, monkeypatch):
+    """A 13x21 latent is padded to whole patches (7x11 = 77 tokens, then 19 pad tokens up to
+    96); two samples under CFG are four sequences in one call, each with its own plan."""
+    from toma.adapters import state
+
+    selections = []
+    build = state.build_plan
+    monkeypatch.setattr(
+        state, "build_plan", lambda tiles, *a, **k: selections.append(tiles.shape[0]) or build(tiles, *a, **k)
+    )
+    patched = patch_model(zimage, 0.5, blocks=ALL)
+    seen, handles = _record(zimage)
+    try:
+        out = sample(comfy, patched, "flux", h=13, w=21, steps=2, batch=2)
+    finally:
+        for h in handles:
+            h.remove()
+    k = patched.toma_run.tokens[1]
+    assert patched.toma_run.tokens[0] == 77 and k < 77
+    assert seen["layer1.qkv"] == [CAPTION + k + 19] * 2 and seen["refiner"] == [96] * 2
+    assert selections == [4] * 2  # one selection per call, for cond and uncond of both samples
+    assert out.shape == (2, 4, 13, 21) and torch.isfinite(out).all()
