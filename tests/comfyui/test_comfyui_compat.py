@@ -21,6 +21,7 @@ from tiny_comfy import (
     sd3_patcher,
     unet_patcher,
     wan_patcher,
+    zimage_patcher,
 )
 
 from tests.compat_cells import families
@@ -36,6 +37,7 @@ RUNS = {
     "hunyuanvideo": (hunyuan_patcher, lambda comfy, m: sample_hunyuan(comfy, m), ALL),
     "qwenimage": (qwen_patcher, lambda comfy, m: sample_qwen(comfy, m), "blocks:all"),
     "unet": (unet_patcher, lambda comfy, m: sample(comfy, m, "unet", h=8, w=8, steps=2), ""),
+    "zimage": (zimage_patcher, lambda comfy, m: sample(comfy, m, "flux", h=12, w=20, steps=2), "layers:all"),
 }
 
 

@@ -28,6 +28,7 @@ from tiny_comfy import (
     sample_video,
     unet_patcher,
     wan_patcher,
+    zimage_patcher,
 )
 
 from toma.adapters import state
@@ -85,7 +86,7 @@ def _options_snapshot(patcher) -> tuple:
 def test_every_named_internal_is_in_the_vendored_comfyui(comfy):
     every = (
         hooks.COMMON + hooks.FLUX_NEEDS + hooks.CHROMA_NEEDS + hooks.HUNYUAN_NEEDS + hooks.QWEN_NEEDS + hooks.WAN_NEEDS
-    )
+    ) + hooks.NEXTDIT_NEEDS
     for need in every + hooks.UNET_NEEDS + hooks.ATTENTION_OVERRIDE_NEEDS:
         assert hooks.problem(need) is None, need
     for family in FAMILIES:
@@ -121,7 +122,7 @@ def test_supported_lists_every_family_with_a_reason_where_refused():
     assert {r["name"] for r in rows} >= {"flux", "unet", "wan", "qwenimage", "zimage", "ltx", "hunyuanvideo"}
     for r in rows:
         assert r["merges"] == (r["reason"] is None)
-    merged = ["flux", "unet", "chroma", "sd3", "wan", "hunyuanvideo", "qwenimage"]
+    merged = ["flux", "unet", "chroma", "sd3", "wan", "hunyuanvideo", "qwenimage", "zimage"]
     assert [r["name"] for r in rows if r["merges"]] == merged
 
 
@@ -606,7 +607,7 @@ def test_unet_proportional_attention_chains_an_override_set_before(comfy, sdxl):
 
 
 # -- the plumbing, exactly --------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "wan", "hunyuanvideo", "qwenimage", "unet"])
+@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "wan", "hunyuanvideo", "qwenimage", "zimage", "unet"])
 def test_keeping_every_token_reproduces_the_unpatched_model(comfy, family, monkeypatch):
     """Where every tile keeps all its tokens (K = N, which toma itself skips as pointless),
     each token is its own destination: the merge is a permutation into tiles, the rotary
@@ -632,6 +633,9 @@ def test_keeping_every_token_reproduces_the_unpatched_model(comfy, family, monke
         model, run, blocks = qwen_patcher(comfy, seed=1), lambda m: sample_qwen(comfy, m), "blocks:all"
     elif family == "hunyuanvideo":
         model, run, blocks = hunyuan_patcher(comfy, seed=1), lambda m: sample_hunyuan(comfy, m), ALL_FLUX
+    elif family == "zimage":
+        model, run = zimage_patcher(comfy, seed=1), lambda m: sample(comfy, m, "flux", h=12, w=20, steps=2)
+        blocks = "layers:all"
     else:
         model, run, blocks = unet_patcher(comfy, seed=1), lambda m: sample(comfy, m, "unet", h=8, w=8, steps=2), ""
     reference = run(model)

@@ -149,6 +149,43 @@ def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, **overr
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
 
 
+def zimage_patcher(comfy, layers: int = 2, seed: int = 0, **overrides):
+    """A ModelPatcher around a tiny ``comfy.model_base.Lumina2`` with Z-Image's layout (dim 256,
+    2 heads of Z-Image's 128 rotary dims, its modulation, caption and image padded to 32
+    tokens; 4 latent channels; caption features of ``conds("flux")``); ``overrides`` change
+    the config (Lumina 2's layout: no padding, grouped keys, its own modulation)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "lumina2",
+        "patch_size": 2,
+        "in_channels": 4,
+        "dim": 256,  # Z-Image's modulation takes min(dim, 256) features: no smaller dim works
+        "cap_feat_dim": FLUX_CONTEXT,
+        "n_layers": layers,
+        "n_refiner_layers": 1,
+        "n_heads": 2,
+        "n_kv_heads": 2,
+        "qk_norm": True,
+        "axes_dims": [32, 48, 48],
+        "axes_lens": [1536, 512, 512],
+        "rope_theta": 256.0,
+        "ffn_dim_multiplier": 8.0 / 3.0,
+        "z_image_modulation": True,
+        "time_scale": 1000.0,
+        "pad_tokens_multiple": 32,
+        **overrides,
+    }
+    config = comfy.supported_models.ZImage(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.Lumina2(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
 def unet_patcher(comfy, sdxl_like: bool = True, seed: int = 0):
     """A ModelPatcher around a tiny ``UNetModel`` in a ``comfy.model_base.BaseModel``: with
     ``sdxl_like``, no attention at full resolution (attention at downsample 2 and 4, as SDXL);
@@ -567,6 +604,20 @@ def comfy_denoise(patcher, x, sigma, context, pooled=None) -> torch.Tensor:
     with torch.no_grad():
         return patcher.model.apply_model(
             x, sigma, c_crossattn=context, transformer_options={**options, "sigmas": sigma}, **extra
+        )
+
+
+def loaded_denoise(patcher, x, sigma, context, **conds) -> torch.Tensor:
+    """``comfy_denoise`` after loading ``patcher`` as sampling does (``load_models_gpu``): its
+    object patches are then in place, and those of a patcher loaded before are undone.
+    ``conds`` go to ``apply_model`` (``num_tokens`` for NextDiT)."""
+    import comfy.model_management
+
+    comfy.model_management.load_models_gpu([patcher])
+    options = {**patcher.model_options.get("transformer_options", {}), "wrappers": patcher.wrappers}
+    with torch.no_grad():
+        return patcher.model.apply_model(
+            x, sigma, c_crossattn=context, transformer_options={**options, "sigmas": sigma}, **conds
         )
 
 

@@ -23,8 +23,9 @@ class ComfyFamily:
         hook: how toma merges: ``"flux_blocks"`` / ``"hunyuan_blocks"`` / ``"qwen_blocks"``
             (block replacement around Flux's, HunyuanVideo's or Qwen-Image's joint blocks),
             ``"wan_blocks"``
-            (block replacement around Wan's blocks) or ``"unet_attn1"`` (attn1 patches in
-            the UNet's transformer blocks); None where it is refused.
+            (block replacement around Wan's blocks), ``"nextdit_layers"`` (object patches
+            on NextDiT's main layers) or ``"unet_attn1"`` (attn1 patches in the UNet's
+            transformer blocks); None where it is refused.
         reason: why the family is refused (one line naming the missing hook), or None.
         needs: the ComfyUI hooks the family's merging needs (:mod:`toma.comfyui.hooks`).
         patch: latent pixels per token side (the denoiser's patchify).
@@ -57,7 +58,8 @@ class ComfyFamily:
 
 _BLOCK_REPLACE_TODO = (
     "has ComfyUI's block replacement (patches_replace['dit']), but toma's ComfyUI node does not "
-    "merge it yet; only Flux, Chroma, SD3, Wan, HunyuanVideo, Qwen-Image and the SD/SDXL UNet merge in this version"
+    "merge it yet; only Flux, Chroma, SD3, Wan, HunyuanVideo, Qwen-Image, Z-Image and the SD/SDXL UNet merge "
+    "in this version"
 )
 
 FAMILIES: tuple[ComfyFamily, ...] = (
@@ -136,11 +138,13 @@ FAMILIES: tuple[ComfyFamily, ...] = (
     ),
     ComfyFamily(
         "zimage",
-        ("comfy.ldm.lumina.model:NextDiT",),
-        reason=(
-            "Z-Image / Lumina 2 (NextDiT) has no block replacement (no patches_replace['dit'] in its "
-            "forward) and no attn1 patches; only the attention override could reach it, not done yet"
-        ),
+        (hooks.NEXTDIT,),  # Z-Image and Lumina 2; the pixel-space subclass is not taken for it
+        hook="nextdit_layers",  # object patches on the main layers: NextDiT has no block replacement
+        needs=hooks.NEXTDIT_NEEDS,
+        patch=2,
+        reference=64 * 64,  # 1024x1024 pixels
+        stacks={"layers": "main layers (the refiners never merge)"},
+        label="Z-Image",
     ),
 )
 

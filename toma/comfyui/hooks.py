@@ -32,6 +32,9 @@ CHROMA = "comfy.ldm.chroma.model:Chroma"
 SD3 = "comfy.ldm.modules.diffusionmodules.mmdit:OpenAISignatureMMDITWrapper"
 HUNYUAN_VIDEO = "comfy.ldm.hunyuan_video.model:HunyuanVideo"
 QWEN_IMAGE = "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel"
+NEXTDIT = "comfy.ldm.lumina.model:NextDiT"  # Z-Image and Lumina 2
+NEXTDIT_BLOCK = "comfy.ldm.lumina.model:JointTransformerBlock"
+NEXTDIT_ATTENTION = "comfy.ldm.lumina.model:JointAttention"
 UNET = "comfy.ldm.modules.diffusionmodules.openaimodel:UNetModel"
 UNET_DOWNSAMPLE = "comfy.ldm.modules.diffusionmodules.openaimodel:Downsample"
 SPATIAL_TRANSFORMER = "comfy.ldm.modules.attention:SpatialTransformer"
@@ -49,6 +52,7 @@ PATCHER_METHODS: dict[str, tuple[str, ...]] = {
     "set_model_attn1_output_patch": ("patch",),
     "add_wrapper_with_key": ("wrapper_type", "key", "wrapper"),
 }
+OBJECT_PATCH = "add_object_patch"  # (name, obj): Z-Image's layers only
 # ModelPatcher attributes read, and the model object toma asks it for
 PATCHER_MODEL = "model"  # the BaseModel, whose .diffusion_model is the denoiser
 DIFFUSION_MODEL = "diffusion_model"
@@ -64,6 +68,8 @@ SINGLE_BLOCKS = "single_blocks"
 WAN_BLOCKS = "blocks"
 QWEN_BLOCKS = "transformer_blocks"
 SD3_BLOCKS = "joint_blocks"
+NEXTDIT_LAYERS = "layers"  # the main layers; object patches replace them under this path
+NEXTDIT_PAD_MULTIPLE = "pad_tokens_multiple"  # None (Lumina 2) or 32 (Z-Image)
 PATCH_SIZE = "patch_size"
 MODULATION_SHIFT = "shift"  # a field of Flux's ModulationOut records
 
@@ -314,6 +320,45 @@ WAN_NEEDS: tuple[Need, ...] = (
         ),
     ),
     Need(f"{WAN_BLOCK}.forward", "Wan's block", params=("x", "e", "freqs", "context")),
+)
+
+# Z-Image / Lumina 2 (NextDiT): no block replacement. Each merged main layer is replaced,
+# while the model is patched, by an object patch whose copy of the layer shares its
+# submodules; the layers run on [caption (padded); image; image pad], the rotary table
+# (tokens on dim 1) beside it, and the layer passes the mask to its attention
+NEXTDIT_NEEDS: tuple[Need, ...] = (
+    Need(f"{MODEL_PATCHER}.{OBJECT_PATCH}", f"ModelPatcher.{OBJECT_PATCH}", params=("self", "name", "obj")),
+    Need(
+        f"{NEXTDIT}._forward",
+        "NextDiT's main layers",
+        params=("x", "timesteps", "context", "num_tokens", "transformer_options"),
+        source=(
+            f"enumerate(self.{NEXTDIT_LAYERS})",
+            "layer(img, mask, freqs_cis, adaln_input, timestep_zero_index=timestep_zero_index, "
+            "transformer_options=transformer_options)",
+        ),
+    ),
+    Need(
+        f"{NEXTDIT}.patchify_and_embed",
+        "NextDiT's [caption; image] sequence",
+        source=("torch.cat(feats + (x,), dim=1)", "torch.cat(fc + (fc_x,), dim=1)"),
+    ),
+    Need(
+        f"{NEXTDIT}.embed_all",
+        "NextDiT's image padding (after the image)",
+        source=(f"pad_zimage(x, self.x_pad_token, self.{NEXTDIT_PAD_MULTIPLE})",),
+    ),
+    Need(
+        f"{NEXTDIT_BLOCK}.forward",
+        "NextDiT's layer",
+        params=("x", "x_mask", "freqs_cis", "adaln_input", "timestep_zero_index", "transformer_options"),
+    ),
+    Need(
+        f"{NEXTDIT_ATTENTION}.forward",
+        "NextDiT's attention",
+        source=("optimized_attention_masked(", "x_mask", "transformer_options=transformer_options"),
+    ),
+    Need("comfy.utils:set_attr", "object patches (set and restored by ModelPatcher)", params=("obj", "attr", "value")),
 )
 
 # SD / SDXL: attn1_patch before self-attention's projections, attn1_output_patch after

@@ -69,8 +69,9 @@ class ToMAModel:
                     "STRING",
                     {
                         "default": "",
-                        "tooltip": "Empty: the family's default. Else e.g. 'double:5-18 single:all' (Flux) "
-                        "or 'levels:1,2' (SD/SDXL UNet attention levels, 1 = highest resolution).",
+                        "tooltip": "Empty: the family's default. Else e.g. 'double:5-18 single:all' (Flux), "
+                        "'layers:5-29' (Z-Image) or 'levels:1,2' (SD/SDXL UNet attention levels, "
+                        "1 = highest resolution).",
                     },
                 ),
                 "merge_mlp": (

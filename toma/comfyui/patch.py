@@ -16,6 +16,7 @@ sampling run (reset and logged by the OUTER_SAMPLE wrapper).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from dataclasses import dataclass
@@ -187,6 +188,15 @@ class ComfyRun:
         self.merged_blocks: dict[str, set] = {}
         self.window_calls = 0
         self.skipped: str | None = None
+        self.warned: set[str] = set()
+
+    def unmerged(self, reason: str) -> None:
+        """Record that a call runs unmerged for ``reason``, warned once per sampling run
+        (other calls of the run may still merge, so the run's report would not say it)."""
+        self.skipped = reason
+        if reason not in self.warned:
+            self.warned.add(reason)
+            log.warning("ToMA (%s): a layer runs unmerged: %s", self.family.name, reason)
 
     def report(self) -> None:
         """Log the run's one line: what merged, or a warning saying why nothing did."""
@@ -556,6 +566,115 @@ class WanBlock:
         return result
 
 
+# -- Z-Image / Lumina 2 (NextDiT) -------------------------------------------------------------
+def _fit_key_mask(mask: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor | None:
+    """A key mask over the ``length`` positions of the sequence (``(B, L)``, ``(B, 1, L)`` or
+    ``(B, 1, 1, L)``, boolean or additive) taken at ``rows`` ``(Bp, L')``: ``(B', 1, 1, L')``
+    additive. None where it is no key mask (it masks queries too, or its shape is another),
+    which merging cannot keep."""
+    if mask.shape[-1] != length or mask.ndim not in (2, 3, 4) or any(d != 1 for d in mask.shape[1:-1]):
+        return None
+    flat = mask.reshape(mask.shape[0], length)
+    if flat.dtype == torch.bool:
+        # additive, so that the key bias of proportional attention can join it
+        flat = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device).masked_fill(~flat, float("-inf"))
+    b = max(flat.shape[0], rows.shape[0])
+    return torch.gather(flat.expand(b, -1), 1, rows.expand(b, -1))[:, None, None, :]
+
+
+class NextDiTLayer:
+    """One of NextDiT's main layers, merged: the layer runs on ``[caption; K merged image
+    tokens; image pad]`` and its change to the image tokens is unmerged onto the full stream.
+
+    NextDiT has no block replacement, so the layer is reached through an object patch: a
+    shallow copy of the layer (:meth:`stand_in`), which shares the layer's submodules,
+    parameters and hooks (weight patches such as LoRA and ComfyUI's casting reach them
+    under the same names) and whose ``forward`` is :meth:`forward`; ComfyUI puts the
+    original back when it unpatches, and the layer itself is never changed.
+
+    The sequence is the caption (padded to ``multiple``), then the image tokens in raster
+    order, then the image's pad tokens: the caption and the pads pass whole, their rotary
+    rows too, and each merged token takes its destination's row of ``freqs_cis`` (tokens on
+    dim 1). A key mask is taken at the kept positions; any other mask, and omni mode (parts
+    of the sequence modulated apart by ``timestep_zero_index``), run the layer unmerged.
+    Proportional attention goes through the attention override: a key bias over the whole
+    merged sequence, armed for the layer's attention call.
+    """
+
+    def __init__(self, run: ComfyRun, index: int, layer: torch.nn.Module, proportional: bool, multiple: Any) -> None:
+        self.run, self.index, self.layer, self.proportional = run, index, layer, proportional
+        self.multiple = int(multiple) if multiple else 0
+
+    def stand_in(self) -> torch.nn.Module:
+        """The object that replaces the layer while the model is patched."""
+        twin = copy.copy(self.layer)  # shares _modules, _parameters, _buffers and the hooks
+        twin.forward = self.forward  # on toma's copy only
+        twin.toma_layer = self
+        return twin
+
+    @staticmethod
+    def original(layer: Any) -> Any:
+        """``layer`` without toma's stand-ins: while another patched clone of the same model
+        is loaded, its stand-ins sit in the model, and ``get_model_object`` returns them."""
+        while isinstance(getattr(layer, "toma_layer", None), NextDiTLayer):
+            layer = layer.toma_layer.layer
+        return layer
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        x_mask: torch.Tensor | None = None,
+        freqs_cis: torch.Tensor | None = None,
+        adaln_input: torch.Tensor | None = None,
+        timestep_zero_index: Any = None,
+        transformer_options: dict | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """The layer's forward, as NextDiT calls it, on merged image tokens where they merge."""
+        run = self.run
+        options = {} if transformer_options is None else transformer_options
+
+        def call(seq: torch.Tensor, mask: Any, pe: Any) -> torch.Tensor:
+            extra = {"timestep_zero_index": timestep_zero_index, "transformer_options": options, **kwargs}
+            return self.layer.forward(seq, mask, pe, adaln_input, **extra)
+
+        if not run.merging or run.grid is None:
+            return call(x, x_mask, freqs_cis)
+        if timestep_zero_index is not None:
+            run.unmerged("omni mode modulates parts of the sequence apart (references), which toma does not merge")
+            return call(x, x_mask, freqs_cis)
+        n = math.prod(run.grid)
+        length = x.shape[1]
+        text = length - n - (-n % self.multiple if self.multiple else 0)
+        if text < 0 or freqs_cis is None or freqs_cis.shape[1] != length:
+            run.unmerged("the sequence is not [caption; image; pad] as toma expects of NextDiT")
+            return call(x, x_mask, freqs_cis)
+        image = x[:, text : text + n]
+        plan = run.plan(image, run.grid, "dit")
+        if plan is None:
+            return call(x, x_mask, freqs_cis)
+        rows = _kept_rows(plan, text, n, length, x.device)
+        mask = x_mask
+        if x_mask is not None:
+            mask = _fit_key_mask(x_mask, rows, length)
+            if mask is None:
+                run.unmerged(f"the attention mask {tuple(x_mask.shape)} is not a mask over keys, which merging keeps")
+                return call(x, x_mask, freqs_cis)
+        merged = plan.merge(image)
+        k = merged.shape[1]
+        pe = _gather_rows(freqs_cis, rows, dim=1)
+        seq = torch.cat((x[:, :text], merged, x[:, text + n :]), 1)
+        if self.proportional:
+            run.bias = _key_bias(plan, text, length - text - n, x.dtype)[:, 0, 0]
+        try:
+            out = call(seq, mask, pe)
+        finally:
+            run.bias = None
+        image_out = plan.unmerge(out[:, text : text + k] - merged, residual=image)
+        run.count("layers", self.index, n, k)
+        return torch.cat((out[:, :text], image_out, out[:, text + k :]), 1)
+
+
 # -- SD / SDXL UNet ---------------------------------------------------------------------------
 class KeyBias:
     """The attention override of proportional attention: adds the armed key bias
@@ -687,7 +806,7 @@ def patch_model(
     if (
         problem is None
         and proportional_attention
-        and family.hook in ("unet_attn1", "wan_blocks", "qwen_blocks", "sd3_blocks")
+        and family.hook in ("unet_attn1", "wan_blocks", "qwen_blocks", "sd3_blocks", "nextdit_layers")
     ):
         problem = hooks.first_problem(hooks.ATTENTION_OVERRIDE_NEEDS)
     if problem is not None:
@@ -695,7 +814,7 @@ def patch_model(
 
     levels: tuple[int, ...] = ()
     patch: int | tuple[int, int, int]
-    if family.hook in ("flux_blocks", "hunyuan_blocks", "qwen_blocks", "sd3_blocks", "wan_blocks"):
+    if family.hook in ("flux_blocks", "hunyuan_blocks", "qwen_blocks", "sd3_blocks", "wan_blocks", "nextdit_layers"):
         if merge_mlp == "off":
             raise ValueError(
                 f"merge_mlp: 'off' is not available on {family.title}: toma merges around whole blocks there "
@@ -711,6 +830,9 @@ def patch_model(
             counts = {"blocks": len(getattr(dm, hooks.QWEN_BLOCKS))}
             side = int(getattr(dm, hooks.PATCH_SIZE, family.patch))
             patch = (1, side, side)
+        elif family.hook == "nextdit_layers":
+            counts = {"layers": len(getattr(dm, hooks.NEXTDIT_LAYERS))}
+            patch = int(getattr(dm, hooks.PATCH_SIZE, family.patch))
         elif family.hook == "sd3_blocks":
             counts = {"blocks": len(getattr(dm, hooks.SD3_BLOCKS))}
             side = getattr(dm, hooks.PATCH_SIZE, family.patch)
@@ -761,6 +883,16 @@ def patch_model(
             for i in chosen.get(stack, ()):
                 block = JointBlock(run, layout, kind, i, proportional_attention)
                 clone.set_model_patch_replace(block, hooks.DIT_REPLACE, kind, i)
+    elif family.hook == "nextdit_layers":
+        multiple = getattr(dm, hooks.NEXTDIT_PAD_MULTIPLE, None)
+        for i in chosen.get("layers", ()):
+            name = f"{hooks.DIFFUSION_MODEL}.{hooks.NEXTDIT_LAYERS}.{i}"
+            # the layer as this model has it: another node's object patch of it is wrapped
+            layer = NextDiTLayer.original(model.get_model_object(name))
+            stand_in = NextDiTLayer(run, i, layer, proportional_attention, multiple).stand_in()
+            clone.add_object_patch(name, stand_in)
+        if proportional_attention:
+            override = KeyBias(run)
     elif family.hook == "wan_blocks":
         # Wan's blocks are replaced under the name Flux's double blocks have
         for i in chosen.get("blocks", ()):
