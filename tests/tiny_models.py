@@ -270,7 +270,7 @@ def ltx2_inputs(
         "audio_hidden_states": torch.randn(batch, audio, 8, generator=g),
         "encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
         "audio_encoder_hidden_states": torch.randn(batch, text, CROSS_DIM, generator=g),
-        "timestep": torch.full((batch,), 0.5),
+        "timestep": torch.full((batch,), 500.0),
         "encoder_attention_mask": mask,
         "audio_encoder_attention_mask": mask.clone(),
         "num_frames": frames,
