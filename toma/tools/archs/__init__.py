@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 # torch loads inside the functions that build models and inputs: ``toma bench --help``
 # reads ARCHS without paying for it
 
-from toma.tools.archs.arch import Arch, Call, latent_frames
+from toma.tools.archs.arch import Arch, Call
+from toma.tools.archs.arch import latent_frames as vae_latent_frames
 
 FAMILIES_PACKAGE = "toma.tools.archs.families"
 
@@ -129,6 +130,14 @@ def _spec(family: str) -> Any:
     from toma.adapters import FAMILIES
 
     return importlib.import_module(FAMILIES[family][0]).SPEC
+
+
+def latent_frames(arch: Arch, frames: int | None = None) -> int:
+    """Latent frames of a video arch for ``frames`` pixel frames (its default if None): as
+    its family module's ``count_latent_frames`` says, else as the common video VAE counts
+    (:func:`toma.tools.archs.arch.latent_frames`). 1 for images."""
+    own = getattr(FAMILY_MODULES.get(arch.family), "count_latent_frames", None)
+    return own(arch, frames) if own is not None else vae_latent_frames(arch, frames)
 
 
 def denoiser_class(family: str) -> str:

@@ -1,6 +1,6 @@
 """What every arch family's module builds on: :class:`Arch`, one call's setting
 (:class:`Call`), the frame counts of video archs and the common timestep rules. Imports
-nothing of the families: :func:`latent_frames` looks a family's own count up when called."""
+nothing of the families (:func:`toma.tools.archs.latent_frames` looks a family's own count up)."""
 
 from __future__ import annotations
 
@@ -130,13 +130,9 @@ def rising_timestep(frac: float) -> float:
 
 def latent_frames(arch: Arch, frames: int | None = None) -> int:
     """Latent frames of a video arch for ``frames`` pixel frames (its default if None): the
-    VAE keeps the first frame and compresses the rest ``time_scale`` times, or as the family
-    module's ``count_latent_frames`` says. 1 for images."""
-    from toma.tools.archs import FAMILY_MODULES  # imported by then: it imports this module first
-
-    own = getattr(FAMILY_MODULES.get(arch.family), "count_latent_frames", None)
-    if own is not None:
-        return own(arch, frames)
+    VAE keeps the first frame and compresses the rest ``time_scale`` times. 1 for images.
+    A family whose VAE counts otherwise says so in its module's ``count_latent_frames``,
+    which :func:`toma.tools.archs.latent_frames` asks first."""
     if not arch.frames:
         if frames not in (None, 0, 1):
             raise ValueError(f"frames applies to video archs; {arch.name} draws images")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from toma.tools.archs.arch import Arch, Call, flow_timestep, latent_frames
+from toma.tools.archs.arch import Arch, Call, flow_timestep
 
 # the family of this module's archs (Arch.family): a toma.adapters.FAMILIES name, or unet
 FAMILY = "minimax-h3"
@@ -50,7 +50,7 @@ def minimax_h3_inputs(
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames
 
     pixels = arch.frames if frames is None else frames
-    count, text = latent_frames(arch, frames), arch.text_tokens
+    count, text = count_latent_frames(arch, frames), arch.text_tokens
     ids, tags, video, audio, text_rows, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
         torch.ones(text, dtype=torch.long), count, lh, lw, audio_latent_num_frames(pixels), (1, 2, 2), 2, 2, 0
     )
