@@ -89,6 +89,7 @@ def import_comfyui(root: Path, base: Path) -> types.SimpleNamespace:
     import folder_paths
     import nodes
 
+    base.mkdir(parents=True, exist_ok=True)  # a caller's fresh tmp_path / "base" does not exist yet
     for setter in ("set_output_directory", "set_temp_directory", "set_input_directory", "set_user_directory"):
         getattr(folder_paths, setter)(tempfile.mkdtemp(dir=base))
     return types.SimpleNamespace(
