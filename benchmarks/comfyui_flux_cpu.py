@@ -13,19 +13,12 @@ Random seeded weights, fp32, batch 1. The vendored ComfyUI is imported as the te
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import statistics
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "comfyui"))
+import comfyui_timing  # this folder's: the script's own folder leads sys.path
 
 
 def main() -> None:
@@ -41,10 +34,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    import tiny_comfy
-
-    root = Path(os.environ.get("TOMA_COMFYUI") or REPO.parent / "shared" / "vendor" / "ComfyUI")
-    tiny_comfy.import_comfyui(root, Path(tempfile.mkdtemp()))
+    tiny_comfy = comfyui_timing.import_comfyui()
     import comfy.latent_formats
     import comfy.model_base
     import comfy.model_patcher
@@ -102,16 +92,14 @@ def main() -> None:
     # the patcher's wrappers join its transformer options where sampling would put them
     toma = {**patched.model_options["transformer_options"], "wrappers": patched.wrappers}
     methods = {"none": (x, plain), "toma": (x, toma), "ideal": (x_ideal, plain)}
-    for latent, options in methods.values():  # warm-up
-        call(latent, options)
-    times: dict[str, list[float]] = {m: [] for m in methods}
-    for _ in range(args.rounds):
-        for name, (latent, options) in methods.items():
-            start = time.process_time()
-            call(latent, options)
-            times[name].append(time.process_time() - start)
+    times = comfyui_timing.interleaved(
+        {
+            name: lambda latent=latent, options=options: call(latent, options)
+            for name, (latent, options) in methods.items()
+        },
+        args.rounds,
+    )
     assert patched.toma_run.merged_calls == args.rounds + 1, "ToMA did not merge"
-    med = {m: statistics.median(t) for m, t in times.items()}
     n = math.ceil(side / 2) ** 2
     report = {
         "host": "comfyui",
@@ -124,16 +112,9 @@ def main() -> None:
         "text_tokens": args.text,
         "ratio": args.ratio,
         "threads": 1,
-        "cpu_seconds": times,
-        "median_cpu_seconds": med,
-        "speedup_toma": med["none"] / med["toma"],
-        "speedup_ideal": med["none"] / med["ideal"],
-        "efficiency": (med["none"] - med["toma"]) / (med["none"] - med["ideal"]),
+        **comfyui_timing.figures(times),
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    comfyui_timing.emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -19,19 +19,13 @@ Random seeded weights, fp32, batch 1. The vendored ComfyUI is imported as the te
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import statistics
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "comfyui"))
+import comfyui_timing  # this folder's: the script's own folder leads sys.path
 
 
 def main() -> None:
@@ -51,10 +45,7 @@ def main() -> None:
     # imports diffusers: before ComfyUI's torchvision stand-ins
     from toma.tools.baselines import IdealPlanCache
 
-    import tiny_comfy
-
-    root = Path(os.environ.get("TOMA_COMFYUI") or REPO.parent / "shared" / "vendor" / "ComfyUI")
-    tiny_comfy.import_comfyui(root, Path(tempfile.mkdtemp()))
+    tiny_comfy = comfyui_timing.import_comfyui()
     import comfy.model_base
     import comfy.model_patcher
     import comfy.supported_models
@@ -98,17 +89,9 @@ def main() -> None:
             model.apply_model(x, sigma, c_crossattn=context, transformer_options=options)
 
     methods = {"none": patcher, "toma": patched, "ideal": ideal}
-    for p in methods.values():  # warm-up
-        call(p)
-    times: dict[str, list[float]] = {m: [] for m in methods}
-    for _ in range(args.rounds):
-        for name, p in methods.items():
-            start = time.process_time()
-            call(p)
-            times[name].append(time.process_time() - start)
+    times = comfyui_timing.interleaved({name: lambda p=p: call(p) for name, p in methods.items()}, args.rounds)
     for name in ("toma", "ideal"):
         assert methods[name].toma_run.merged_calls == args.rounds + 1, f"{name} did not merge"
-    med = {m: statistics.median(t) for m, t in times.items()}
     grid = patched.toma_run.grid
     report = {
         "host": "comfyui",
@@ -122,16 +105,9 @@ def main() -> None:
         "ratio": args.ratio,
         "threads": 1,
         "load": os.getloadavg(),
-        "cpu_seconds": times,
-        "median_cpu_seconds": med,
-        "speedup_toma": med["none"] / med["toma"],
-        "speedup_ideal": med["none"] / med["ideal"],
-        "efficiency": (med["none"] - med["toma"]) / (med["none"] - med["ideal"]),
+        **comfyui_timing.figures(times),
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    comfyui_timing.emit(report, args.out)
 
 
 if __name__ == "__main__":
