@@ -365,9 +365,8 @@ class StepHook(Hook):
             names = _parameter_names(type(module))
             for name, value in moved.items():
                 args, kwargs = replace_arg(args, kwargs, name, names.index(name) if name in names else None, value)
-        raster = grid is None
         # a spread packed shard holds its image run in raster order: its rows were moved at the call
-        raster = raster or (shard is not None and shard.leads is not None)
+        raster = grid is None or (shard is not None and shard.leads is not None)
         if not raster and self.spec.tile_order_ok is not None:
             raster = not self.spec.tile_order_ok(module, named)
         device = x.device if isinstance(x, torch.Tensor) else None  # the Triton path merges from raster order

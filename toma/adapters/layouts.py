@@ -131,9 +131,9 @@ class TextFirst(Layout):
     ) -> torch.Tensor:
         if not text:
             return gather(table, dest)
-        text = table.shape[1] - tokens
-        image = gather(table[:, text:], dest)
-        return torch.cat([_expand(table[:, :text], image.shape[0]), image], dim=1)
+        lead = table.shape[1] - tokens  # the table's own text rows
+        image = gather(table[:, lead:], dest)
+        return torch.cat([_expand(table[:, :lead], image.shape[0]), image], dim=1)
 
 
 class ImageFirst(Layout):
