@@ -135,7 +135,19 @@ _NOT_REGISTERED = "diffusers' FirstBlockCache does not know its block class"
 # ToMA composes with it (the ✔ cells' tests); elsewhere it fails before ToMA is involved
 FIRST_BLOCK_CACHE: dict[str, str | None] = {
     **dict.fromkeys(
-        ("flux", "wan", "ltx", "qwenimage", "hunyuanvideo", "cogvideox", "wan-vace", "hunyuanimage", "framepack")
+        (
+            "flux",
+            "wan",
+            "ltx",
+            "qwenimage",
+            "hunyuanvideo",
+            "cogvideox",
+            "wan-vace",
+            "hunyuanimage",
+            "framepack",
+            "cogview4",
+            "mochi",
+        )
     ),
     "unet": _UNET_CACHES,
     **dict.fromkeys(
@@ -166,6 +178,7 @@ FIRST_BLOCK_CACHE: dict[str, str | None] = {
             "helios",
             "minimax-h3",
             "qwenimage21",
+            "chronoedit",
         ),
         _NOT_REGISTERED,
     ),
@@ -203,6 +216,9 @@ CACHE_DIT: dict[str, str | None] = {
             "kandinsky5",
             "ernie-image",
             "lumina2",
+            "chronoedit",
+            "cogview4",
+            "mochi",
         )
     ),
     "unet": _UNET_CACHES,

@@ -22,7 +22,7 @@ import torch
 
 import toma
 from tests.cases import cache_dit_settings, fused_calls, sdpa_keys
-from tests.compat_cells import rows, skip_or_fail
+from tests.compat_cells import cell, rows, skip_or_fail
 from tests.tiny_models import FAMILIES
 from toma import compat
 from toma.adapters.base import Hook, register_innermost, remove_hook
@@ -907,15 +907,27 @@ def test_diffusers_caches_compose_in_either_order(name, cache, request):
     assert not torch.equal(outputs[0], toma_only)  # the cache acted
 
 
+# each reason a ✖ cell of FirstBlockCache gives, as diffusers (0.42) says it: its error's type and text
+FIRST_BLOCK_CACHE_ERRORS = {
+    compat.FIRST_BLOCK_CACHE["unet"]: (AttributeError, "has no attribute 'enable_cache'"),
+    compat.FIRST_BLOCK_CACHE["sd3"]: (AttributeError, "has no attribute 'enable_cache'"),
+    compat.FIRST_BLOCK_CACHE["ltx2"]: (ValueError, r"Model class .*Block'> not registered"),
+    compat.FIRST_BLOCK_CACHE["flux2"]: (TypeError, r"unsupported operand type\(s\) for -: 'Tensor' and 'list'"),
+    compat.FIRST_BLOCK_CACHE["kandinsky5"]: (ValueError, "'hidden_states' not found in function signature"),
+}
+
+
 @pytest.mark.parametrize("name", rows("fbcache", compat.NO))
 def test_first_block_cache_fails_unpatched_where_the_matrix_says(name):
     # the matrix's ✖ cells: diffusers' FirstBlockCache fails on the model before ToMA is
-    # involved (when a diffusers release makes it run, this fails: the cell becomes ✔)
+    # involved, with the error its reason names (when a diffusers release makes it run, this
+    # fails: the cell becomes ✔)
     from diffusers.hooks import FirstBlockCacheConfig
 
     fam = FAMILIES[name]
     model, kw = fam.make(), fam.inputs(1)
-    with pytest.raises(Exception):  # noqa: B017, PT011 - diffusers' own errors, which vary by class
+    error, text = FIRST_BLOCK_CACHE_ERRORS[cell(fam.adapter, "fbcache").reason]
+    with pytest.raises(error, match=text):
         model.enable_cache(FirstBlockCacheConfig(threshold=0.5))
         for i in range(2):
             with model.cache_context("cond"):
@@ -987,16 +999,24 @@ def test_cache_dit_composes_in_either_order(name, kind, request):
     assert not torch.equal(outputs[0], cache_only)  # merged
 
 
+# each reason a ✖ cell of cache-dit gives but the UNets', as cache-dit says it: its error's type and text
+CACHE_DIT_ERRORS = {
+    compat.CACHE_DIT["sd3"]: (ValueError, "is not officially supported by cache-dit"),
+    compat.CACHE_DIT["wan-animate"]: (AssertionError, "not in allowed classes"),
+}
+
+
 @pytest.mark.parametrize("name", [p for p in rows("cache_dit", compat.NO) if FAMILIES[p.values[0]].adapter != "unet"])
 def test_cache_dit_fails_unpatched_where_the_matrix_says(name):
     # the matrix's ✖ cells but the UNets' (which cache-dit's block adapters do not cover):
-    # cache-dit refuses the class before ToMA is involved
+    # cache-dit refuses the class before ToMA is involved, as the cell's reason says
     cache_dit = pytest.importorskip("cache_dit")
     from toma.tools.eval.caches import quiet_cache_dit
 
     quiet_cache_dit()
     fam = FAMILIES[name]
     model, kw = fam.make(), fam.inputs(1)
-    with pytest.raises(Exception):  # noqa: B017, PT011 - cache-dit's own errors, which vary by class
+    error, text = CACHE_DIT_ERRORS[cell(fam.adapter, "cache_dit").reason]
+    with pytest.raises(error, match=text):
         cache_dit.enable_cache(model, **cache_dit_settings("dbcache", 2, 0.5, separate_cfg=False))
         fam.output(model, run_step(fam, kw, 0))
