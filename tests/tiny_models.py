@@ -1581,9 +1581,6 @@ class Family:
     # whether text runs through the blocks as tokens (Qwen-Image 2.1's cached passes take it
     # as cached keys and values only, which tests/adapters/test_qwenimage21.py covers)
     text_in_blocks: bool = True
-    # whether the model's own blocks break torch.compile graphs, unpatched (HiDream's
-    # mixture-of-experts MLP counts tokens per expert on the host)
-    own_breaks: bool = False
     # how far a sample's output in a batch of 2 may be from its output alone: float32 ulps
     # (~1e-7 an op) reach ~1e-6; Kandinsky 5's processor rounds its rotated queries and keys
     # to bfloat16, where such an ulp can tip an element by one bfloat16 ulp (2**-8 relative):
@@ -1976,7 +1973,6 @@ FAMILIES: dict[str, Family] = {
             divided=lambda b: hidream_inputs(b, 8, 8),
             grid=(1, 8, 8),
             timestep="timesteps",
-            own_breaks=True,
         ),
         Family(
             "minimax-h3",

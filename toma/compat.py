@@ -1,8 +1,9 @@
 """The compatibility matrix: every model family against the features toma composes with.
 
 :func:`matrix` gives, for each family of :func:`toma.supported` and each feature of
-:data:`FEATURES`, a :class:`Cell`: ``✔`` (a test checks it), ``✖`` (refused or failing, with
-the reason the code gives) or ``untested``. It is the one place this is said: the generated
+:data:`FEATURES`, a :class:`Cell`: ``✔`` (a test checks it; with a note where the model
+itself keeps it from being whole), ``✖`` (refused or failing, with the reason the code gives) or
+``untested``. It is the one place this is said: the generated
 page ``docs/compatibility.md`` prints it, and the tests that back each ``✔`` are parametrized
 from it (``tests/compat_cells.py``), each case marked ``compat(feature, family, status)``.
 ``python -m toma.tools.docs`` collects those marks from the test files named in
@@ -42,8 +43,9 @@ class Feature:
 
 @dataclass(frozen=True)
 class Cell:
-    """One family's support of one feature: ``status`` (``✔``, ``✖`` or ``untested``) and,
-    where it is not ``✔``, why (empty where there is nothing to say)."""
+    """One family's support of one feature: ``status`` (``✔``, ``✖`` or ``untested``) and
+    ``reason``: where it is not ``✔``, why; on a ``✔``, what it does not promise (empty where
+    there is nothing to say)."""
 
     status: str
     reason: str = ""
@@ -127,6 +129,13 @@ NO_MLP = frozenset({"cogview4"})
 # Families whose attention processors cannot take the key bias: proportional_attention=True is
 # refused (None, the default, runs without it).
 NO_KEY_BIAS = frozenset({"hidream", "lumina2"})
+
+# Families whose own code breaks torch.compile's graphs, unpatched: their ✔ means that toma adds
+# no break to the model's own (the compile test checks both)
+OWN_GRAPH_BREAKS = {
+    "hidream": "toma adds no graph break, but HiDream's own mixture-of-experts MLP breaks the graph (it "
+    "counts each expert's tokens on the host), unpatched too",
+}
 
 _UNET_CACHES = "a UNet: the block caches hook transformer blocks, which it has none of"
 _NO_CACHE_MIXIN = "diffusers' model class has no `enable_cache`"
@@ -263,7 +272,7 @@ def matrix() -> dict[str, dict[str, Cell]]:
             else Cell(YES),
             # the refusal apply_toma gives under enable_parallelism, said of any model
             "context_parallel": Cell(YES) if cp_refusal is None else Cell(NO, refusal(None, cp, None) or ""),
-            "compile": Cell(YES),
+            "compile": Cell(YES, OWN_GRAPH_BREAKS.get(name, "")),
             "fbcache": _declared(FIRST_BLOCK_CACHE, name),
             "cache_dit": _declared(CACHE_DIT, name),
             "comfyui": Cell(UNTESTED, "the node has no record of it")

@@ -257,6 +257,13 @@ def test_compatibility_page_shows_every_cell_and_the_codes_reasons(expected):
     for family, row in cells.items():
         assert (row["context_parallel"].status == "✔") == (refusal(family, cp, None) is None), family
     assert refusal(None, cp, None) in page
+    # a ✔ with a note (HiDream's own graph breaks) leads to it by its number
+    note = cells["hidream"]["compile"]
+    assert note.status == "✔" and "HiDream's own mixture-of-experts MLP breaks the graph" in note.reason
+    [number] = re.findall(rf"^(\d+)\. {re.escape(gen._md(note.reason))}$", page, re.M)
+    [hidream] = [row for row in rows if row.startswith("| [hidream]")]
+    keys = [f.key for f in FEATURES]
+    assert hidream.split(" | ")[1 + keys.index("compile")] == f"✔ ({number})"
     from toma.comfyui.families import FAMILIES as COMFY
 
     for node in COMFY:

@@ -212,10 +212,10 @@ def compat_page() -> str:
     from toma.compat import FEATURES, NO, YES, matrix
 
     cells = matrix()
-    reasons: dict[str, int] = {}  # each distinct reason, numbered in order of appearance
+    reasons: dict[str, int] = {}  # each distinct reason or note, numbered in order of appearance
 
     def shown(cell) -> str:
-        if cell.status == YES or not cell.reason:
+        if not cell.reason:
             return cell.status
         number = reasons.setdefault(cell.reason, len(reasons) + 1)
         return f"{cell.status} ({number})"
@@ -226,8 +226,8 @@ def compat_page() -> str:
         GENERATED,
         "",
         "Each family toma merges ([models](models.md)) against the features it composes with: ✔ a test "
-        "checks it, ✖ refused or failing (the number leads to the reason the code gives), untested where "
-        "nothing has tried it.",
+        "checks it (a number leads to a note where the model itself keeps it from being whole), ✖ refused or "
+        "failing (the number leads to the reason the code gives), untested where nothing has tried it.",
         "",
         "The matrix is data in one place, `toma/compat.py` (`toma.compat.matrix()` at run time). The tests "
         "that back it are parametrized from its cells (`tests/compat_cells.py`), each case marked "
@@ -243,7 +243,7 @@ def compat_page() -> str:
     ]
     for family, row in cells.items():
         lines.append(f"| [{family}](models.md#{family}) | " + " | ".join(shown(row[f.key]) for f in FEATURES) + " |")
-    lines += ["", "## Why not", ""]
+    lines += ["", "## Why not, and notes", ""]
     lines += [f"{number}. {_md(reason)}" for reason, number in reasons.items()]
     lines += ["", "## Features", "", "| feature | ✔ means | tests |", "| --- | --- | --- |"]
     for f in FEATURES:
