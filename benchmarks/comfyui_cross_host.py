@@ -2,11 +2,13 @@
 outputs are, against how far merging moves each, on generic and on paired inputs.
 
 The tiny twins and inputs of ``tests/comfyui/test_comfyui_cross_host.py`` (Flux, the
-SDXL-layout UNet, Wan 2.1; ratio 0.5, every block, proportional attention), one denoiser call
-per host, over a few seeds. Prints one JSON record per family, input kind and seed: the max
-absolute differences ``hosts_unpatched``, ``hosts_merged``, ``comfy_moved`` (ComfyUI merged
-vs unpatched) and ``diffusers_moved``, and ``same_destinations`` (the fraction of ComfyUI's
-destinations that diffusers' first plan also selects).
+SDXL-layout UNet, Wan 2.1, Z-Image; ratio 0.5, every block, proportional attention), one
+denoiser call per host, over a few seeds. Prints one JSON record per family, input kind and
+seed: the max absolute differences ``hosts_unpatched``, ``hosts_merged``, ``comfy_moved``
+(ComfyUI merged vs unpatched) and ``diffusers_moved``, and ``same_destinations`` (the
+fraction of ComfyUI's destinations that diffusers' first plan also selects). Z-Image runs
+its paired inputs twice: with its noise refiner as it is (``"still_refiner": false``), and
+with the refiner's gates at zero as the test runs them (``true``).
 
     python benchmarks/comfyui_cross_host.py --seeds 3
 """
@@ -34,7 +36,10 @@ def main() -> None:
     torch.set_num_threads(1)
     # diffusers' model classes before ComfyUI's torchvision stand-ins
     from diffusers import FluxTransformer2DModel, UNet2DConditionModel, WanTransformer3DModel  # noqa: F401
+    from diffusers import ZImageTransformer2DModel  # noqa: F401
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers  # noqa: F401
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers  # noqa: F401
+    from diffusers.models.transformers.transformer_z_image import TimestepEmbedder  # noqa: F401
 
     import tiny_comfy
 
@@ -59,9 +64,10 @@ def main() -> None:
 
     state.PlanCache.get = recording
     for family in tiny_comfy.TWIN_FAMILIES:
-        for pairs in (False, True):
+        kinds = [(False, False), (True, False)] + ([(True, True)] if family == "zimage" else [])
+        for pairs, still in kinds:
             for seed in range(args.seeds):
-                patcher, model = tiny_comfy.diffusers_twin(comfy, family)
+                patcher, model = tiny_comfy.diffusers_twin(comfy, family, still_refiner=still)
                 inputs = tiny_comfy.twin_inputs(family, pairs=pairs, seed=3 + seed)
                 c0 = tiny_comfy.comfy_denoise(patcher, **inputs)
                 d0 = tiny_comfy.diffusers_denoise(family, patcher, model, **inputs)
@@ -84,6 +90,8 @@ def main() -> None:
                     "diffusers_moved": (d1 - d0).abs().max().item(),
                     "same_destinations": same,
                 }
+                if family == "zimage":
+                    record["still_refiner"] = still
                 print(json.dumps(record))
 
 

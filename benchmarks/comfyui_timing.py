@@ -33,14 +33,21 @@ def import_comfyui() -> ModuleType:
     return tiny_comfy
 
 
-def interleaved(methods: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+def interleaved(
+    methods: dict[str, Callable[[], None]], rounds: int, before: Callable[[str], None] | None = None
+) -> dict[str, list[float]]:
     """CPU seconds of this process for each method's call, after one warm-up call each:
-    ``rounds`` rounds, each calling every method once, in order."""
-    for call in methods.values():
+    ``rounds`` rounds, each calling every method once, in order. ``before(name)``, where
+    given, runs ahead of each call, untimed (loading that method's patcher, as sampling
+    does once per run, not once per step)."""
+    prepare = before or (lambda name: None)
+    for name, call in methods.items():
+        prepare(name)
         call()
     times: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(rounds):
         for name, call in methods.items():
+            prepare(name)
             start = time.process_time()
             call()
             times[name].append(time.process_time() - start)

@@ -1,5 +1,5 @@
 """The two hosts against each other: the same tiny seeded weights in diffusers' model and in
-ComfyUI's (Flux, the SD/SDXL UNet, Wan 2.1), the same inputs, one denoiser call each.
+ComfyUI's (Flux, the SD/SDXL UNet, Wan 2.1, Z-Image), the same inputs, one denoiser call each.
 
 Unpatched, the two agree to fp32 rounding: they compute the same maths in different orders
 (fused or split q/k/v projections, different attention calls), each step a few float32
@@ -22,6 +22,16 @@ Merged at ratio 0.5 (every block, proportional attention on), what the hosts mer
   copy, both hosts pick the same destinations (exact ties break on the same index), and
   the merged computation still differs from the unmerged one (each pair runs at its
   destination's rotary position). That is the input these two are checked on.
+- Z-Image: the hosts' sequences run in reverse order (ComfyUI ``[caption; image; pad]``,
+  diffusers ``[image; pad; caption]``), which attention does not see: every token keeps its
+  rotary position. ComfyUI's NextDiT has no block replacement; toma's object patch merges
+  each main layer's input and runs the whole layer on K tokens, as for Flux, while diffusers
+  merges the attention's and the MLP's normed inputs: on generic inputs the two differ as
+  Flux's do (benchmarks/comfyui_cross_host.py). On equal pairs they coincide as above, once
+  the pairs reach the main layers equal: the unmerged noise refiner's attention runs the two
+  tokens of a pair at their own rotary positions and tells them apart, so the merged case
+  runs with that refiner's gates at zero (``diffusers_twin(still_refiner=True)``: the
+  refiner passes the image through), the main layers as they are.
 
 In each merged case: the destinations both hosts select are exactly equal; the outputs
 agree within 10x the floor (the hosts' unpatched difference, or one fp32 step where that is
@@ -35,7 +45,12 @@ import torch
 
 # diffusers' model classes, imported before ComfyUI's torchvision stand-ins exist
 from diffusers import FluxTransformer2DModel, UNet2DConditionModel, WanTransformer3DModel  # noqa: F401
-from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers  # noqa: F401
+from diffusers import ZImageTransformer2DModel  # noqa: F401
+from diffusers.loaders.single_file_utils import (  # noqa: F401
+    convert_wan_transformer_to_diffusers,
+    convert_z_image_transformer_checkpoint_to_diffusers,
+)
+from diffusers.models.transformers.transformer_z_image import TimestepEmbedder  # noqa: F401
 from tiny_comfy import TWIN_FAMILIES, comfy_denoise, diffusers_denoise, diffusers_twin, fp32_floor, twin_inputs
 
 import toma
@@ -43,11 +58,12 @@ from toma.adapters import state
 from toma.comfyui.patch import patch_model
 
 # every block of the tiny twins, in each host's words
-COMFY_BLOCKS = {"flux": "double:all single:all", "unet": "levels:1,2", "wan": "blocks:all"}
+COMFY_BLOCKS = {"flux": "double:all single:all", "unet": "levels:1,2", "wan": "blocks:all", "zimage": "layers:all"}
 DIFFUSERS_BLOCKS = {
     "flux": {"blocks": {"transformer_blocks": range(2), "single_transformer_blocks": range(2)}, "merge_mlp": True},
     "unet": {"levels": 2},
     "wan": {"blocks": {"blocks": range(2)}, "merge_mlp": True, "merge_crossattn": True},
+    "zimage": {"blocks": {"layers": range(2)}, "merge_mlp": True},
 }
 
 
@@ -81,9 +97,9 @@ def test_unpatched_hosts_agree_to_fp32_rounding(comfy, family):
     assert _max(ours - theirs) <= 64 * fp32_floor(ours)
 
 
-@pytest.mark.parametrize("family, pairs", [("flux", True), ("unet", False), ("wan", True)])
+@pytest.mark.parametrize("family, pairs", [("flux", True), ("unet", False), ("wan", True), ("zimage", True)])
 def test_merged_hosts_select_the_same_destinations_and_agree(comfy, family, pairs, plans):
-    patcher, model = diffusers_twin(comfy, family)
+    patcher, model = diffusers_twin(comfy, family, still_refiner=family == "zimage")
     inputs = twin_inputs(family, pairs=pairs)
     comfy_plain = comfy_denoise(patcher, **inputs)
     diffusers_plain = diffusers_denoise(family, patcher, model, **inputs)

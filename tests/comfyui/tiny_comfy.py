@@ -488,19 +488,34 @@ def sd3_patcher(comfy, seed: int = 0):
 # -- the same weights in diffusers' models (tests/comfyui/test_comfyui_cross_host.py) -------------
 # Import diffusers' model classes before ComfyUI: with the torchvision stand-ins in place,
 # diffusers' import-time version checks fail.
-TWIN_FAMILIES = ("flux", "unet", "wan")
+TWIN_FAMILIES = ("flux", "unet", "wan", "zimage")
 _EPS = torch.finfo(torch.float32).eps
 
 
-def diffusers_twin(comfy, family: str, seed: int = 0):
-    """A tiny ComfyUI model of ``family`` (``"flux"``, ``"unet"``: SDXL's attention layout, or
-    ``"wan"``: Wan 2.1 T2V) with seeded weights, and diffusers' model of that family holding
-    the same weights: ``(patcher, diffusers_model)``.
+def diffusers_twin(comfy, family: str, seed: int = 0, still_refiner: bool = False):
+    """A tiny ComfyUI model of ``family`` (``"flux"``, ``"unet"``: SDXL's attention layout,
+    ``"wan"``: Wan 2.1 T2V, or ``"zimage"``: Z-Image's NextDiT) with seeded weights, and
+    diffusers' model of that family holding the same weights: ``(patcher, diffusers_model)``.
 
     The keys are converted by the hosts' own maps: ComfyUI's ``comfy.utils.flux_to_diffusers``
-    and ``unet_to_diffusers`` (diffusers key -> ComfyUI key, fused q/k/v sliced), and for Wan,
-    whose ComfyUI keys are the original checkpoint's, diffusers'
-    ``convert_wan_transformer_to_diffusers``. Loading is strict: every key of both is used.
+    and ``unet_to_diffusers`` (diffusers key -> ComfyUI key, fused q/k/v sliced), and for Wan
+    and Z-Image, whose ComfyUI keys are the original checkpoint's, diffusers'
+    ``convert_wan_transformer_to_diffusers`` and
+    ``convert_z_image_transformer_checkpoint_to_diffusers``. Loading is strict: every key of
+    both is used.
+
+    Z-Image at this size needs three settings to be one model in both hosts (at Z-Image's
+    own size, dim 3840, the first two hold by themselves): ComfyUI's FFN width rounded to a
+    multiple of 2, not 256 (both hosts then take ``int(dim * 8 / 3)``); diffusers' timestep
+    MLP with ComfyUI's hidden width ``min(dim, 1024)``, where diffusers fixes 1024 (its own
+    ``TimestepEmbedder`` class); and diffusers' q/k RMSNorms with ComfyUI's epsilon. ComfyUI
+    0.33.0 builds those norms without one (float32's, 1.2e-7, in its fused ``rms_rope``),
+    diffusers with 1e-5: a difference of the hosts, not of rounding (measured 1.1e-5 on
+    outputs of size 4 here, 22 float32 steps), aligned so that what remains is rounding.
+    With ``still_refiner`` (Z-Image only), the noise refiner's two gates are zero, so the
+    refiner passes the image tokens through unchanged: its attention runs each token at its
+    own rotary position, which would tell apart the two tokens of an equal pair
+    (``twin_inputs(pairs=True)``) before the merged layers.
     """
     import comfy.utils
 
@@ -561,6 +576,37 @@ def diffusers_twin(comfy, family: str, seed: int = 0):
         original = {k: v.clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
         model.load_state_dict(convert_wan_transformer_to_diffusers(original), strict=True)
         return patcher, model.eval()
+    elif family == "zimage":
+        from diffusers import ZImageTransformer2DModel
+        from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+        from diffusers.models.transformers.transformer_z_image import TimestepEmbedder
+
+        patcher = zimage_patcher(comfy, layers=2, seed=seed, multiple_of=2)
+        dm = patcher.model.diffusion_model
+        if still_refiner:
+            with torch.no_grad():
+                for layer in dm.noise_refiner:  # (scale, gate) for attention, then for the MLP
+                    for part in layer.adaLN_modulation[0].weight, layer.adaLN_modulation[0].bias:
+                        part.unflatten(0, (4, -1))[1::2] = 0
+        dim = dm.dim
+        model = ZImageTransformer2DModel(
+            in_channels=4,
+            dim=dim,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            cap_feat_dim=FLUX_CONTEXT,
+            axes_dims=list(dm.axes_dims),
+            axes_lens=list(dm.axes_lens),
+        )
+        model.t_embedder = TimestepEmbedder(min(dim, 256), mid_size=min(dim, 1024))
+        for name, module in model.named_modules():
+            if name.endswith(".attention"):
+                module.norm_q.eps = module.norm_k.eps = _EPS
+        original = {k: v.clone() for k, v in dm.state_dict().items()}
+        model.load_state_dict(convert_z_image_transformer_checkpoint_to_diffusers(original), strict=True)
+        return patcher, model.eval()
     else:
         raise ValueError(f"family must be one of {TWIN_FAMILIES}; got {family!r}")
     source = patcher.model.diffusion_model.state_dict()
@@ -582,14 +628,15 @@ def twin_inputs(family: str, pairs: bool = False, seed: int = 3) -> dict:
     """Seeded inputs of one denoiser call for :func:`diffusers_twin`'s models: ``x`` (latent),
     ``sigma``, ``context`` and, for Flux, ``pooled``. With ``pairs``, the image tokens come
     in equal pairs (token columns 2j and 2j + 1 equal), so that each 2x2 tile holds two
-    pairs (see the cross-host test for why)."""
+    pairs (see the cross-host test for why). Z-Image's latent is 12x20: 60 tokens, which
+    both hosts pad to 64, as they pad the 6 caption tokens to 32."""
     g = torch.Generator().manual_seed(seed)
-    shape = (1, 4, 3, 8, 8) if family == "wan" else (1, 4, 16, 16)
+    shape = {"wan": (1, 4, 3, 8, 8), "zimage": (1, 4, 12, 20)}.get(family, (1, 4, 16, 16))
     x = torch.randn(shape, generator=g)
     if pairs:  # a token is 2x2 latent pixels: latent columns 4j, 4j+1 repeat as 4j+2, 4j+3
         halves = x.unflatten(-1, (shape[-1] // 4, 4))[..., :2]
         x = torch.cat((halves, halves), -1).flatten(-2)
-    dim = {"flux": FLUX_CONTEXT, "unet": UNET_CONTEXT, "wan": WAN_TEXT}[family]
+    dim = {"flux": FLUX_CONTEXT, "unet": UNET_CONTEXT, "wan": WAN_TEXT, "zimage": FLUX_CONTEXT}[family]
     inputs = {"x": x, "sigma": torch.tensor([0.7 if family != "unet" else 2.0])}
     inputs["context"] = torch.randn(1, 6, dim, generator=g)
     if family == "flux":
@@ -599,7 +646,13 @@ def twin_inputs(family: str, pairs: bool = False, seed: int = 3) -> dict:
 
 def comfy_denoise(patcher, x, sigma, context, pooled=None) -> torch.Tensor:
     """One denoiser call of ComfyUI's ``BaseModel.apply_model`` with ``patcher``'s patches and
-    wrappers (as sampling passes them): the denoised latent."""
+    wrappers (as sampling passes them): the denoised latent. A NextDiT (Z-Image) is loaded
+    first, as sampling loads it (:func:`loaded_denoise`): toma reaches its layers through
+    object patches, which only loading puts in place."""
+    import comfy.model_base
+
+    if isinstance(patcher.model, comfy.model_base.Lumina2):
+        return loaded_denoise(patcher, x, sigma, context, num_tokens=context.shape[1])
     options = {**patcher.model_options.get("transformer_options", {}), "wrappers": patcher.wrappers}
     extra = {} if pooled is None else {"y": pooled}
     with torch.no_grad():
@@ -625,7 +678,10 @@ def loaded_denoise(patcher, x, sigma, context, **conds) -> torch.Tensor:
 def diffusers_denoise(family: str, patcher, model, x, sigma, context, pooled=None) -> torch.Tensor:
     """The same call on diffusers' ``model``: ComfyUI's model sampling turns sigma into the
     denoiser's input scaling and timestep, and its output into the denoised latent, exactly as
-    ``apply_model`` does; the latent is packed into tokens as ComfyUI's Flux patchifies it."""
+    ``apply_model`` does; the latent is packed into tokens as ComfyUI's Flux patchifies it.
+    Z-Image takes lists of ``(C, 1, H, W)`` latents and captions, and a rising ``t``, as
+    ComfyUI's NextDiT computes it (``1 - timestep``); both hosts' output is the negated
+    flow, which ComfyUI's NextDiT negates itself and diffusers' pipeline does after."""
     sampling = patcher.model.model_sampling
     xc = sampling.calculate_input(sigma, x)
     t = sampling.timestep(sigma).float()
@@ -646,6 +702,9 @@ def diffusers_denoise(family: str, patcher, model, x, sigma, context, pooled=Non
                 return_dict=False,
             )[0]
             out = out.reshape(b, hp, wp, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+        elif family == "zimage":
+            out = model(list(xc.unsqueeze(2)), 1.0 - t, list(context), return_dict=False)[0]
+            out = -torch.stack(out).squeeze(2)
         else:
             out = model(xc, t, encoder_hidden_states=context, return_dict=False)[0]
     return sampling.calculate_denoised(sigma, out, x)
