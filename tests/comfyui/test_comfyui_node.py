@@ -125,7 +125,7 @@ def test_supported_lists_every_family_with_a_reason_where_refused():
     assert {r["name"] for r in rows} >= {"flux", "unet", "wan", "qwenimage", "zimage", "ltx", "hunyuanvideo"}
     for r in rows:
         assert r["merges"] == (r["reason"] is None)
-    merged = ["chroma", "flux", "hunyuanvideo", "qwenimage", "sd3", "unet", "wan", "zimage"]
+    merged = ["chroma", "flux", "hunyuanvideo", "ltx", "qwenimage", "sd3", "unet", "wan", "zimage"]
     assert [r["name"] for r in rows if r["merges"]] == merged  # by name: the family files' order
 
 
