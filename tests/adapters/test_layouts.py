@@ -11,6 +11,7 @@ import torch
 from toma.adapters.attention import BIAS_KWARG, KeyBias
 from toma.adapters.layouts import (
     ALONE,
+    BETWEEN,
     IMAGE_FIRST,
     TEXT_FIRST,
     Conditioned,
@@ -100,6 +101,41 @@ def test_rotary_rows_follow_the_layout(table_batch):
     assert torch.equal(ALONE.table_rows(gather_rows, table, dest, N, TEXT), gather_rows(table, dest))
     # no text in the call: a text-first site's table is the image's alone
     assert torch.equal(TEXT_FIRST.table_rows(gather_rows, table, dest, N, 0), gather_rows(table, dest))
+
+
+@pytest.mark.parametrize("lead,tail", [(0, 0), (TEXT, 0), (0, 2), (TEXT, 2)])
+def test_between_passes_the_lead_and_the_tail_whole(lead, tail):
+    # [lead; image; tail], each token numbered by its position: brute force by position
+    x = torch.arange(2 * (lead + N + tail) * C, dtype=torch.float32).view(2, lead + N + tail, C)
+    head, image, rest = BETWEEN.split(x, lead, N)
+    assert [head.shape[1], image.shape[1], rest.shape[1]] == [lead, N, tail]
+    for i in range(lead + N + tail):
+        part, j = (head, i) if i < lead else (image, i - lead) if i < lead + N else (rest, i - lead - N)
+        assert torch.equal(part[:, j], x[:, i])
+    merged = BETWEEN.join(head, pair_merge(image), rest)
+    assert merged.shape[1] == lead + N // 2 + tail
+    assert torch.equal(BETWEEN.join(head, image, rest), x)
+    # positions kept: the lead's, each destination's, the tail's
+    dest = torch.tensor([[0, 3, 4], [1, 2, 5]])
+    kept = BETWEEN.kept(dest, lead, N, lead + N + tail)
+    for b in range(2):
+        expect = list(range(lead)) + [lead + int(d) for d in dest[b]] + list(range(lead + N, lead + N + tail))
+        assert kept[b].tolist() == expect
+    # a per-token table (tokens on dim 1 or 2), shared or per sample, taken at those positions
+    for shape, dim in (((1, lead + N + tail, 2), 1), ((2, 3, lead + N + tail, 5), 2)):
+        table = torch.randn(shape)
+        rows = BETWEEN.gather(table, kept, dim)
+        for b in range(2):
+            for j, pos in enumerate(kept[b].tolist()):
+                assert torch.equal(rows[b].select(dim - 1, j), table[min(b, shape[0] - 1)].select(dim - 1, pos))
+    log_mass = torch.randn(2, 3)
+    bias = BETWEEN.bias(log_mass, lead, tail, torch.float64)
+    assert bias.dtype == torch.float64 and bias.shape == (2, lead + 3 + tail)
+    assert (
+        torch.equal(bias[:, lead : lead + 3], log_mass.double())
+        and not bias[:, :lead].any()
+        and not bias[:, lead + 3 :].any()
+    )
 
 
 def test_keys_that_lead_the_bias():

@@ -89,6 +89,9 @@ def test_every_named_internal_is_in_the_vendored_comfyui(comfy):
     ) + hooks.NEXTDIT_NEEDS
     for need in every + hooks.UNET_NEEDS + hooks.ATTENTION_OVERRIDE_NEEDS:
         assert hooks.problem(need) is None, need
+    for family in FAMILIES:  # what each family file says it needs
+        for need in family.needs:
+            assert hooks.problem(need) is None, (family.name, need)
     for family in FAMILIES:
         for target in family.classes:
             assert isinstance(hooks.resolve(target), type), target
@@ -122,8 +125,8 @@ def test_supported_lists_every_family_with_a_reason_where_refused():
     assert {r["name"] for r in rows} >= {"flux", "unet", "wan", "qwenimage", "zimage", "ltx", "hunyuanvideo"}
     for r in rows:
         assert r["merges"] == (r["reason"] is None)
-    merged = ["flux", "unet", "chroma", "sd3", "wan", "hunyuanvideo", "qwenimage", "zimage"]
-    assert [r["name"] for r in rows if r["merges"]] == merged
+    merged = ["chroma", "flux", "hunyuanvideo", "ltx", "qwenimage", "sd3", "unet", "wan", "zimage"]
+    assert [r["name"] for r in rows if r["merges"]] == merged  # by name: the family files' order
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if not f.merges], ids=lambda f: f.name)

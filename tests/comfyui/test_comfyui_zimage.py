@@ -17,7 +17,8 @@ from tiny_comfy import fp32_floor, loaded_denoise, sample, zimage_patcher
 from toma.comfyui import hooks
 from toma.comfyui.families import family_of
 from toma.comfyui.node import ToMAModel
-from toma.comfyui.patch import NextDiTLayer, patch_model
+from toma.comfyui.families.zimage import NextDiTLayer
+from toma.comfyui.patch import patch_model
 
 H, W = 12, 20  # latent; patch 2: a 6x10 grid, 60 image tokens padded to 64
 N, PAD = 60, 4

@@ -296,6 +296,49 @@ def sample_video(comfy, patcher, frames: int = 3, h: int = 8, w: int = 8, steps:
     )
 
 
+LTX_TEXT = 32
+
+
+def ltx_patcher(comfy, layers: int = 2, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.LTXV`` (LTX-Video, dim 32, 2 heads, 4
+    latent channels, one latent pixel per token)."""
+    import comfy.latent_formats
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "ltxv",
+        "in_channels": 4,
+        "cross_attention_dim": 32,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "caption_channels": LTX_TEXT,
+        "num_layers": layers,
+    }
+    config = comfy.supported_models.LTXV(unet_config)
+    config.latent_format = comfy.latent_formats.LatentFormat()
+    model = comfy.model_base.LTXV(config, device=torch.device("cpu"))
+    model.eval()
+    seed_weights(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sample_ltx(comfy, patcher, frames: int = 3, h: int = 4, w: int = 6, steps: int = 2, cfg: float = 2.0, **kw):
+    """``sample`` for a tiny LTX-Video: a seeded ``(1, 4, frames, h, w)`` latent, text conditioning
+    with its attention mask (LTX's forward takes one), the negative's last token masked."""
+    import comfy.sample
+
+    g = torch.Generator().manual_seed(1)
+    pos = [[torch.randn(1, 5, LTX_TEXT, generator=g), {"attention_mask": torch.ones(1, 5, dtype=torch.long)}]]
+    neg = [[torch.randn(1, 5, LTX_TEXT, generator=g), {"attention_mask": torch.tensor([[1, 1, 1, 1, 0]])}]]
+    shape = (1, 4, frames, h, w)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    return comfy.sample.sample(
+        patcher, noise, steps, cfg, "euler", "normal", pos, neg, torch.zeros(shape), disable_pbar=True, seed=7, **kw
+    )
+
+
 HUNYUAN_TEXT = 32
 HUNYUAN_VEC = 16
 

@@ -7,6 +7,8 @@ object what to do instead of branching on one family's flag:
 * a :class:`Layout`, where the image tokens sit in the call's hidden states (:data:`ALONE`,
   :data:`TEXT_FIRST`, :data:`IMAGE_FIRST`, :class:`SeqFirst`): which rows merge, which pass
   whole, how per-token rotary rows follow and how many text keys lead a key bias;
+  :data:`BETWEEN` does the same where the image's place is read per call (a host that
+  hands a block ``[lead; image; tail]``, as ComfyUI does);
 * a bias route, how proportional attention's key bias reaches the attention
   (:class:`InMask`: as the processor's attention mask; :class:`ViaCall`: past a processor
   whose mask argument cannot carry it);
@@ -219,6 +221,57 @@ class SeqFirst(Layout):
 ALONE = Layout()
 TEXT_FIRST = TextFirst()
 IMAGE_FIRST = ImageFirst()
+
+
+class Between:
+    """``[lead; image; tail]`` hidden states whose image sits after ``lead`` tokens and before a
+    tail, both passing whole: what a host hands a block whole, e.g. ComfyUI's Flux single
+    blocks (``[text; image; reference]``) and NextDiT's layers (``[caption; image; pad]``).
+
+    Unlike a :class:`Layout`, whose position rule is fixed, the lead is read per call, so every
+    method takes it. ``lead=0`` with no tail is the image alone. Every method is pure.
+    """
+
+    def split(self, x: torch.Tensor, lead: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(lead rows, image rows, tail rows)`` of ``x`` ``(B, S, C)``."""
+        return x[:, :lead], x[:, lead : lead + tokens], x[:, lead + tokens :]
+
+    def join(self, lead: torch.Tensor, image: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """The rows back in one sequence; the image alone is returned as it is."""
+        if not lead.shape[1] and not tail.shape[1]:
+            return image
+        return torch.cat((lead, image, tail), 1)
+
+    def kept(self, dest: torch.Tensor, lead: int, tokens: int, length: int) -> torch.Tensor:
+        """``(Bp, lead + K + tail)``: the positions of a ``length``-token sequence that its merged
+        sequence keeps (the lead, each merged token's destination, the tail)."""
+        dest = dest + lead
+        head = torch.arange(lead, device=dest.device).expand(dest.shape[0], -1)
+        tail = torch.arange(lead + tokens, length, device=dest.device).expand(dest.shape[0], -1)
+        return torch.cat((head, dest, tail), 1)
+
+    def gather(self, table: torch.Tensor, positions: torch.Tensor, dim: int) -> torch.Tensor:
+        """Rows ``positions`` ``(Bp, L')`` along ``dim`` of a per-token table ``(B or 1, ..., L, ...)``,
+        per sample: ``(max(B, Bp), ..., L', ...)``."""
+        b = max(table.shape[0], positions.shape[0])
+        table = table.expand(b, *table.shape[1:])
+        view = [b] + [1] * (table.ndim - 1)
+        view[dim] = positions.shape[1]
+        sizes = list(table.shape)
+        sizes[dim] = positions.shape[1]
+        return torch.gather(table, dim, positions.expand(b, -1).reshape(view).expand(sizes))
+
+    def bias(self, log_mass: torch.Tensor, lead: int, tail: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(Bp, lead + K + tail)`` key bias: each merged key's log mass, 0 for the others."""
+        lm = log_mass.to(dtype)
+        zeros = lm.new_zeros
+        return torch.cat((zeros(lm.shape[0], lead), lm, zeros(lm.shape[0], tail)), 1)
+
+    def __repr__(self) -> str:
+        return "Between()"
+
+
+BETWEEN = Between()
 
 
 def _expand(rows: torch.Tensor, batch: int) -> torch.Tensor:

@@ -35,6 +35,9 @@ QWEN_IMAGE = "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel"
 NEXTDIT = "comfy.ldm.lumina.model:NextDiT"  # Z-Image and Lumina 2
 NEXTDIT_BLOCK = "comfy.ldm.lumina.model:JointTransformerBlock"
 NEXTDIT_ATTENTION = "comfy.ldm.lumina.model:JointAttention"
+LTXV = "comfy.ldm.lightricks.model:LTXVModel"  # LTX-Video
+LTXV_BLOCK = "comfy.ldm.lightricks.model:BasicTransformerBlock"
+LTXAV = "comfy.ldm.lightricks.av_model:LTXAVModel"  # LTX-2 (audio and video)
 UNET = "comfy.ldm.modules.diffusionmodules.openaimodel:UNetModel"
 UNET_DOWNSAMPLE = "comfy.ldm.modules.diffusionmodules.openaimodel:Downsample"
 SPATIAL_TRANSFORMER = "comfy.ldm.modules.attention:SpatialTransformer"
@@ -68,6 +71,8 @@ SINGLE_BLOCKS = "single_blocks"
 WAN_BLOCKS = "blocks"
 QWEN_BLOCKS = "transformer_blocks"
 SD3_BLOCKS = "joint_blocks"
+LTX_BLOCKS = "transformer_blocks"
+LTX_PATCHIFIER = "patchifier"  # its patch_size: (frames, height, width) latent pixels per token
 NEXTDIT_LAYERS = "layers"  # the main layers; object patches replace them under this path
 NEXTDIT_PAD_MULTIPLE = "pad_tokens_multiple"  # None (Lumina 2) or 32 (Z-Image)
 PATCH_SIZE = "patch_size"
@@ -81,6 +86,7 @@ ARG_VEC = "vec"
 ARG_FLUX_MASK = "attn_mask"
 ARG_HUNYUAN_MASK = "attention_mask"
 ARG_HUNYUAN_SPANS = ("modulation_dims_img", "modulation_dims")  # modulation addressed by position
+ARG_LTX_SELF_MASK = "self_attention_mask"  # LTX's guide attenuation: a mask over the video's tokens
 
 # keyword arguments of ComfyUI's attention functions, as an override receives them
 ATTN_MASK = "mask"
@@ -320,6 +326,33 @@ WAN_NEEDS: tuple[Need, ...] = (
         ),
     ),
     Need(f"{WAN_BLOCK}.forward", "Wan's block", params=("x", "e", "freqs", "context")),
+)
+
+# LTX-Video: block replacement under ("double_block", i) around each transformer block, whose
+# args carry the rotary table (a (matrix, split) pair, tokens on the matrix's dim 1), the
+# timestep embedding and the guides' self-attention mask; self-attention runs first
+LTXV_NEEDS: tuple[Need, ...] = (
+    Need(
+        f"{LTXV}._process_transformer_blocks",
+        "LTX-Video's block replacement (patches_replace['dit'])",
+        params=("x", "context", "attention_mask", "timestep", "pe", "transformer_options", "self_attention_mask"),
+        source=(
+            f'patches_replace.get("{DIT_REPLACE}"',
+            f'("{DOUBLE_BLOCK}", i)',
+            f'"{ORIGINAL_BLOCK}"',
+            '"img": x',
+            '"vec": timestep',
+            '"pe": pe',
+            f'"{ARG_LTX_SELF_MASK}": self_attention_mask',
+        ),
+    ),
+    Need(
+        f"{LTXV_BLOCK}.forward",
+        "LTX-Video's block",
+        params=("x", "context", "attention_mask", "timestep", "pe", "transformer_options", ARG_LTX_SELF_MASK),
+        source=("self.attn1(norm_x, pe=pe, mask=self_attention_mask",),
+    ),
+    Need(f"{LTXV}._init_output_components", "LTX-Video's patchifier", source=(f"self.{LTX_PATCHIFIER} = ",)),
 )
 
 # Z-Image / Lumina 2 (NextDiT): no block replacement. Each merged main layer is replaced,
