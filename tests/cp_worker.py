@@ -1,8 +1,9 @@
 """Context-parallel cases on CPU processes: what tests/adapters/test_context_parallel.py reads.
 
-Run as ``torchrun --nproc_per_node=P tests/cp_worker.py OUT_DIR [CASE ...]``: every rank
-runs every case of world size P in the same order (each under a time limit), and writes
-``OUT_DIR/rank{r}.json`` with one record per case. One spawn per world size keeps the
+Run as ``python tests/cp_worker.py --world P OUT_DIR [CASE ...]`` (P ranks forked after one
+import of everything) or ``torchrun --nproc_per_node=P tests/cp_worker.py OUT_DIR [CASE ...]``:
+every rank runs every case of world size P in the same order (each under a time limit), and
+writes ``OUT_DIR/rank{r}.json`` with one record per case. One spawn per world size keeps the
 start-up cost (gloo, imports) to one per size.
 
 Two things stand between diffusers' context parallelism and a CPU:
@@ -430,9 +431,9 @@ def _alarm(signum, frame):
     raise CaseTimeout(f"over {CASE_SECONDS} s")
 
 
-def main() -> None:
-    out_dir, wanted = sys.argv[1], set(sys.argv[2:])
-    dist.init_process_group("gloo")
+def run_cases(out_dir: str, wanted: set[str]) -> None:
+    """Every case of this world size (or those ``wanted``), in order, each under the time
+    limit; this rank's records written to ``out_dir``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     signal.signal(signal.SIGALRM, _alarm)
     results: dict[str, Any] = {}
@@ -451,6 +452,42 @@ def main() -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
     dist.destroy_process_group()
+
+
+def _forked_rank(rank: int, world: int, out_dir: str, wanted: set[str]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    store = f"file://{os.path.join(out_dir, 'store')}"
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
+    run_cases(out_dir, wanted)
+
+
+def launch(world: int, out_dir: str, wanted: set[str]) -> int:
+    """Run the cases on ``world`` ranks forked from this process, which imported torch,
+    diffusers and toma once: ``torchrun`` starts a fresh interpreter per rank, and their
+    imports were most of a spawn's time on 2 cores. At ``OMP_NUM_THREADS=1`` there is no
+    thread pool for a fork to lose. Returns the exit status: 1 if a rank failed."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_forked_rank, args=(r, world, out_dir, wanted)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    failed = {r: proc.exitcode for r, proc in enumerate(procs) if proc.exitcode}
+    if failed:
+        print(f"ranks failed (rank: exit code): {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main() -> None:
+    """``cp_worker.py --world P OUT_DIR [CASE ...]`` forks P ranks; under ``torchrun``
+    (``cp_worker.py OUT_DIR [CASE ...]``) this process is one rank."""
+    args = sys.argv[1:]
+    if args[:1] == ["--world"]:
+        sys.exit(launch(int(args[1]), args[2], set(args[3:])))
+    dist.init_process_group("gloo")
+    run_cases(args[0], set(args[1:]))
 
 
 if __name__ == "__main__":

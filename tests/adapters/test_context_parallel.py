@@ -1,6 +1,6 @@
 """ToMA under diffusers' context parallelism (Ulysses, ring, both), on CPU processes.
 
-The cases run in tests/cp_worker.py under ``torchrun`` with gloo at ``OMP_NUM_THREADS=1``:
+The cases run in tests/cp_worker.py, its ranks forked after one import, with gloo at ``OMP_NUM_THREADS=1``:
 one spawn of 2 processes (Ulysses 2, ring 2) and one of 4 (Ulysses 2 x ring 2), each
 running every case of its size; the tests here read what each rank recorded. The rules
 themselves (which shards merge, what is refused) are also tested in this process.
@@ -38,7 +38,7 @@ from toma.core.tiling import (
 )
 
 WORKER = Path(__file__).parents[1] / "cp_worker.py"
-SPAWN_SECONDS = 240  # about 35 s (2 processes) and 50 s (4) on the 2-core CI machine; the rest is load
+SPAWN_SECONDS = 240  # about 30 s (2 processes) and 20 s (4) on the 2-core CI machine; the rest is load
 FAMILIES = ("flux", "flux2", "wan", "qwenimage", "ltx", "ltx2")
 # merged self-attention calls per forward
 MERGED_CALLS = {"flux": 4, "flux2": 4, "wan": 2, "qwenimage": 2, "ltx": 2, "ltx2": 2, "minimax-h3": 2}
@@ -76,27 +76,19 @@ MODES = {2: ("ulysses", "ring"), 4: ("both",)}
 
 
 def spawn(world: int, out: Path) -> dict[int, dict]:
-    """Every rank's records of one ``torchrun`` of the worker over ``world`` processes."""
+    """Every rank's records of one run of the worker over ``world`` forked processes."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world}",
-        str(WORKER),
-        str(out),
-    ]
+    cmd = [sys.executable, str(WORKER), "--world", str(world), str(out)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SPAWN_SECONDS)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun over {world} processes ran past {SPAWN_SECONDS} s:\n{(e.stderr or '')[-4000:]}")
+        pytest.fail(f"the worker over {world} processes ran past {SPAWN_SECONDS} s:\n{(e.stderr or '')[-4000:]}")
     if proc.returncode:
-        pytest.fail(f"torchrun over {world} processes failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        pytest.fail(f"the worker over {world} processes failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
 
 
