@@ -91,9 +91,10 @@ CHUNK_SIZE, CHUNK_DIM = "_chunk_size", "_chunk_dim"
 
 # Transformer2DModel's methods that flatten its image to tokens and back, with the
 # parameters toma's replacements take (toma/adapters/unet.py)
+FLATTEN_IMAGE, UNFLATTEN_IMAGE = "_operate_on_continuous_inputs", "_get_output_for_continuous_inputs"
 IMAGE_METHODS = {
-    "_operate_on_continuous_inputs": ("self", "hidden_states"),
-    "_get_output_for_continuous_inputs": (
+    FLATTEN_IMAGE: ("self", "hidden_states"),
+    UNFLATTEN_IMAGE: (
         "self",
         "hidden_states",
         "residual",

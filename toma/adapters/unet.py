@@ -305,8 +305,8 @@ class _ImageOrderHook(Hook):
         self._pending: TileLayout | None = None  # the layout this call's flattening will use
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
-        module._operate_on_continuous_inputs = functools.partial(self._flatten, module)
-        module._get_output_for_continuous_inputs = functools.partial(self._unflatten, module)
+        setattr(module, _private.FLATTEN_IMAGE, functools.partial(self._flatten, module))
+        setattr(module, _private.UNFLATTEN_IMAGE, functools.partial(self._unflatten, module))
         return module
 
     def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
@@ -338,7 +338,7 @@ class _ImageOrderHook(Hook):
         # set on every call, and left set after it: blocks recomputed in backward read it
         self.state.layout = layout
         if layout is None:
-            return type(module)._operate_on_continuous_inputs(module, hidden_states)
+            return getattr(type(module), _private.FLATTEN_IMAGE)(module, hidden_states)
         x = module.norm(hidden_states)
         if not module.use_linear_projection:
             x = module.proj_in(x)
@@ -363,7 +363,7 @@ class _ImageOrderHook(Hook):
         own method runs."""
         layout = self.state.layout
         if layout is None:
-            return type(module)._get_output_for_continuous_inputs(
+            return getattr(type(module), _private.UNFLATTEN_IMAGE)(
                 module,
                 hidden_states=hidden_states,
                 residual=residual,
