@@ -151,6 +151,17 @@ def test_readme_is_short_in_the_issue_order_and_its_links_resolve():
     assert "python3 -m pytest -q" in development and ".ci/run" in development
 
 
+def test_development_set_up_installs_what_ci_installs_and_says_where_comfyui_is():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    [extras] = re.findall(r'-e "\.\[([^\]]+)\]"', ci)
+    development = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
+    # the set-up block installs the same extras, so that the suite runs as in CI
+    assert f'pip install -e ".[{extras}]"' in development
+    # the ComfyUI tests skip without a ComfyUI checkout: the page says where they look
+    assert "../shared/vendor/ComfyUI" in development and "$TOMA_COMFYUI" in development
+    assert "cache-dit" in development and re.search(r"\d+ min \d+ s", development)  # its tests; the measured run
+
+
 def _mkdocs(tmp_path: Path, edit=None) -> subprocess.CompletedProcess:
     """``mkdocs build --strict`` of a copy of the site (``edit(root)`` changes the copy first)."""
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
