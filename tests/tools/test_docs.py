@@ -151,6 +151,30 @@ def test_readme_is_short_in_the_issue_order_and_its_links_resolve():
     assert "python3 -m pytest -q" in development and ".ci/run" in development
 
 
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_speed_rows_lead_to_their_figures_in_benchmarks():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("\n## Speed today\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line.strip("| ") for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [line.split(" | ") for line in lines[1:]]
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    sections = {
+        _github_anchor(h): body for h, body in re.findall(r"^## ([^\n]+)\n(.*?)(?=^## |\Z)", benchmarks, re.M | re.S)
+    }
+    assert len(rows) >= 5
+    for model, _machine, merged, ideal, source in rows:
+        # each row links to the BENCHMARKS.md section that holds its figures with their command
+        [anchor] = re.findall(r"\]\(BENCHMARKS\.md#([^)]+)\)", source) or [None]
+        assert anchor in sections, f"{model}: {source} is not a BENCHMARKS.md heading"
+        shown = {f"{float(x):.2f}" for x in re.findall(r"(\d+\.\d+)x", sections[anchor])}
+        for figure in (merged, ideal):
+            assert figure.removesuffix("x") in shown, f"{model}: {figure} is not in BENCHMARKS.md#{anchor}"
+
+
 def test_development_set_up_installs_what_ci_installs_and_says_where_comfyui_is():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     [extras] = re.findall(r'-e "\.\[([^\]]+)\]"', ci)
