@@ -151,6 +151,29 @@ def test_readme_is_short_in_the_issue_order_and_its_links_resolve():
     assert "python3 -m pytest -q" in development and ".ci/run" in development
 
 
+def test_troubleshooting_quotes_the_error_of_a_shadowing_checkout(tmp_path):
+    # a checkout folder named toma/ beside a script: Python imports it as a namespace package
+    (tmp_path / "toma").mkdir()
+    (tmp_path / "toma" / "pyproject.toml").write_text("", encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # -S: no site-packages, as where toma is not installed; the folder is all that `import toma` finds
+    script = "import toma; toma.apply_toma"
+    run = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    [error] = run.stderr.strip().splitlines()[-1:]
+    assert error == "AttributeError: module 'toma' has no attribute 'apply_toma'"
+    troubleshooting = (ROOT / "README.md").read_text(encoding="utf-8").split("\n## Troubleshooting\n", 1)[1]
+    assert "`module 'toma' has no attribute 'apply_toma'`" in troubleshooting.split("\n## ", 1)[0]
+
+
+def test_accelerate_is_a_dependency():
+    # without it diffusers prints a 6-line warning at every pipeline load of `toma generate`
+    # read without tomllib, which Python 3.10 lacks: the list's quoted items, comments aside
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    [block] = re.findall(r"^dependencies = \[\n(.*?)^\]", pyproject, re.M | re.S)
+    names = re.findall(r'^\s*"([A-Za-z0-9_.-]+)', block, re.M)
+    assert "torch" in names and "accelerate" in names
+
+
 def _github_anchor(heading: str) -> str:
     """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
