@@ -396,10 +396,16 @@ def seed_weights(module: torch.nn.Module, seed: int = 0, scale: float = 0.2) -> 
 
 
 def build_patcher(
-    spec: ComfyArch, depth: int = 1, dtype: torch.dtype | None = None, device: str = "cpu", seed: int = 0
+    spec: ComfyArch,
+    depth: int = 1,
+    dtype: torch.dtype | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
 ) -> Any:
     """A ``comfy.model_patcher.ModelPatcher`` around ``spec``'s ComfyUI model with ``depth`` times
-    fewer blocks and seeded random weights, in eval mode on ``device`` (ComfyUI already imported)."""
+    fewer blocks and seeded random weights, in eval mode on ``device`` (ComfyUI already imported).
+    ``overrides`` replace entries of its config (block counts the benchmark scripts set)."""
     import comfy.latent_formats
     import comfy.model_base
     import comfy.model_patcher
@@ -407,7 +413,7 @@ def build_patcher(
     import torch
 
     device = torch.device(device)
-    config = getattr(comfy.supported_models, spec.supported)(spec.config(depth))
+    config = getattr(comfy.supported_models, spec.supported)({**spec.config(depth), **(overrides or {})})
     if spec.plain_latent:
         config.latent_format = comfy.latent_formats.LatentFormat()
     if dtype is not None and dtype != torch.float32:
@@ -451,16 +457,20 @@ class Geometry:
         return math.prod(self.grid)
 
 
-def geometry(spec: ComfyArch, resolution: int, frames: int | None = None) -> Geometry:
-    """The latent for ``resolution`` pixels high (the arch's aspect) and ``frames`` pixel frames.
-    Raises ValueError naming ``--resolution`` where it is not a whole number of tokens."""
+def geometry(spec: ComfyArch, resolution: int, frames: int | None = None, width: int | None = None) -> Geometry:
+    """The latent for ``resolution`` pixels high and ``width`` wide (default: the arch's aspect),
+    and ``frames`` pixel frames. Raises ValueError naming ``--resolution`` where it is not a
+    whole number of tokens."""
     from toma.tools.archs import ARCHS, latent_frames
 
     arch = ARCHS[spec.name]
     step = arch.patch * arch.vae_scale
     if resolution < 2 * step or resolution % step:
         raise ValueError(f"--resolution must be a multiple of {step} pixels, at least {2 * step}; got {resolution}")
-    height, width = arch.size(resolution)
+    height, aspect_width = arch.size(resolution)
+    width = width or aspect_width
+    if width < 2 * step or width % step:
+        raise ValueError(f"width must be a multiple of {step} pixels, at least {2 * step}; got {width}")
     return Geometry(
         height // arch.vae_scale, width // arch.vae_scale, latent_frames(arch, frames) if arch.frames else 0, arch.patch
     )
@@ -593,6 +603,11 @@ class ComfyMethods:
                 calls=run.calls,
                 merged_blocks={stack: sorted(idx) for stack, idx in sorted(run.merged_blocks.items())},
             )
+            if run.levels:  # UNet: per merged level (downsample factor), its grid's tokens N and K
+                grids = [(math.ceil(geo.lh / ds), math.ceil(geo.lw / ds)) for ds in run.levels]
+                out["levels"] = {
+                    f"1/{ds}": [h * w, run.cache.layout(h, w).num_merged] for ds, (h, w) in zip(run.levels, grids)
+                }
         return out
 
 
@@ -609,8 +624,10 @@ def benchmark_comfyui(
     device: Any = "cpu",
     depth: int = 1,
     frames: int | None = None,
+    width: int | None = None,
     text_tokens: int | None = None,
     node: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
     profile: bool = True,
     seed: int = 0,
     progress: bool = False,
@@ -624,8 +641,9 @@ def benchmark_comfyui(
     ``node`` holds the node's inputs but the ratio (``blocks``, ``tile_size``, ``merge_mlp``,
     ``proportional_attention``); ``blocks`` defaults to every block of the DiTs (their default
     skips the first blocks, all of a model built with few), the node's default levels on
-    UNets. Each timed sample is ``steps`` calls at falling sigmas. Raises ValueError for input
-    the node refuses.
+    UNets. Each timed sample is ``steps`` calls at falling sigmas. ``width`` (pixels) replaces
+    the arch's aspect, ``overrides`` entries of the model's config (:func:`build_patcher`).
+    Raises ValueError for input the node refuses.
     """
     import torch
 
@@ -641,12 +659,12 @@ def benchmark_comfyui(
     device = torch.device(device)
     node = {"blocks": spec.blocks, **(node or {})}
     text_tokens = text_tokens or spec.text_tokens
-    geo = geometry(spec, resolution, frames)
+    geo = geometry(spec, resolution, frames, width)
     log(
         f"building {spec.description} (random weights, --depth {depth}) in {str(dtype).replace('torch.', '')} on "
         f"{device}; ComfyUI {comfyui_version() or '(version unknown)'}"
     )
-    patcher = build_patcher(spec, depth, dtype, device, seed)
+    patcher = build_patcher(spec, depth, dtype, device, seed, overrides)
     built = blocks_built(spec, patcher)
     harness = ComfyMethods(spec, patcher, node)
     harness.prepare(methods, ratios)
@@ -751,7 +769,7 @@ def benchmark_comfyui(
         methods=list(methods),
         ratios=list(ratios),
         batches=list(batches),
-        placement={**node, "text_tokens": text_tokens, "frames": frames},
+        placement={**node, "text_tokens": text_tokens, "frames": frames, "latent": [geo.lh, geo.lw]},
         toma_options={},
         compiled=False,
     )
