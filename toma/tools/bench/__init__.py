@@ -102,7 +102,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--depth",
         type=int,
         default=1,
-        help="transformers: build DEPTH times fewer blocks at full width (merged blocks scale with them)",
+        help="transformers: build DEPTH times fewer blocks at full width (merged blocks scale with them); "
+        "--host comfyui: Flux's and Wan's blocks, and SDXL's 10 per block at 1/4 of the latent",
     )
     p.add_argument(
         "--frames",
@@ -177,7 +178,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="skip the overhead breakdown and kernel-count pass (one more forward per variant)",
     )
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
-    p.add_argument("--name", default=None, help="file name stem (default: bench_<arch>_<resolution>)")
+    p.add_argument(
+        "--name",
+        default=None,
+        help="file name stem (default: bench_<arch>_<resolution>; --host comfyui: bench_comfyui_<arch>_<resolution>)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     p.add_argument(
         "--clock",
