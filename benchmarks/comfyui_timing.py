@@ -1,5 +1,8 @@
-"""What the ComfyUI CPU benchmarks (``benchmarks/comfyui_*_cpu.py``) share: the vendored
-ComfyUI's import, the methods' interleaved CPU-time rounds and the report's figures.
+"""What the ComfyUI benchmarks (``benchmarks/comfyui_*.py``) share: finding ComfyUI, the run
+through ``toma bench --host comfyui``'s implementation (:mod:`toma.tools.bench.comfyui`) at one
+thread on CPU time, and the figures of the scripts' own JSON reports; for the scripts that
+build their models themselves (Z-Image, the bitwise check), ComfyUI imported as the tests
+import it and interleaved CPU-time rounds.
 
 Not a benchmark itself; the scripts import it from their own folder.
 """
@@ -9,14 +12,36 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
-import tempfile
 import time
+import tempfile
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def run(arch: str, resolution: int, ratio: float, rounds: int, **options: Any) -> dict:
+    """``toma bench --host comfyui --arch <arch> --clock cpu --threads 1 --no-profile`` with one
+    warm-up and ``rounds`` interleaved rounds, the ComfyUI of ``$TOMA_COMFYUI`` or
+    ``../shared/vendor/ComfyUI``; returns the bench's report. ``options`` go to
+    :func:`toma.tools.bench.comfyui.benchmark_comfyui`."""
+    import torch
+
+    from toma.tools.bench.comfyui import benchmark_comfyui, locate_comfyui
+
+    torch.set_num_threads(1)
+    locate_comfyui(os.environ.get("TOMA_COMFYUI") or str(REPO.parent / "shared" / "vendor" / "ComfyUI"))
+    return benchmark_comfyui(
+        arch, resolution, ratios=[ratio], repeats=rounds, warmup=1, clock="cpu", profile=False, **options
+    )
+
+
+def rows(report: dict) -> dict[str, dict]:
+    """The bench report's rows by method (one ratio, one batch)."""
+    return {r["method"]: r for r in report["results"]}
 
 
 def import_comfyui() -> ModuleType:
@@ -54,9 +79,14 @@ def interleaved(
     return times
 
 
-def figures(times: dict[str, list[float]]) -> dict:
-    """The report's timing figures from ``times`` of ``none``, ``toma`` and ``ideal``: the
-    samples, their medians, both speed-ups and ToMA's share of the ideal's saving."""
+def figures(report: dict) -> dict:
+    """The scripts' timing figures from the bench ``report`` of ``none``, ``toma`` and ``ideal``:
+    the samples, their medians, both speed-ups and ToMA's share of the ideal's saving."""
+    return figures_of_times({name: row["times_s"] for name, row in rows(report).items()})
+
+
+def figures_of_times(times: dict[str, list[float]]) -> dict:
+    """:func:`figures` from the samples themselves, ``{method: [seconds, ...]}``."""
     med = {name: statistics.median(t) for name, t in times.items()}
     return {
         "cpu_seconds": times,

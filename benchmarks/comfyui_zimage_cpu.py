@@ -129,7 +129,7 @@ def main() -> None:
         "ratio": args.ratio,
         "threads": 1,
         "load": os.getloadavg(),
-        **comfyui_timing.figures(times),
+        **comfyui_timing.figures_of_times(times),
     }
     comfyui_timing.emit(report, args.out)
 

@@ -83,10 +83,13 @@ def test_bench_cli_tiny_unet_writes_json_and_png(tmp_path, capsys):
             "--name",
             "t",
             "--no-progress",
+            "--clock",
+            "cpu",
         ]
     )
     assert rc == 0
     report = json.loads((tmp_path / "t.json").read_text())
+    assert report["clock"] == "cpu"
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     rows = {(r["method"], r["batch"]): r for r in report["results"]}
     methods = {"none", "toma", "ideal", "todo"} | ({"tomesd"} if tomesd_available() else set())
@@ -102,7 +105,7 @@ def test_bench_cli_tiny_unet_writes_json_and_png(tmp_path, capsys):
     assert 0 < rows[("ideal", 1)]["extra_kernels"] < rows[("toma", 1)]["extra_kernels"]
     assert rows[("toma", 2)]["kernels"] is None
     out = capsys.readouterr().out
-    assert "speedup" in out and "efficiency" in out
+    assert "speedup" in out and "efficiency" in out and "CPU time of this process" in out
     assert f"kernels per forward (batch 1): none {rows[('none', 1)]['kernels']}; " in out
     assert f"toma@0.5 {rows[('toma', 1)]['extra_kernels']:+d}" in out
     if hasattr(__import__("os"), "getloadavg"):

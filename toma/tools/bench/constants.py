@@ -11,6 +11,10 @@ METHODS = ("none", "toma", "tomesd", "ideal", "todo")
 # diffusers caches a method can be combined with, as ``<method>+<cache>`` (``toma+fbcache``)
 CACHES = ("fbcache", "taylorseer")
 OVERHEAD_PARTS = ("select", "weights", "merge", "unmerge")
+# --clock: wall time, or the CPU time of this process (harness.CLOCKS reads them)
+CLOCK_NAMES = ("wall", "cpu")
+# --host: whose model classes are timed (comfyui: ComfyUI's own, see toma.tools.bench.comfyui)
+HOSTS = ("diffusers", "comfyui")
 
 
 def split_method(method: str) -> tuple[str, str | None]:

@@ -35,6 +35,11 @@ from toma.tools.bench.report import RunConditions, build_report
 from toma.tools.opcount import count_kernels
 
 
+# --clock: wall time, or the CPU time of this process (steadier on a shared machine at one
+# thread; with more threads it adds theirs up)
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 @dataclass(frozen=True)
 class Variant:
     """One timed configuration: a method at a ratio (None for the unpatched model).
@@ -168,14 +173,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_sample(call: Callable[[dict[str, Any]], Any], inputs: list[dict[str, Any]], device: torch.device) -> float:
-    """Seconds per forward over one run of ``len(inputs)`` consecutive steps."""
+def _time_sample(
+    call: Callable[[dict[str, Any]], Any],
+    inputs: list[dict[str, Any]],
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds per forward over one run of ``len(inputs)`` consecutive steps, read on ``clock``."""
     _sync(device)
-    start = time.perf_counter()
+    start = clock()
     for step_inputs in inputs:
         call(step_inputs)
     _sync(device)
-    return (time.perf_counter() - start) / len(inputs)
+    return (clock() - start) / len(inputs)
 
 
 # what PyTorch's profiler library (Kineto) prints straight to file descriptor 2 at every
@@ -260,6 +270,7 @@ def benchmark(
     seed: int = 0,
     progress: bool = False,
     log: Callable[[str], None] = lambda s: None,
+    clock: str = "wall",
 ) -> dict[str, Any]:
     """Time every method side by side on one denoiser; returns the report dict.
 
@@ -269,6 +280,7 @@ def benchmark(
     samples each. With ``cuda_graph`` every variant's forward is captured once as a CUDA
     graph (on the first step's inputs) and a sample times ``steps`` replays of it. Ctrl-C
     stops the rounds and returns what was measured, with ``report["interrupted"] = True``.
+    ``clock`` is ``"wall"`` or ``"cpu"`` (:data:`CLOCKS`).
     """
     from toma.tools.common.report import load_average
 
@@ -361,6 +373,7 @@ def benchmark(
                 bar,
                 graphs if cuda_graph else None,
                 fixed=compiled,
+                clock=CLOCKS[clock],
             )
             if profile:
                 for v in variants:
@@ -399,6 +412,7 @@ def benchmark(
     )
     report = build_report(conditions, _rows(results, settings), skipped, notes, interrupted)
     report["cuda_graph"] = cuda_graph
+    report["clock"] = clock
     report["freezing"] = freezing and bool(picked)
     report["load_average_before"], report["load_average_after"] = load_before, load_average()
     return report
@@ -460,6 +474,7 @@ def time_rounds(
     graphs: dict[tuple[Variant, int], Callable[[], None]] | None = None,
     stop: Callable[[], bool] | None = None,
     fixed: dict[Variant, Callable[[dict[str, Any]], Any]] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> bool:
     """Time every variant and batch size round by round, interleaved, into ``results``.
 
@@ -470,7 +485,9 @@ def time_rounds(
     :func:`compile_variants`) is not applied: its own call is timed. ``settings`` receives
     each variant's settings in force. ``stop`` is asked before every timed round after the first; True ends
     the rounds there (a time budget). Returns whether ``stop`` ended them. A
-    KeyboardInterrupt propagates with the samples taken so far kept in ``results``.
+    KeyboardInterrupt propagates with the samples taken so far kept in ``results``. ``clock``
+    reads the time (``time.process_time``: the CPU time of this process, steadier than wall
+    time on a shared machine at one thread).
     """
     for rnd in range(warmup + repeats):
         if stop is not None and rnd > warmup and stop():
@@ -484,12 +501,12 @@ def time_rounds(
                 for b in batches:
                     bar.set_postfix_str(f"{v.label} b{b} {'warm-up' if rnd < warmup else f'round {rnd - warmup + 1}'}")
                     if own is not None:
-                        t = _time_sample(own, step_inputs[b], device)
+                        t = _time_sample(own, step_inputs[b], device, clock)
                     elif graphs is not None:
                         replay = graphs[(v, b)]
-                        t = _time_sample(lambda _: replay(), step_inputs[b], device)
+                        t = _time_sample(lambda _: replay(), step_inputs[b], device, clock)
                     else:
-                        t = _time_sample(call, step_inputs[b], device)
+                        t = _time_sample(call, step_inputs[b], device, clock)
                     if rnd >= warmup:
                         results[(v, b)].times.append(t)
                     bar.update(1)

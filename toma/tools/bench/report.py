@@ -153,8 +153,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['resolution']}x{report['resolution']}, {report['dtype']}, {report['device']} "
         f"({report['device_name']}), {report['threads']} torch threads",
         f"  {report['steps_per_sample']} forward(s) per sample, {report['repeats']} timed samples per variant "
-        f"after {report['warmup']} warm-up, interleaved; placement {report['placement']}",
+        f"after {report['warmup']} warm-up, interleaved"
+        + ("; CPU time of this process" if report.get("clock") == "cpu" else "")
+        + f"; placement {report['placement']}",
     ]
+    if report.get("host") == "comfyui":
+        lines.append(f"  host: ComfyUI {report.get('comfyui_version') or '(version unknown)'}, the ToMA node's patch")
     before, after = report.get("load_average_before"), report.get("load_average_after")
     if before and after:
         busy = max(before[0], after[0]) > (report["cpu_count"] or 1)
