@@ -107,6 +107,7 @@ TO_PATCHES = "patches"
 TO_PATCHES_REPLACE = "patches_replace"
 TO_IMG_SLICE = "img_slice"  # Flux single blocks: [text tokens, all tokens]
 TO_ATTENTION_OVERRIDE = "optimized_attention_override"
+TO_MULTIGPU_DEVICE = "multigpu_thread_device"  # set on each device's share of a multi-GPU CFG split
 TO_TRANSFORMER_OPTIONS = "transformer_options"  # the model_options key that holds them
 
 # patch names
@@ -215,6 +216,16 @@ COMMON: tuple[Need, ...] = (
         "comfy.sampler_helpers:prepare_model_patcher",
         "the patcher's wrappers in transformer_options",
         source=('setdefault("wrappers", {}), model.wrappers',),
+    ),
+)
+
+# core's multi-GPU CFG split: each device's share of a batch runs in a thread of its own,
+# marked in its transformer_options, through the same patched clone (toma steps aside there)
+MULTIGPU_NEEDS: tuple[Need, ...] = (
+    Need(
+        "comfy.samplers:_calc_cond_batch_multigpu",
+        "the multi-GPU CFG split's mark on each device's call",
+        source=(f'transformer_options["{TO_MULTIGPU_DEVICE}"] = device',),
     ),
 )
 

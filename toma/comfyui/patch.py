@@ -270,6 +270,10 @@ def tome_patch_in(options: dict) -> bool:
 
 
 _TOME = "ComfyUI's TomePatchModel is applied to this model too: two token mergings do not compose"
+_MULTIGPU = (
+    "ComfyUI's multi-GPU CFG split runs this model's calls from several threads at once, which toma's "
+    "ComfyUI node does not support yet: its calls run unmerged"
+)
 
 
 # -- wrappers ---------------------------------------------------------------------------------
@@ -304,6 +308,11 @@ def _apply_model(run: ComfyRun, override: Callable | None) -> Callable:
             # TomePatchModel was put on after toma: toma steps aside, and says so
             run.merging = False
             run.skipped = _TOME
+        if options is not None and options.get(hooks.TO_MULTIGPU_DEVICE) is not None:
+            # the devices' shares run at once, from threads of their own, through this one
+            # patched clone, whose per-call state (plans, the armed key bias) is one
+            run.merging = False
+            run.unmerged(_MULTIGPU)
         if override is not None and options is not None:
             _chain_override(options, override)
         try:
