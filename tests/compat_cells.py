@@ -37,6 +37,10 @@ def rows(feature: str, status: str = compat.YES, *extra: object) -> list:
     return out
 
 
+# the compat marks of the cases a test session collected, by file (tests/conftest.py fills it)
+COMPAT_MARKS = pytest.StashKey[dict]()
+
+
 def families(feature: str, status: str = compat.YES) -> list:
     """``pytest.param(family)`` for every family whose cell of ``feature`` has ``status``,
     marked ``compat(feature, family, status)`` (for tests that take families, not rows)."""

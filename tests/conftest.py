@@ -40,6 +40,17 @@ from kernel_launches import LAUNCHES  # noqa: E402
 LAUNCH_OBSERVERS.append(recorder(LAUNCHES))
 
 
+def pytest_itemcollected(item):
+    # the compat marks of every case collected, by file, for tests/tools/test_docs.py (which
+    # reads them instead of collecting the matrix's files again in a subprocess); here, before
+    # -k / -m deselect anything, a file's marks are all of its cases'
+    from tests.compat_cells import COMPAT_MARKS
+    from toma.tools.compat_collect import marks_of
+
+    found = item.config.stash.setdefault(COMPAT_MARKS, {})
+    found.setdefault(item.nodeid.split("::")[0], []).extend(marks_of([item]))
+
+
 def pytest_collection_modifyitems(config, items):
     # the compile check reads what every other test launched
     items.sort(key=lambda item: item.get_closest_marker("after_all_launches") is not None)

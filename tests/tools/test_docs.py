@@ -253,10 +253,47 @@ def test_a_page_missing_from_the_nav_fails_the_strict_build(tmp_path):
 
 
 # ------------------------------------------------------------------ the compatibility matrix
+def _session_marks(config: pytest.Config) -> list[list[str]] | None:
+    """The matrix's marks as this session collected them (``tests/conftest.py``), where it
+    collected every file the matrix names whole (no ``file::test`` selection), else None."""
+    from tests.compat_cells import COMPAT_MARKS
+    from toma.compat import FEATURES
+
+    found = config.stash.get(COMPAT_MARKS, {})
+    files = sorted({t for f in FEATURES for t in f.tests})
+    narrowed = any("::" in str(arg) for arg in config.invocation_params.args)
+    if narrowed or not all(f in found for f in files):
+        return None
+    return [mark for f in files for mark in found[f]]
+
+
 @pytest.fixture(scope="module")
-def compat_marks() -> list[list[str]]:
-    """The ``compat`` marks of the tests that back the matrix, collected once (not run)."""
-    return gen.collect_marks(ROOT)
+def compat_marks(request) -> list[list[str]]:
+    """The ``compat`` marks of the tests that back the matrix: this session's, where it
+    collected those files (the whole suite does), else collected once in a subprocess as
+    ``python -m toma.tools.docs`` does (not run)."""
+    return _session_marks(request.config) or gen.collect_marks(ROOT)
+
+
+def test_the_generators_collection_finds_the_marks_of_the_files_it_is_given(tmp_path, monkeypatch):
+    # the generator's own collection (a pytest subprocess with its plugin), which the suite
+    # skips when it collected the matrix's files itself: on a scratch checkout of one file
+    from types import SimpleNamespace
+
+    from toma import compat
+
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_cells.py").write_text(
+        "import pytest\n\n"
+        "@pytest.mark.parametrize('family', [pytest.param('a', marks=pytest.mark.compat('f', 'a', 'Y')), 'b'])\n"
+        "def test_cell(family):\n    pass\n\n"
+        "@pytest.mark.compat('g', 'c', 'N')\ndef test_other():\n    pass\n"
+    )
+    monkeypatch.setattr(compat, "FEATURES", (SimpleNamespace(key="f", tests=("tests/test_cells.py",)),))
+    assert gen.collect_marks(tmp_path) == [
+        ["f", "a", "Y", "tests/test_cells.py::test_cell[a]"],
+        ["g", "c", "N", "tests/test_cells.py::test_other"],
+    ]
 
 
 def test_every_tick_of_the_matrix_is_backed_by_a_test(compat_marks):

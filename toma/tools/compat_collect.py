@@ -12,10 +12,14 @@ import os
 from pathlib import Path
 
 
+def marks_of(items) -> list[list]:  # noqa: ANN001  (pytest's Items)
+    """``[feature, family, status, test id]`` of every ``compat`` mark of ``items``."""
+    return [[*mark.args, item.nodeid] for item in items for mark in item.iter_markers("compat")]
+
+
 def pytest_collection_finish(session) -> None:  # noqa: ANN001  (pytest's Session)
     """Write every collected case's ``compat`` marks to ``$TOMA_COMPAT_MARKS``."""
     out = os.environ.get("TOMA_COMPAT_MARKS")
     if not out:
         return
-    marks = [[*mark.args, item.nodeid] for item in session.items for mark in item.iter_markers("compat")]
-    Path(out).write_text(json.dumps(marks), encoding="utf-8")
+    Path(out).write_text(json.dumps(marks_of(session.items)), encoding="utf-8")
