@@ -271,3 +271,24 @@ def test_tome_patch_model_is_refused_before_and_stepped_aside_after(comfy, sd1, 
     assert top and all(seen[name] == [64, 64] for name in top)
     assert all(0 < c < 64 for name in top for c in seen[name.replace("to_k", "to_q")])
     assert torch.isfinite(out).all()
+
+
+def test_an_fp8_checkpoint_composes(comfy):
+    # fp8 weights computed through ComfyUI's manual_cast layers, as an fp8 checkpoint loads
+    model = flux_patcher(comfy, weight_dtype=torch.float8_e4m3fn)
+    qkv = model.model.diffusion_model.double_blocks[0].img_attn.qkv
+    assert qkv.weight.dtype == torch.float8_e4m3fn and type(qkv).__module__ == "comfy.ops"
+    reference = sample(comfy, model, "flux", steps=2)
+    assert torch.equal(sample(comfy, patch_model(model, 0.0, blocks=ALL_FLUX), "flux", steps=2), reference)
+    patched = patch_model(model, 0.5, blocks=ALL_FLUX)
+    seen = []
+    handle = qkv.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1]))
+    try:
+        out = sample(comfy, patched, "flux", steps=2)
+    finally:
+        handle.remove()
+    n = 8 * 8  # a 16x16 latent in 2x2 patches
+    k = patched.toma_run.cache.layout(8, 8).num_merged
+    assert seen == [k] * 2 and k < n  # the fp8 layer ran on the merged tokens, at each step
+    assert torch.isfinite(out).all() and not torch.equal(out, reference)
+    assert torch.equal(sample(comfy, model, "flux", steps=2), reference)

@@ -116,9 +116,11 @@ FLUX_VEC = 16
 UNET_CONTEXT = 32
 
 
-def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, **overrides):
+def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, weight_dtype=None, **overrides):
     """A ModelPatcher around a tiny ``comfy.model_base.Flux`` (hidden 64, 2 heads); ``overrides``
-    change its config (``global_modulation=True, vec_in_dim=None``: Flux.2's layout)."""
+    change its config (``global_modulation=True, vec_in_dim=None``: Flux.2's layout).
+    ``weight_dtype`` (``torch.float8_e4m3fn``: an fp8 checkpoint) stores the weights in that
+    dtype, computed in float32 through ComfyUI's ``manual_cast`` layers, as ComfyUI loads one."""
     import comfy.model_base
     import comfy.model_patcher
     import comfy.supported_models
@@ -144,6 +146,8 @@ def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, **overr
     }
     config = comfy.supported_models.FluxSchnell(unet_config)
     config.latent_format = comfy.latent_formats.LatentFormat()  # 4 channels, no scaling
+    if weight_dtype is not None:
+        config.set_inference_dtype(weight_dtype, torch.float32)
     model = comfy.model_base.Flux(config, device=torch.device("cpu"))
     model.eval()
     seed_weights(model.diffusion_model, seed)
