@@ -292,3 +292,45 @@ def test_an_fp8_checkpoint_composes(comfy):
     assert seen == [k] * 2 and k < n  # the fp8 layer ran on the merged tokens, at each step
     assert torch.isfinite(out).all() and not torch.equal(out, reference)
     assert torch.equal(sample(comfy, model, "flux", steps=2), reference)
+
+
+@pytest.mark.parametrize("sdxl_like", [True, False], ids=["sdxl", "sd1"])
+def test_controlnet_residuals_compose(comfy, sdxl_like):
+    # ComfyUI's own ControlNetApply node on the conditioning: the ControlNet's residuals are
+    # added to the UNet's blocks at full size, around the attention toma merges
+    import comfy.sample
+    import nodes
+    from tiny_comfy import conds, unet_controlnet
+
+    model = unet_patcher(comfy, sdxl_like=sdxl_like)
+    size = 16 if sdxl_like else 8  # the default levels: 64 tokens (and 16 on SDXL) merge
+    hint = torch.rand(1, 8 * size, 8 * size, 3, generator=torch.Generator().manual_seed(3))
+    cnet = unet_controlnet(comfy, sdxl_like=sdxl_like)
+    pos, neg = conds("unet")
+    controlled = [nodes.ControlNetApply().apply_controlnet(c, cnet, hint, 1.0)[0] for c in (pos, neg)]
+
+    def run(m, control=True):
+        p, n = controlled if control else (pos, neg)
+        noise = torch.randn(1, 4, size, size, generator=torch.Generator().manual_seed(7))
+        latent = torch.zeros(1, 4, size, size)
+        return comfy.sample.sample(m, noise, 2, 2.0, "euler", "normal", p, n, latent, disable_pbar=True, seed=7)
+
+    reference = run(model)
+    assert not torch.equal(reference, run(model, control=False))  # the ControlNet acts
+    assert torch.equal(run(patch_model(model, 0.0)), reference)
+    patched = patch_model(model, 0.5)
+    seen, handles = _record(_unet_modules(model))
+    try:
+        out = run(patched)
+    finally:
+        for h in handles:
+            h.remove()
+    merged = {64: 32, 16: 8} if sdxl_like else {64: 32}
+    for name, counts in seen.items():
+        if name.endswith("attn1.to_q"):  # self-attention at a merged level runs on K
+            (n,) = set(seen[name.replace("attn1.to_q", "attn2.to_q")])
+            # 2 steps; the ControlNet's conditionings differ, so cond and uncond run apart
+            assert counts == [merged.get(n, n)] * 4, name
+    assert torch.isfinite(out).all() and not torch.equal(out, reference)
+    assert not torch.equal(out, run(patched, control=False))  # still controlled when merged
+    assert torch.equal(run(model), reference)

@@ -191,16 +191,9 @@ def zimage_patcher(comfy, layers: int = 2, seed: int = 0, **overrides):
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
 
 
-def unet_patcher(comfy, sdxl_like: bool = True, seed: int = 0):
-    """A ModelPatcher around a tiny ``UNetModel`` in a ``comfy.model_base.BaseModel``: with
-    ``sdxl_like``, no attention at full resolution (attention at downsample 2 and 4, as SDXL);
-    else attention at 1 and 2 (as SD 1.x)."""
-    import comfy.model_base
-    import comfy.model_patcher
-    import comfy.supported_models
-
+def _unet_config(sdxl_like: bool) -> dict:
     depth = [0, 1, 1] if sdxl_like else [1, 1, 0]
-    unet_config = {
+    return {
         "image_size": 32,
         "in_channels": 4,
         "out_channels": 4,
@@ -219,6 +212,33 @@ def unet_patcher(comfy, sdxl_like: bool = True, seed: int = 0):
         "adm_in_channels": None,
         "use_temporal_attention": False,
     }
+
+
+def unet_controlnet(comfy, sdxl_like: bool = True, seed: int = 5):
+    """A ``comfy.controlnet.ControlNet`` around a tiny ``comfy.cldm.cldm.ControlNet`` for the
+    :func:`unet_patcher` of the same layout (RGB hints at 8x the latent), seeded weights (its
+    zero convolutions too, so that its residuals change the samples)."""
+    import comfy.cldm.cldm
+    import comfy.controlnet
+    import comfy.ops
+
+    config = {k: v for k, v in _unet_config(sdxl_like).items() if k not in ("out_channels", "use_temporal_attention")}
+    model = comfy.cldm.cldm.ControlNet(
+        hint_channels=3, device=torch.device("cpu"), operations=comfy.ops.disable_weight_init, **config
+    )
+    seed_weights(model, seed)
+    return comfy.controlnet.ControlNet(model, load_device=torch.device("cpu"))
+
+
+def unet_patcher(comfy, sdxl_like: bool = True, seed: int = 0):
+    """A ModelPatcher around a tiny ``UNetModel`` in a ``comfy.model_base.BaseModel``: with
+    ``sdxl_like``, no attention at full resolution (attention at downsample 2 and 4, as SDXL);
+    else attention at 1 and 2 (as SD 1.x)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet_config = _unet_config(sdxl_like)
     config = comfy.supported_models.SD15(unet_config)
     config.unet_config = dict(unet_config)
     config.latent_format = comfy.latent_formats.LatentFormat()
