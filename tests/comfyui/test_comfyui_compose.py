@@ -334,3 +334,34 @@ def test_controlnet_residuals_compose(comfy, sdxl_like):
     assert torch.isfinite(out).all() and not torch.equal(out, reference)
     assert not torch.equal(out, run(patched, control=False))  # still controlled when merged
     assert torch.equal(run(model), reference)
+
+
+@pytest.mark.parametrize("family", ["flux", "unet"])
+def test_lowvram_loading_composes(comfy, family):
+    # ComfyUI loads a model lowvram when it does not fit: each layer's weights are cast (and
+    # moved) at its call. Forced here on the CPU, where ComfyUI would load it whole: the merged
+    # denoiser call is bitwise what it is fully loaded
+    from tiny_comfy import FLUX_CONTEXT, FLUX_VEC, comfy_denoise
+
+    g = torch.Generator().manual_seed(1)
+    if family == "flux":
+        model, blocks = flux_patcher(comfy), ALL_FLUX
+        x, context = torch.randn(1, 4, 16, 16, generator=g), torch.randn(1, 6, FLUX_CONTEXT, generator=g)
+        pooled = torch.randn(1, FLUX_VEC, generator=g)
+        layer = model.model.diffusion_model.double_blocks[0].img_attn.qkv
+    else:
+        model, blocks = unet_patcher(comfy), ""
+        x, context, pooled = torch.randn(1, 4, 16, 16, generator=g), torch.randn(1, 5, 32, generator=g), None
+        layer = next(m for n, m in model.model.diffusion_model.named_modules() if n.endswith("attn1.to_q"))
+    sigma = torch.tensor([0.8])
+    patched = patch_model(model, 0.5, blocks=blocks)
+    full = comfy_denoise(patched, x, sigma, context, pooled)
+    assert not torch.equal(full, comfy_denoise(model, x, sigma, context, pooled))
+    patched.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)
+    try:
+        assert layer.comfy_cast_weights  # the layer casts its weights at each call now
+        calls = patched.toma_run.merged_calls
+        assert torch.equal(comfy_denoise(patched, x, sigma, context, pooled), full)
+        assert patched.toma_run.merged_calls == calls + 1
+    finally:
+        patched.unpatch_model(device_to=torch.device("cpu"))
