@@ -42,7 +42,7 @@ def fake_clock(monkeypatch, seconds, interrupt_at=None):
         state["variant"] = None
         return remove(self)
 
-    def sample(call, inputs, device):
+    def sample(call, inputs, device, *clock):
         state["calls"] += 1
         if state["calls"] == interrupt_at:
             raise KeyboardInterrupt
