@@ -156,12 +156,13 @@ def test_inductor_plan_has_no_scalar_nan_loop():
 @pytest.mark.skipif(not _cpp_compiler(), reason="inductor's CPU backend needs a C++ compiler")
 def test_inductor_freezing_compiles_toma(monkeypatch):
     """``toma bench/tune --compile --freezing``: ToMA's hooks compile with inductor's freezing
-    (weights folded in as constants) and give the eager ToMA output."""
+    (weights folded in as constants) and give the eager ToMA output. On the tiny SD3: an
+    inductor build of the tiny UNet took 115 s with a cold cache, this one 60 s."""
     from toma.tools.bench import harness as bench_harness
 
-    arch = ARCHS["tiny-unet"]
+    arch = ARCHS["tiny-sd3"]
     model = build_model(arch)
-    harness = bench_harness.MethodPatcher(model, arch, {"levels": 1, "tile_size": 4}, {}, None)
+    harness = bench_harness.MethodPatcher(model, arch, {"tile_size": 4}, {}, None)
     variant = bench_harness.Variant("toma", 0.5)
     inputs = make_inputs(arch, 64)
     options = []
@@ -181,6 +182,6 @@ def test_inductor_freezing_compiles_toma(monkeypatch):
     torch._dynamo.reset()
     assert options == [{"freezing": True}]
     # inductor reassociates float32 sums (~1e-6 relative per op through the net); merging
-    # itself moves this output by far more than the tolerance
-    assert (plain - eager).abs().max() > 1e-2
+    # itself moves this output by far more than the tolerance (9e-3 here, 90 times it)
+    assert (plain - eager).abs().max() > 1e-3
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
