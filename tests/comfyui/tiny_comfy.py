@@ -14,6 +14,8 @@ from unittest import mock
 
 import torch
 
+from toma.tools.bench.comfyui import seed_weights  # the bench builds its ComfyUI models with it too
+
 
 class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Stand-ins for torchvision and torchaudio and their submodules (no build of either
@@ -95,20 +97,6 @@ def import_comfyui(root: Path, base: Path) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         comfy=comfy, nodes=nodes, folder_paths=folder_paths, root=root, model_patcher=comfy.model_patcher
     )
-
-
-def seed_weights(module: torch.nn.Module, seed: int = 0, scale: float = 0.2) -> None:
-    """Seeded random weights: ComfyUI's layers skip initialisation (``torch.empty``)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(module.named_parameters()):
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-            elif "norm" in name and p.ndim == 1:
-                p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.02)
-            else:
-                fan_in = p[0].numel() if p.ndim > 1 else p.numel()
-                p.copy_(torch.randn(p.shape, generator=g) * (scale / max(fan_in, 1) ** 0.5) * 4)
 
 
 FLUX_CONTEXT = 32
