@@ -51,9 +51,46 @@ def pytest_itemcollected(item):
     found.setdefault(item.nodeid.split("::")[0], []).extend(marks_of([item]))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     # the compile check reads what every other test launched
     items.sort(key=lambda item: item.get_closest_marker("after_all_launches") is not None)
+    # CI runs the suite on its two cores (pytest-xdist, --dist loadgroup: .ci/run). A file's
+    # tests stay on one worker, so its module fixtures (tiny models, the context-parallel
+    # ranks, spawned once per world size) are built once; every test that imports ComfyUI
+    # carries the group "comfyui", so ComfyUI is imported once. Before xdist's own hook,
+    # which reads these marks.
+    # The compile check is a group of its own: a one-test group, collected last, is the last
+    # in xdist's queue (its biggest groups first, ties in collection order).
+    for item in items:
+        if item.get_closest_marker("after_all_launches") is not None:
+            item.add_marker(pytest.mark.xdist_group("after_all_launches"))
+        elif item.get_closest_marker("xdist_group") is None:
+            path = item.nodeid.split("::")[0]
+            group = "comfyui" if path.startswith("tests/comfyui/") else path
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    # (on xdist's controller) where the workers leave their Triton launches for the compile
+    # check: see tests/kernel_launches.py
+    from kernel_launches import launch_dir
+
+    node.workerinput["toma_launch_dir"] = str(launch_dir(node.config))
+
+
+def pytest_sessionfinish(session):
+    # (on an xdist worker) this worker's Triton launches, for the compile check
+    from kernel_launches import leave_launches
+
+    leave_launches(session.config)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: the tiny models gain nothing from a second intra-op thread,
+    # and two workers with two threads each stall on each other
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -60,7 +60,15 @@ def test_the_quick_start_always_runs_python_and_the_command_line():
     assert {"python", "bash", "comfyui"} <= runnable
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"{lang}-{i}" for i, (lang, _, _) in enumerate(BLOCKS)])
+@pytest.mark.parametrize(
+    "index",
+    # the ComfyUI block with the ComfyUI tests, on one xdist worker: ComfyUI is imported once
+    [
+        pytest.param(i, marks=[pytest.mark.xdist_group("comfyui")] if lang == "comfyui" else [])
+        for i, (lang, _, _) in enumerate(BLOCKS)
+    ],
+    ids=[f"{lang}-{i}" for i, (lang, _, _) in enumerate(BLOCKS)],
+)
 def test_readme_quick_start_block_runs(index, tmp_path, monkeypatch, one_thread):
     lang, code, skip = BLOCKS[index]
     if skip is not None:
