@@ -32,8 +32,10 @@ _UNET = {
     "classes": ("UNet2DConditionModel", "UNetMotionModel", "UNetSpatioTemporalConditionModel"),
     "summary": "self-attention of the highest-resolution attention level (``levels`` adds more; "
     "temporal attention passes whole)",
-    "default_blocks": "highest-resolution attention level",
 }
+
+# the parts of a block that merge, each behind its ToMAConfig switch: the defaults name them
+_PARTS = (("merge_attn", "attention"), ("merge_crossattn", "cross-attention queries"), ("merge_mlp", "MLP"))
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,14 @@ class FamilySupport:
         classes: the diffusers denoiser classes it matches.
         video: whether it generates video (tiles may then span frames, ``tile_frames``).
         summary: the layout of its blocks and what merges in them.
-        default_blocks: which blocks merge when ``blocks`` is not given.
+        default_blocks: which blocks merge when ``blocks`` (UNets: ``levels``) is not given.
         context_parallel: whether it merges under diffusers' context parallelism
             (``enable_parallelism``); the others are refused there, with the reason.
         comfyui: how it runs in the ComfyUI node: ``"✔"``, ``"✖ "`` and why not, or ``""``
             where the node has no record of it.
+        merges: what merges by default, in a few words (the README's column): the parts
+            whose ``merge_*`` switch is on by default, then the blocks, ``"blocks 5+"``
+            counting from 0 in each stack (every block but the first 5).
     """
 
     family: str
@@ -62,6 +67,7 @@ class FamilySupport:
     default_blocks: str
     context_parallel: bool
     comfyui: str
+    merges: str
 
 
 def _docstring_head(module: object) -> tuple[str, str]:
@@ -76,18 +82,55 @@ def _docstring_head(module: object) -> tuple[str, str]:
     return match.group("title"), summary
 
 
-def _default_blocks(spec: object) -> str:
-    """The spec's default blocks in words, read off ``default_blocks`` on a 40-block stack."""
+def _default_parts() -> str:
+    """The parts of a block that merge under ``ToMAConfig()``'s switches, in words."""
+    from toma.config import ToMAConfig
+
+    config = ToMAConfig()
+    return ", ".join(word for switch, word in _PARTS if getattr(config, switch)) or "nothing"
+
+
+def _unet_levels() -> tuple[str, str]:
+    """``(words, short words)`` for the UNet attention levels merged under ``ToMAConfig()``."""
+    from toma.config import ToMAConfig
+
+    levels = ToMAConfig().levels
+    if levels == 1:
+        return "highest-resolution attention level", "highest-res level"
+    return f"the {levels} highest-resolution attention levels", f"{levels} highest-res levels"
+
+
+def _default_blocks(spec: object) -> tuple[str, str]:
+    """``(words, short words)`` for the spec's default blocks, read off ``default_blocks``
+    on a 40-block stack, and on shorter ones for a rule that skips at most half a stack."""
     n = 40
-    words = []
+    rules = {}  # stack -> (words, short words, capped)
     for stack in spec.stacks:
         chosen = tuple(spec.default_blocks(stack, n))
         skipped = n - len(chosen)
         if chosen == tuple(range(skipped, n)):
-            words.append("every block" if skipped == 0 else f"every block but the first {skipped}")
+            # skip_first's cap: a stack shorter than twice the skip keeps its second half
+            capped = skipped > 0 and all(
+                tuple(spec.default_blocks(stack, m)) == tuple(range(m // 2, m)) for m in range(1, 2 * skipped)
+            )
+            if skipped == 0:
+                rules[stack] = ("every block", "all blocks", False)
+            else:
+                rules[stack] = (f"every block but the first {skipped}", f"blocks {skipped}+", capped)
         else:
-            words.append(f"{stack}: {', '.join(map(str, chosen))} (of 40)")
-    return "; ".join(dict.fromkeys(words))
+            listed = f"{', '.join(map(str, chosen))} (of 40)"
+            rules[stack] = (listed, listed, False)
+    if len(set(rules.values())) == 1:
+        words, short, capped = next(iter(rules.values()))
+        several = len(rules) > 1
+        if several:
+            words += " of each stack"
+        if capped:
+            words += f" (at most half {'its' if several else 'the'} blocks)"
+        return words, short
+    # stacks with rules of their own: each named
+    words = "; ".join(f"{stack}: {w}{' (at most half)' if c else ''}" for stack, (w, _, c) in rules.items())
+    return words, "; ".join(f"{stack}: {short}" for stack, (_, short, _) in rules.items())
 
 
 def supported() -> list[FamilySupport]:
@@ -104,11 +147,15 @@ def supported() -> list[FamilySupport]:
     from toma.adapters.parallel import SUPPORTED as CONTEXT_PARALLEL
 
     comfyui = _comfyui()
+    parts = _default_parts()
+    levels, levels_short = _unet_levels()
     out = [
         FamilySupport(
             video=False,
+            default_blocks=levels,
             context_parallel="unet" in CONTEXT_PARALLEL,
             comfyui=comfyui.get("unet", ""),
+            merges=f"{parts}, {levels_short}",
             **_UNET,
         )
     ]
@@ -118,6 +165,7 @@ def supported() -> list[FamilySupport]:
         if spec is None:
             raise RuntimeError(f"family {family!r}: {module_name} has no spec (ADAPTER.spec or SPEC)")
         title, summary = _docstring_head(module)
+        blocks, blocks_short = _default_blocks(spec)
         out.append(
             FamilySupport(
                 family=family,
@@ -125,9 +173,10 @@ def supported() -> list[FamilySupport]:
                 classes=tuple(classes),
                 video=bool(spec.video),
                 summary=summary,
-                default_blocks=_default_blocks(spec),
+                default_blocks=blocks,
                 context_parallel=family in CONTEXT_PARALLEL,
                 comfyui=comfyui.get(family, ""),
+                merges=f"{parts}, {blocks_short}",
             )
         )
     return out

@@ -9,6 +9,7 @@ builds run on a copy of ``docs/`` in a temporary folder: nothing is written in t
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import toma
+from toma import support
 from toma.adapters import FAMILIES, UNSUPPORTED
 from toma.adapters.parallel import SUPPORTED as CONTEXT_PARALLEL
 from toma.tools import docs as gen
@@ -86,7 +88,9 @@ def test_supported_lists_every_family_from_the_records():
         assert f.classes == classes and f.video == spec.video
         assert f.context_parallel == (f.family in CONTEXT_PARALLEL)
         assert f.title and f.summary, f"{f.family}: its module docstring lacks 'Title (``Class``): summary'"
-        assert f.default_blocks == "every block but the first 5"  # every family's default today: skip_first(5)
+        # every family's default today: skip_first(5), in each of its stacks
+        several = " of each stack" if len(spec.stacks) > 1 else ""
+        assert f.default_blocks.startswith(f"every block but the first 5{several} (at most half")
     assert {f.family for f in families if f.context_parallel} == set(CONTEXT_PARALLEL)
 
 
@@ -111,6 +115,74 @@ def test_models_page_and_readme_table_name_every_family_and_refused_class(expect
         assert f"### {f.family}\n" in models and f"`{f.classes[0]}`" in table
     for cls in UNSUPPORTED:
         assert f"| `{cls}` |" in models
+
+
+def _readme_rows() -> tuple[list[str], list[list[str]]]:
+    """The committed README's models table: its header cells and each row's cells."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = text.split(gen.TABLE_START)[1].split(gen.TABLE_END)[0].strip().splitlines()
+    [header, *rows] = [[c.strip() for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])] for line in lines]
+    return header, rows[1:]  # rows[0] is the --- line
+
+
+def test_readme_table_says_what_merges_in_each_family_as_its_record_does():
+    header, rows = _readme_rows()
+    assert "merged by default" in header, f"the README's models table lacks the column of what merges: {header}"
+    assert len(header) == len(gen.README_COLUMNS) and all(len(row) == len(header) for row in rows)
+    families = toma.supported()
+    assert len(rows) == len(families)
+    for row, f in zip(rows, families):
+        cell = dict(zip(header, row))
+        assert cell["models"] == gen._cell(f.title)
+        assert cell["merged by default"] == gen._cell(f.merges), f.family
+        assert cell["image / video"] == ("video" if f.video else "image")
+        assert cell["context parallel"] == ("✔" if f.context_parallel else "✖")
+        assert cell["ComfyUI"] == (f.comfyui[:1] or "–")
+
+
+def test_what_merges_is_what_the_specs_and_config_defaults_choose():
+    parts = [word for switch, word in support._PARTS if getattr(toma.ToMAConfig(), switch)]
+    assert parts == ["attention"]  # merge_attn on, merge_crossattn and merge_mlp off by default
+    for f in toma.supported()[1:]:
+        spec = importlib.import_module(FAMILIES[f.family][0]).SPEC
+        [skipped] = {len(range(40)) - len(spec.default_blocks(stack, 40)) for stack in spec.stacks}
+        assert all(spec.default_blocks(stack, 40) == tuple(range(skipped, 40)) for stack in spec.stacks)
+        assert f.merges == f"attention, blocks {skipped}+", f.family
+        # a short stack keeps its second half: Flux.2's 8 double blocks skip 4
+        halved = all(
+            spec.default_blocks(s, 2 * skipped - 2) == tuple(range(skipped - 1, 2 * skipped - 2)) for s in spec.stacks
+        )
+        assert ("at most half" in f.default_blocks) == halved, f.family
+    assert toma.supported()[0].merges == "attention, highest-res level"  # levels=1
+
+
+def test_default_blocks_words_follow_the_rule_of_the_spec(monkeypatch):
+    from types import SimpleNamespace
+
+    from toma.adapters.spec import skip_first
+
+    def spec(stacks, rule):
+        return SimpleNamespace(stacks=stacks, default_blocks=rule)
+
+    assert support._default_blocks(spec(("b",), skip_first(5))) == (
+        "every block but the first 5 (at most half the blocks)",
+        "blocks 5+",
+    )
+    assert support._default_blocks(spec(("a", "b"), skip_first(3))) == (
+        "every block but the first 3 of each stack (at most half its blocks)",
+        "blocks 3+",
+    )
+    assert support._default_blocks(spec(("a",), lambda s, n: tuple(range(n)))) == ("every block", "all blocks")
+    assert support._default_blocks(spec(("a",), lambda s, n: tuple(range(2, n)))) == (
+        "every block but the first 2",
+        "blocks 2+",
+    )
+    mixed = spec(("a", "b"), lambda s, n: tuple(range(n)) if s == "a" else (0, 3))
+    assert support._default_blocks(mixed) == ("a: every block; b: 0, 3 (of 40)", "a: all blocks; b: 0, 3 (of 40)")
+    # the parts and the UNet levels follow ToMAConfig's defaults
+    monkeypatch.setattr("toma.config.ToMAConfig", functools.partial(toma.ToMAConfig, merge_mlp=True, levels=2))
+    assert support._default_parts() == "attention, MLP"
+    assert support._unet_levels() == ("the 2 highest-resolution attention levels", "2 highest-res levels")
 
 
 def test_doctor_models_prints_every_family_and_runs_no_check(capsys):

@@ -181,19 +181,19 @@ def cli_page() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+README_COLUMNS = ("models", "diffusers class", "image / video", "merged by default", "context parallel", "ComfyUI")
+
+
 def readme_table() -> str:
-    """The README's supported-models table: one short line per family."""
+    """The README's supported-models table: one short line per family (its ComfyUI marks
+    are bare: the section's text links the ComfyUI page once)."""
     from toma.support import supported
 
-    lines = [
-        "| models | diffusers class | image / video | context parallel | ComfyUI |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    lines = ["| " + " | ".join(README_COLUMNS) + " |", "|" + " --- |" * len(README_COLUMNS)]
     for f in supported():
-        comfy = f"[{f.comfyui[:1] or '–'}](docs/comfyui.md)"
         lines.append(
-            f"| {_cell(f.title)} | {', '.join(f'`{c}`' for c in f.classes)} | "
-            f"{'video' if f.video else 'image'} | {'✔' if f.context_parallel else '✖'} | {comfy} |"
+            f"| {_cell(f.title)} | {', '.join(f'`{c}`' for c in f.classes)} | {'video' if f.video else 'image'} | "
+            f"{_cell(f.merges)} | {'✔' if f.context_parallel else '✖'} | {f.comfyui[:1] or '–'} |"
         )
     return "\n".join(lines)
 
