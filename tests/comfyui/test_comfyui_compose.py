@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from test_comfyui_node import ALL_FLUX, _flux_modules, _record, _unet_modules
+from test_comfyui_node import ALL_FLUX, TEXT, _flux_modules, _record, _unet_modules
 from tiny_comfy import flux_patcher, sample, unet_patcher
 
 from toma.comfyui import hooks
@@ -334,6 +334,55 @@ def test_controlnet_residuals_compose(comfy, sdxl_like):
     assert torch.isfinite(out).all() and not torch.equal(out, reference)
     assert not torch.equal(out, run(patched, control=False))  # still controlled when merged
     assert torch.equal(run(model), reference)
+
+
+def test_controlnet_residuals_compose_on_flux(comfy, flux):
+    # ComfyUI's own ControlNetApplyAdvanced node with a tiny ControlNetFlux: Flux adds its
+    # residuals to the image tokens after each block, on the full-size stream that toma's
+    # block replacement returns (it unmerges before the block returns)
+    import comfy.sample
+    import nodes
+    from tiny_comfy import conds, flux_controlnet
+
+    cnet = flux_controlnet(comfy)
+    hint = torch.rand(1, 16, 16, 4, generator=torch.Generator().manual_seed(3))  # a latent, channels last
+    pos, neg = conds("flux")
+    controlled = nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, cnet, hint, 1.0, 0.0, 1.0)[:2]
+
+    def run(m, control=True):
+        p, n = controlled if control else (pos, neg)
+        noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(7))
+        latent = torch.zeros(1, 4, 16, 16)
+        return comfy.sample.sample(m, noise, 2, 2.0, "euler", "normal", p, n, latent, disable_pbar=True, seed=7)
+
+    reference, plain = run(flux), run(flux, control=False)
+    assert not torch.equal(reference, plain)  # the ControlNet acts
+    assert torch.equal(run(patch_model(flux, 0.0, blocks=ALL_FLUX)), reference)
+    patched = patch_model(flux, 0.5, blocks=ALL_FLUX)
+    modules = _flux_modules(flux)
+    modules["control.double0.qkv"] = cnet.control_model.double_blocks[0].img_attn.qkv
+    seen, handles = _record(modules)
+    try:
+        out = run(patched)
+    finally:
+        for h in handles:
+            h.remove()
+    n = 8 * 8  # a 16x16 latent in 2x2 patches
+    k = patched.toma_run.cache.layout(8, 8).num_merged
+    # 2 steps; the node gives cond and uncond one ControlNet, so they run as one batch
+    calls = 2
+    assert k < n
+    assert seen["control.double0.qkv"] == [n] * calls  # the ControlNet's own blocks stay whole
+    for name in ("double0.qkv", "double1.qkv", "double0.mlp", "double1.mlp"):
+        assert seen[name] == [k] * calls, name
+    for name in ("single0.linear1", "single1.linear1"):
+        assert seen[name] == [TEXT + k] * calls, name
+    assert torch.isfinite(out).all() and not torch.equal(out, reference)
+    # still controlled when merged: the ControlNet's effect on the merged model points the way
+    # it does on the unpatched one (cosine 0.97 measured; a dropped residual leaves 0 effect)
+    effect = out - run(patched, control=False)
+    assert torch.nn.functional.cosine_similarity(effect.flatten(), (reference - plain).flatten(), 0) > 0.8
+    assert torch.equal(run(flux), reference)
 
 
 @pytest.mark.parametrize("family", ["flux", "unet"])

@@ -104,16 +104,9 @@ FLUX_VEC = 16
 UNET_CONTEXT = 32
 
 
-def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, weight_dtype=None, **overrides):
-    """A ModelPatcher around a tiny ``comfy.model_base.Flux`` (hidden 64, 2 heads); ``overrides``
-    change its config (``global_modulation=True, vec_in_dim=None``: Flux.2's layout).
-    ``weight_dtype`` (``torch.float8_e4m3fn``: an fp8 checkpoint) stores the weights in that
-    dtype, computed in float32 through ComfyUI's ``manual_cast`` layers, as ComfyUI loads one."""
-    import comfy.model_base
-    import comfy.model_patcher
-    import comfy.supported_models
-
-    unet_config = {
+def _flux_config(double: int, single: int, **overrides) -> dict:
+    """The tiny Flux's ``unet_config`` (hidden 64, 2 heads, 4 latent channels), ``overrides`` on it."""
+    return {
         "image_model": "flux",
         "in_channels": 4,
         "out_channels": 4,
@@ -132,7 +125,18 @@ def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, weight_
         "txt_ids_dims": [],
         **overrides,
     }
-    config = comfy.supported_models.FluxSchnell(unet_config)
+
+
+def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, weight_dtype=None, **overrides):
+    """A ModelPatcher around a tiny ``comfy.model_base.Flux`` (hidden 64, 2 heads); ``overrides``
+    change its config (``global_modulation=True, vec_in_dim=None``: Flux.2's layout).
+    ``weight_dtype`` (``torch.float8_e4m3fn``: an fp8 checkpoint) stores the weights in that
+    dtype, computed in float32 through ComfyUI's ``manual_cast`` layers, as ComfyUI loads one."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    config = comfy.supported_models.FluxSchnell(_flux_config(double, single, **overrides))
     config.latent_format = comfy.latent_formats.LatentFormat()  # 4 channels, no scaling
     if weight_dtype is not None:
         config.set_inference_dtype(weight_dtype, torch.float32)
@@ -140,6 +144,31 @@ def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, weight_
     model.eval()
     seed_weights(model.diffusion_model, seed)
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def flux_controlnet(comfy, double: int = 2, single: int = 2, seed: int = 5):
+    """A ``comfy.controlnet.ControlNet`` around a tiny ``comfy.ldm.flux.controlnet.ControlNetFlux``
+    for the :func:`flux_patcher` of the same depth, laid out as ComfyUI loads an InstantX one
+    (``load_controlnet_flux_instantx``): its hint is a latent (4 channels, at the latent's
+    size; no VAE, so none is encoded), its residuals go to every double and single block.
+    Seeded weights, its output layers too (zero-initialised in a checkpoint's training,
+    they would make its residuals zero)."""
+    import comfy.controlnet
+    import comfy.ldm.flux.controlnet
+    import comfy.ops
+
+    model = comfy.ldm.flux.controlnet.ControlNetFlux(
+        latent_input=True,
+        control_latent_channels=4,
+        operations=comfy.ops.disable_weight_init,
+        device=torch.device("cpu"),
+        **_flux_config(double, single),
+    )
+    model.eval()
+    seed_weights(model, seed)
+    return comfy.controlnet.ControlNet(
+        model, compression_ratio=1, load_device=torch.device("cpu"), extra_conds=["y", "guidance"]
+    )
 
 
 def zimage_patcher(comfy, layers: int = 2, seed: int = 0, **overrides):
