@@ -535,14 +535,9 @@ def chroma_patcher(comfy, seed: int = 0):
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
 
 
-def sd3_patcher(comfy, seed: int = 0):
-    """A ModelPatcher around a tiny ``comfy.model_base.SD3`` (MMDiT depth 2: hidden 128, 2 heads);
-    its conditioning is the tiny Flux's (``conds("flux")``)."""
-    import comfy.model_base
-    import comfy.model_patcher
-    import comfy.supported_models
-
-    unet_config = {
+def _sd3_config() -> dict:
+    """The tiny SD3's ``unet_config`` (MMDiT depth 2: hidden 128, 2 heads; 4 latent channels)."""
+    return {
         "in_channels": 4,
         "out_channels": 4,
         "pos_embed_scaling_factor": None,
@@ -557,16 +552,47 @@ def sd3_patcher(comfy, seed: int = 0):
             "params": {"in_features": FLUX_CONTEXT, "out_features": 128},
         },
     }
-    config = comfy.supported_models.SD3(unet_config)
+
+
+def _seed_pos_embed(mmdit, seed: int) -> None:
+    """Seed an MMDiT's position table: a buffer, which ComfyUI also leaves as ``torch.empty``."""
+    with torch.no_grad():
+        mmdit.pos_embed.copy_(torch.randn(mmdit.pos_embed.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
+
+
+def sd3_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.SD3`` (MMDiT depth 2: hidden 128, 2 heads);
+    its conditioning is the tiny Flux's (``conds("flux")``)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    config = comfy.supported_models.SD3(_sd3_config())
     config.latent_format = comfy.latent_formats.LatentFormat()
     model = comfy.model_base.SD3(config, device=torch.device("cpu"))
     model.eval()
     seed_weights(model.diffusion_model, seed)
-    with torch.no_grad():  # a buffer, which ComfyUI also leaves as torch.empty
-        model.diffusion_model.pos_embed.copy_(
-            torch.randn(model.diffusion_model.pos_embed.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
-        )
+    _seed_pos_embed(model.diffusion_model, seed)
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sd3_controlnet(comfy, seed: int = 5):
+    """A ``comfy.controlnet.ControlNet`` around a tiny ``comfy.cldm.mmdit.ControlNet`` for the
+    :func:`sd3_patcher`, laid out as ComfyUI loads one (``load_controlnet_mmdit``): one block
+    (fewer than the model's, as in the released ones), a latent hint (4 channels, at the
+    latent's size; no VAE, so none is encoded). As ComfyUI spreads its residuals, only the
+    model's first block gets one. Seeded weights, its output layers too."""
+    import comfy.cldm.mmdit
+    import comfy.controlnet
+    import comfy.ops
+
+    model = comfy.cldm.mmdit.ControlNet(
+        num_blocks=1, operations=comfy.ops.disable_weight_init, device=torch.device("cpu"), **_sd3_config()
+    )
+    model.eval()
+    seed_weights(model, seed)
+    _seed_pos_embed(model, seed)
+    return comfy.controlnet.ControlNet(model, compression_ratio=1, load_device=torch.device("cpu"))
 
 
 # -- the same weights in diffusers' models (tests/comfyui/test_comfyui_cross_host.py) -------------
