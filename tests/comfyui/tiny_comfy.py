@@ -456,13 +456,9 @@ def sample_hunyuan(comfy, patcher, frames: int = 2, h: int = 8, w: int = 8, step
 QWEN_TEXT = 32
 
 
-def qwen_patcher(comfy, seed: int = 0):
-    """A ModelPatcher around a tiny ``comfy.model_base.QwenImage`` (2 heads of 32, 2 blocks)."""
-    import comfy.model_base
-    import comfy.model_patcher
-    import comfy.supported_models
-
-    unet_config = {
+def _qwen_config() -> dict:
+    """The tiny Qwen-Image's ``unet_config`` (2 heads of 32, 2 blocks, 4 latent channels)."""
+    return {
         "image_model": "qwen_image",
         "patch_size": 2,
         "in_channels": 16,
@@ -473,7 +469,15 @@ def qwen_patcher(comfy, seed: int = 0):
         "joint_attention_dim": QWEN_TEXT,
         "axes_dims_rope": (8, 12, 12),
     }
-    config = comfy.supported_models.QwenImage(unet_config)
+
+
+def qwen_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.QwenImage`` (2 heads of 32, 2 blocks)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    config = comfy.supported_models.QwenImage(_qwen_config())
     config.latent_format = comfy.latent_formats.LatentFormat()
     model = comfy.model_base.QwenImage(config, device=torch.device("cpu"))
     model.eval()
@@ -481,18 +485,42 @@ def qwen_patcher(comfy, seed: int = 0):
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
 
 
-def sample_qwen(comfy, patcher, h: int = 16, w: int = 16, steps: int = 2, mask: bool = False, cfg: float = 2.0):
-    """``sample`` for a tiny Qwen-Image on a ``(1, 4, 1, h, w)`` latent; with ``mask``, text
-    with a padding mask (its last 2 of 7 tokens)."""
-    import comfy.sample
+def qwen_controlnet(comfy, seed: int = 5):
+    """A ``comfy.controlnet.ControlNet`` around a tiny
+    ``comfy.ldm.qwen_image.controlnet.QwenImageControlNetModel`` for the :func:`qwen_patcher`,
+    laid out as ComfyUI loads an InstantX one (``load_controlnet_qwen_instantx``): its hint
+    is a latent ``(B, 4, 1, H, W)`` at the latent's size (no VAE, so none is encoded).
+    Seeded weights, its output layers too."""
+    import comfy.controlnet
+    import comfy.ldm.qwen_image.controlnet
+    import comfy.ops
 
+    model = comfy.ldm.qwen_image.controlnet.QwenImageControlNetModel(
+        operations=comfy.ops.disable_weight_init, device=torch.device("cpu"), **_qwen_config()
+    )
+    model.eval()
+    seed_weights(model, seed)
+    return comfy.controlnet.ControlNet(model, compression_ratio=1, load_device=torch.device("cpu"), extra_conds=[])
+
+
+def qwen_conds(mask: bool = False) -> tuple[list, list]:
+    """Seeded positive and negative conditioning for a tiny Qwen-Image (7 text tokens); with
+    ``mask``, a padding mask over their last 2."""
     g = torch.Generator().manual_seed(1)
 
     def cond() -> list:
         extra = {"attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0, 0]])} if mask else {}
         return [[torch.randn(1, 7, QWEN_TEXT, generator=g), extra]]
 
-    pos, neg = cond(), cond()
+    return cond(), cond()
+
+
+def sample_qwen(comfy, patcher, h: int = 16, w: int = 16, steps: int = 2, mask: bool = False, cfg: float = 2.0):
+    """``sample`` for a tiny Qwen-Image on a ``(1, 4, 1, h, w)`` latent; with ``mask``, text
+    with a padding mask (its last 2 of 7 tokens)."""
+    import comfy.sample
+
+    pos, neg = qwen_conds(mask)
     shape = (1, 4, 1, h, w)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(7))
     return comfy.sample.sample(
