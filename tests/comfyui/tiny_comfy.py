@@ -104,16 +104,9 @@ FLUX_VEC = 16
 UNET_CONTEXT = 32
 
 
-def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, weight_dtype=None, **overrides):
-    """A ModelPatcher around a tiny ``comfy.model_base.Flux`` (hidden 64, 2 heads); ``overrides``
-    change its config (``global_modulation=True, vec_in_dim=None``: Flux.2's layout).
-    ``weight_dtype`` (``torch.float8_e4m3fn``: an fp8 checkpoint) stores the weights in that
-    dtype, computed in float32 through ComfyUI's ``manual_cast`` layers, as ComfyUI loads one."""
-    import comfy.model_base
-    import comfy.model_patcher
-    import comfy.supported_models
-
-    unet_config = {
+def _flux_config(double: int, single: int, **overrides) -> dict:
+    """The tiny Flux's ``unet_config`` (hidden 64, 2 heads, 4 latent channels), ``overrides`` on it."""
+    return {
         "image_model": "flux",
         "in_channels": 4,
         "out_channels": 4,
@@ -132,7 +125,18 @@ def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, weight_
         "txt_ids_dims": [],
         **overrides,
     }
-    config = comfy.supported_models.FluxSchnell(unet_config)
+
+
+def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, weight_dtype=None, **overrides):
+    """A ModelPatcher around a tiny ``comfy.model_base.Flux`` (hidden 64, 2 heads); ``overrides``
+    change its config (``global_modulation=True, vec_in_dim=None``: Flux.2's layout).
+    ``weight_dtype`` (``torch.float8_e4m3fn``: an fp8 checkpoint) stores the weights in that
+    dtype, computed in float32 through ComfyUI's ``manual_cast`` layers, as ComfyUI loads one."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    config = comfy.supported_models.FluxSchnell(_flux_config(double, single, **overrides))
     config.latent_format = comfy.latent_formats.LatentFormat()  # 4 channels, no scaling
     if weight_dtype is not None:
         config.set_inference_dtype(weight_dtype, torch.float32)
@@ -140,6 +144,31 @@ def flux_patcher(comfy, double: int = 2, single: int = 2, seed: int = 0, weight_
     model.eval()
     seed_weights(model.diffusion_model, seed)
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def flux_controlnet(comfy, double: int = 2, single: int = 2, seed: int = 5):
+    """A ``comfy.controlnet.ControlNet`` around a tiny ``comfy.ldm.flux.controlnet.ControlNetFlux``
+    for the :func:`flux_patcher` of the same depth, laid out as ComfyUI loads an InstantX one
+    (``load_controlnet_flux_instantx``): its hint is a latent (4 channels, at the latent's
+    size; no VAE, so none is encoded), its residuals go to every double and single block.
+    Seeded weights, its output layers too (zero-initialised in a checkpoint's training,
+    they would make its residuals zero)."""
+    import comfy.controlnet
+    import comfy.ldm.flux.controlnet
+    import comfy.ops
+
+    model = comfy.ldm.flux.controlnet.ControlNetFlux(
+        latent_input=True,
+        control_latent_channels=4,
+        operations=comfy.ops.disable_weight_init,
+        device=torch.device("cpu"),
+        **_flux_config(double, single),
+    )
+    model.eval()
+    seed_weights(model, seed)
+    return comfy.controlnet.ControlNet(
+        model, compression_ratio=1, load_device=torch.device("cpu"), extra_conds=["y", "guidance"]
+    )
 
 
 def zimage_patcher(comfy, layers: int = 2, seed: int = 0, **overrides):
@@ -427,13 +456,9 @@ def sample_hunyuan(comfy, patcher, frames: int = 2, h: int = 8, w: int = 8, step
 QWEN_TEXT = 32
 
 
-def qwen_patcher(comfy, seed: int = 0):
-    """A ModelPatcher around a tiny ``comfy.model_base.QwenImage`` (2 heads of 32, 2 blocks)."""
-    import comfy.model_base
-    import comfy.model_patcher
-    import comfy.supported_models
-
-    unet_config = {
+def _qwen_config() -> dict:
+    """The tiny Qwen-Image's ``unet_config`` (2 heads of 32, 2 blocks, 4 latent channels)."""
+    return {
         "image_model": "qwen_image",
         "patch_size": 2,
         "in_channels": 16,
@@ -444,7 +469,15 @@ def qwen_patcher(comfy, seed: int = 0):
         "joint_attention_dim": QWEN_TEXT,
         "axes_dims_rope": (8, 12, 12),
     }
-    config = comfy.supported_models.QwenImage(unet_config)
+
+
+def qwen_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.QwenImage`` (2 heads of 32, 2 blocks)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    config = comfy.supported_models.QwenImage(_qwen_config())
     config.latent_format = comfy.latent_formats.LatentFormat()
     model = comfy.model_base.QwenImage(config, device=torch.device("cpu"))
     model.eval()
@@ -452,18 +485,42 @@ def qwen_patcher(comfy, seed: int = 0):
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
 
 
-def sample_qwen(comfy, patcher, h: int = 16, w: int = 16, steps: int = 2, mask: bool = False, cfg: float = 2.0):
-    """``sample`` for a tiny Qwen-Image on a ``(1, 4, 1, h, w)`` latent; with ``mask``, text
-    with a padding mask (its last 2 of 7 tokens)."""
-    import comfy.sample
+def qwen_controlnet(comfy, seed: int = 5):
+    """A ``comfy.controlnet.ControlNet`` around a tiny
+    ``comfy.ldm.qwen_image.controlnet.QwenImageControlNetModel`` for the :func:`qwen_patcher`,
+    laid out as ComfyUI loads an InstantX one (``load_controlnet_qwen_instantx``): its hint
+    is a latent ``(B, 4, 1, H, W)`` at the latent's size (no VAE, so none is encoded).
+    Seeded weights, its output layers too."""
+    import comfy.controlnet
+    import comfy.ldm.qwen_image.controlnet
+    import comfy.ops
 
+    model = comfy.ldm.qwen_image.controlnet.QwenImageControlNetModel(
+        operations=comfy.ops.disable_weight_init, device=torch.device("cpu"), **_qwen_config()
+    )
+    model.eval()
+    seed_weights(model, seed)
+    return comfy.controlnet.ControlNet(model, compression_ratio=1, load_device=torch.device("cpu"), extra_conds=[])
+
+
+def qwen_conds(mask: bool = False) -> tuple[list, list]:
+    """Seeded positive and negative conditioning for a tiny Qwen-Image (7 text tokens); with
+    ``mask``, a padding mask over their last 2."""
     g = torch.Generator().manual_seed(1)
 
     def cond() -> list:
         extra = {"attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0, 0]])} if mask else {}
         return [[torch.randn(1, 7, QWEN_TEXT, generator=g), extra]]
 
-    pos, neg = cond(), cond()
+    return cond(), cond()
+
+
+def sample_qwen(comfy, patcher, h: int = 16, w: int = 16, steps: int = 2, mask: bool = False, cfg: float = 2.0):
+    """``sample`` for a tiny Qwen-Image on a ``(1, 4, 1, h, w)`` latent; with ``mask``, text
+    with a padding mask (its last 2 of 7 tokens)."""
+    import comfy.sample
+
+    pos, neg = qwen_conds(mask)
     shape = (1, 4, 1, h, w)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(7))
     return comfy.sample.sample(
@@ -506,14 +563,9 @@ def chroma_patcher(comfy, seed: int = 0):
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
 
 
-def sd3_patcher(comfy, seed: int = 0):
-    """A ModelPatcher around a tiny ``comfy.model_base.SD3`` (MMDiT depth 2: hidden 128, 2 heads);
-    its conditioning is the tiny Flux's (``conds("flux")``)."""
-    import comfy.model_base
-    import comfy.model_patcher
-    import comfy.supported_models
-
-    unet_config = {
+def _sd3_config() -> dict:
+    """The tiny SD3's ``unet_config`` (MMDiT depth 2: hidden 128, 2 heads; 4 latent channels)."""
+    return {
         "in_channels": 4,
         "out_channels": 4,
         "pos_embed_scaling_factor": None,
@@ -528,16 +580,47 @@ def sd3_patcher(comfy, seed: int = 0):
             "params": {"in_features": FLUX_CONTEXT, "out_features": 128},
         },
     }
-    config = comfy.supported_models.SD3(unet_config)
+
+
+def _seed_pos_embed(mmdit, seed: int) -> None:
+    """Seed an MMDiT's position table: a buffer, which ComfyUI also leaves as ``torch.empty``."""
+    with torch.no_grad():
+        mmdit.pos_embed.copy_(torch.randn(mmdit.pos_embed.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
+
+
+def sd3_patcher(comfy, seed: int = 0):
+    """A ModelPatcher around a tiny ``comfy.model_base.SD3`` (MMDiT depth 2: hidden 128, 2 heads);
+    its conditioning is the tiny Flux's (``conds("flux")``)."""
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    config = comfy.supported_models.SD3(_sd3_config())
     config.latent_format = comfy.latent_formats.LatentFormat()
     model = comfy.model_base.SD3(config, device=torch.device("cpu"))
     model.eval()
     seed_weights(model.diffusion_model, seed)
-    with torch.no_grad():  # a buffer, which ComfyUI also leaves as torch.empty
-        model.diffusion_model.pos_embed.copy_(
-            torch.randn(model.diffusion_model.pos_embed.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
-        )
+    _seed_pos_embed(model.diffusion_model, seed)
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def sd3_controlnet(comfy, seed: int = 5):
+    """A ``comfy.controlnet.ControlNet`` around a tiny ``comfy.cldm.mmdit.ControlNet`` for the
+    :func:`sd3_patcher`, laid out as ComfyUI loads one (``load_controlnet_mmdit``): one block
+    (fewer than the model's, as in the released ones), a latent hint (4 channels, at the
+    latent's size; no VAE, so none is encoded). As ComfyUI spreads its residuals, only the
+    model's first block gets one. Seeded weights, its output layers too."""
+    import comfy.cldm.mmdit
+    import comfy.controlnet
+    import comfy.ops
+
+    model = comfy.cldm.mmdit.ControlNet(
+        num_blocks=1, operations=comfy.ops.disable_weight_init, device=torch.device("cpu"), **_sd3_config()
+    )
+    model.eval()
+    seed_weights(model, seed)
+    _seed_pos_embed(model, seed)
+    return comfy.controlnet.ControlNet(model, compression_ratio=1, load_device=torch.device("cpu"))
 
 
 # -- the same weights in diffusers' models (tests/comfyui/test_comfyui_cross_host.py) -------------
