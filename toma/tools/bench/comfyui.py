@@ -784,9 +784,13 @@ def benchmark_comfyui(
         ),
     ]
     if spec.kind == "zimage":
+        dm = patcher.model.diffusion_model
+        multiple = dm.pad_tokens_multiple
+        padded = f"each padded to a multiple of {multiple} tokens" if multiple else "not padded"
+        refiners = len(dm.noise_refiner)
         notes.append(
-            "the caption and the image are each padded to a multiple of 32 tokens; the noise and caption "
-            "refiners run on every token in all three rows (toma never merges them)"
+            f"the caption and the image are {padded}; the noise and caption refiners ({refiners} "
+            f"layer{'s' if refiners != 1 else ''} each) run on every token in all three rows (toma never merges them)"
         )
     results = {(v, b): Measurement(v, b) for v in variants for b in batches}
     settings: dict[str, Any] = {}
