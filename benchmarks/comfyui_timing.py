@@ -1,8 +1,7 @@
 """What the ComfyUI benchmarks (``benchmarks/comfyui_*.py``) share: finding ComfyUI, the run
 through ``toma bench --host comfyui``'s implementation (:mod:`toma.tools.bench.comfyui`) at one
-thread on CPU time, and the figures of the scripts' own JSON reports; for the scripts that
-build their models themselves (Z-Image, the bitwise check), ComfyUI imported as the tests
-import it and interleaved CPU-time rounds.
+thread on CPU time, and the figures of the scripts' own JSON reports; for the script that
+builds its models itself (the bitwise check), ComfyUI imported as the tests import it.
 
 Not a benchmark itself; the scripts import it from their own folder.
 """
@@ -12,10 +11,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 import tempfile
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -58,35 +55,10 @@ def import_comfyui() -> ModuleType:
     return tiny_comfy
 
 
-def interleaved(
-    methods: dict[str, Callable[[], None]], rounds: int, before: Callable[[str], None] | None = None
-) -> dict[str, list[float]]:
-    """CPU seconds of this process for each method's call, after one warm-up call each:
-    ``rounds`` rounds, each calling every method once, in order. ``before(name)``, where
-    given, runs ahead of each call, untimed (loading that method's patcher, as sampling
-    does once per run, not once per step)."""
-    prepare = before or (lambda name: None)
-    for name, call in methods.items():
-        prepare(name)
-        call()
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, call in methods.items():
-            prepare(name)
-            start = time.process_time()
-            call()
-            times[name].append(time.process_time() - start)
-    return times
-
-
 def figures(report: dict) -> dict:
     """The scripts' timing figures from the bench ``report`` of ``none``, ``toma`` and ``ideal``:
     the samples, their medians, both speed-ups and ToMA's share of the ideal's saving."""
-    return figures_of_times({name: row["times_s"] for name, row in rows(report).items()})
-
-
-def figures_of_times(times: dict[str, list[float]]) -> dict:
-    """:func:`figures` from the samples themselves, ``{method: [seconds, ...]}``."""
+    times = {name: row["times_s"] for name, row in rows(report).items()}
     med = {name: statistics.median(t) for name, t in times.items()}
     return {
         "cpu_seconds": times,

@@ -16,7 +16,7 @@
 #   ONLY=flux-prop benchmarks/gpu.sh           # Flux with proportional attention (~1.5 minutes)
 #   ONLY=kernels benchmarks/gpu.sh             # ToMA's Triton kernels against its torch path (~4 minutes)
 #   ONLY=kontext benchmarks/gpu.sh             # Flux.1 Kontext, one reference image (~1 minute)
-#   ONLY=comfyui benchmarks/gpu.sh             # ComfyUI's own Flux, Wan and SDXL through the node
+#   ONLY=comfyui benchmarks/gpu.sh             # ComfyUI's own Flux, Wan, SDXL and Z-Image through the node
 #                                              # (needs a ComfyUI checkout and its requirements)
 #   ONLY=cp benchmarks/gpu.sh                  # context parallelism over 2 GPUs (also in the default
 #                                              # selection; skipped with fewer than 2 GPUs)
@@ -112,13 +112,14 @@ if opted comfyui; then
   # ComfyUI's own model classes through the ToMA node (toma bench --host comfyui), random
   # weights, bf16: unpatched, the node's patch and the ideal (the same ComfyUI model on K
   # tokens). Flux.1-dev at full depth, Wan 2.1 1.3B at 480p x 33 frames, the SDXL UNet with
-  # a CFG batch. The checkout: $TOMA_COMFYUI, else the vendored one beside this repository
+  # a CFG batch, Z-Image-Turbo at full depth (1024x1024). The checkout: $TOMA_COMFYUI, else the vendored one beside this repository
   comfy=${TOMA_COMFYUI:-../shared/vendor/ComfyUI}
   if [[ -f "$comfy/comfy/model_patcher.py" ]]; then
     cbench() { bench --host comfyui --comfyui "$comfy" "$@" || echo "comfyui: $2 did not run (see above)"; }
     cbench --arch flux --name comfyui_flux_gpu "${common[@]}" "$@"
     cbench --arch wan --name comfyui_wan_480p_33f_gpu "${common[@]}" --resolution 480 --frames 33 "$@"
     cbench --arch sdxl --batch 1,2 --name comfyui_sdxl_gpu "${common[@]}" "$@"
+    cbench --arch zimage --name comfyui_zimage_gpu "${common[@]}" "$@"
   else
     echo "comfyui: skipped, no ComfyUI checkout at $comfy (set TOMA_COMFYUI)"
   fi

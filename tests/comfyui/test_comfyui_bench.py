@@ -1,4 +1,4 @@
-"""``toma bench --host comfyui``: ComfyUI's own Flux, Wan and SDXL UNet timed unpatched, with the
+"""``toma bench --host comfyui``: ComfyUI's own Flux, Wan, SDXL UNet and Z-Image timed unpatched, with the
 ToMA node's patch and as the ideal, through the CLI, on tiny models; and its refusals.
 
 The CLI finds the ComfyUI the session's ``comfy`` fixture imported (``sys.modules``). What
@@ -17,8 +17,9 @@ from toma.tools.cli import main
 
 # arch -> (resolution, image tokens the first merged attention sees unpatched); ratio 0.5 keeps
 # half of them in every tile at these grids (Flux 8x8 tokens, Wan 2 frames of 4x4, the UNet's
-# 8x8 at 1/2 of its 16x16 latent)
-TINY = {"tiny-flux": (128, 64), "tiny-wan": (64, 32), "tiny-unet": (128, 64)}
+# 8x8 at 1/2 of its 16x16 latent, Z-Image 6x6: 36, which its layers take padded to 64 behind
+# the 8 caption tokens padded to 32, so that the bench must take both pads off)
+TINY = {"tiny-flux": (128, 64), "tiny-wan": (64, 32), "tiny-unet": (128, 64), "tiny-zimage": (96, 36)}
 
 
 def bench(tmp_path, arch: str, *extra: str) -> int:
@@ -65,7 +66,7 @@ def test_bench_times_comfyuis_model_unpatched_with_the_node_and_as_the_ideal(com
     # the node merged in every call it was given, N -> K, and attention saw K
     assert (toma["image_tokens"], toma["kept_tokens"], toma["attention_tokens"]) == (n, k, k)
     assert toma["merged_calls"] == toma["calls"] == 1
-    # the ideal ran on the same K tokens: a cut latent (Flux) or zero-cost plans (Wan, UNet)
+    # the ideal ran on the same K tokens: a cut latent (Flux) or zero-cost plans (Wan, UNet, Z-Image)
     assert ideal["attention_tokens"] == k
     if arch == "tiny-flux":
         assert ideal["image_tokens"] == k and "kept_tokens" not in ideal

@@ -174,38 +174,13 @@ def flux_controlnet(comfy, double: int = 2, single: int = 2, seed: int = 5):
 def zimage_patcher(comfy, layers: int = 2, seed: int = 0, **overrides):
     """A ModelPatcher around a tiny ``comfy.model_base.Lumina2`` with Z-Image's layout (dim 256,
     2 heads of Z-Image's 128 rotary dims, its modulation, caption and image padded to 32
-    tokens; 4 latent channels; caption features of ``conds("flux")``); ``overrides`` change
-    the config (Lumina 2's layout: no padding, grouped keys, its own modulation)."""
-    import comfy.model_base
-    import comfy.model_patcher
-    import comfy.supported_models
+    tokens; 4 latent channels; caption features of ``conds("flux")``): the bench's
+    ``tiny-zimage`` with ``layers`` main layers. ``overrides`` change the config (Lumina 2's
+    layout: no padding, grouped keys, its own modulation)."""
+    from toma.tools.bench.comfyui import COMFY_ARCHS, build_patcher
 
-    unet_config = {
-        "image_model": "lumina2",
-        "patch_size": 2,
-        "in_channels": 4,
-        "dim": 256,  # Z-Image's modulation takes min(dim, 256) features: no smaller dim works
-        "cap_feat_dim": FLUX_CONTEXT,
-        "n_layers": layers,
-        "n_refiner_layers": 1,
-        "n_heads": 2,
-        "n_kv_heads": 2,
-        "qk_norm": True,
-        "axes_dims": [32, 48, 48],
-        "axes_lens": [1536, 512, 512],
-        "rope_theta": 256.0,
-        "ffn_dim_multiplier": 8.0 / 3.0,
-        "z_image_modulation": True,
-        "time_scale": 1000.0,
-        "pad_tokens_multiple": 32,
-        **overrides,
-    }
-    config = comfy.supported_models.ZImage(unet_config)
-    config.latent_format = comfy.latent_formats.LatentFormat()
-    model = comfy.model_base.Lumina2(config, device=torch.device("cpu"))
-    model.eval()
-    seed_weights(model.diffusion_model, seed)
-    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    config = {"n_layers": layers, "cap_feat_dim": FLUX_CONTEXT, **overrides}
+    return build_patcher(COMFY_ARCHS["tiny-zimage"], seed=seed, overrides=config)
 
 
 def _unet_config(sdxl_like: bool) -> dict:

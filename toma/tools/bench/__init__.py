@@ -13,7 +13,7 @@ Methods: ``none`` (unpatched), ``toma``, ``tomesd`` (peer, optional extra), ``id
 ``todo`` (key/value downsampling, UNet only).
 
 ``--host comfyui`` times ComfyUI's own model classes instead (``--arch flux``, ``wan``,
-``sdxl``): unpatched, the ToMA node's patch and the ideal (:mod:`toma.tools.bench.comfyui`).
+``sdxl``, ``zimage``): unpatched, the ToMA node's patch and the ideal (:mod:`toma.tools.bench.comfyui`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--host",
         choices=HOSTS,
         default="diffusers",
-        help="whose model classes are timed: diffusers', or ComfyUI's own (flux, wan, sdxl; the ToMA node's "
-        "patch; tiny-flux, tiny-wan, tiny-unet for tests)",
+        help="whose model classes are timed: diffusers', or ComfyUI's own (flux, wan, sdxl, zimage; the ToMA "
+        "node's patch; tiny-flux, tiny-wan, tiny-unet, tiny-zimage for tests)",
     )
     p.add_argument(
         "--comfyui",
@@ -70,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--text-tokens",
         type=int,
         default=None,
-        help="--host comfyui: prompt tokens (default: the arch's, 512 for Flux and Wan, 77 for SDXL)",
+        help="--host comfyui: prompt tokens (default: the arch's, 512 for Flux, Wan and Z-Image, 77 for SDXL)",
     )
     p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the arch's native)")
     p.add_argument("--ratios", default="0.25,0.5,0.75", help="comma-separated merge ratios")
@@ -103,7 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="transformers: build DEPTH times fewer blocks at full width (merged blocks scale with them); "
-        "--host comfyui: Flux's and Wan's blocks, and SDXL's 10 per block at 1/4 of the latent",
+        "--host comfyui: Flux's and Wan's blocks, Z-Image's main layers, and SDXL's 10 per block at 1/4 of the latent",
     )
     p.add_argument(
         "--frames",

@@ -3,7 +3,7 @@ patch, and the ideal, timed side by side.
 
 ComfyUI is imported, never copied (it is GPL-3.0): the one already in ``sys.modules``, else
 the folder ``--comfyui`` or ``$TOMA_COMFYUI`` names (:func:`locate_comfyui`). Its model classes
-(``comfy.model_base.Flux``, ``WAN21``, ``SDXL``) are built at their published width with
+(``comfy.model_base.Flux``, ``WAN21``, ``SDXL``, ``Lumina2``) are built at their published width with
 fewer blocks (``--depth``) and seeded random weights (ComfyUI's layers skip initialisation,
 so an unloaded model's weights would be whatever ``torch.empty`` held). A measurement is one
 denoiser call, ``BaseModel.apply_model`` with the patcher's transformer options and wrappers
@@ -13,8 +13,9 @@ as sampling passes them. The rows:
 - ``toma``: the clone :func:`toma.comfyui.patch.patch_model` returns (what the node returns);
 - ``ideal``: the same ComfyUI model run on K image tokens with no selection cost. Where every
   block merges (Flux) that is the model itself on a latent cut to K tokens; where part of the
-  model stays at N tokens (the SDXL UNet's convolutions, Wan's patch embedding), the node's
-  own hooks with plans that keep every N/K-th token (:class:`toma.tools.baselines.IdealPlanCache`).
+  model stays at N tokens (the SDXL UNet's convolutions, Wan's patch embedding, Z-Image's
+  refiners), the node's own hooks with plans that keep every N/K-th token
+  (:class:`toma.tools.baselines.IdealPlanCache`).
 
 The report is ``toma bench``'s (:mod:`toma.tools.bench.report`). This module imports no torch
 and no ComfyUI at import time; ``benchmarks/comfyui_*_cpu.py`` call :func:`benchmark_comfyui` too.
@@ -47,7 +48,9 @@ class ComfyArch:
     Attributes:
         name: the ``--arch`` value; the geometry (default resolution, aspect, frames, VAE
             scale, patch) is that of the same name in :data:`toma.tools.archs.ARCHS`.
-        kind: ``"flux"``, ``"wan"`` or ``"unet"``: how the inputs and the ideal are made.
+        kind: ``"flux"``, ``"wan"``, ``"unet"`` or ``"zimage"``: how the inputs and the ideal
+            are made (Z-Image's NextDiT takes the caption's length, and its layers are patched
+            by object patches, which loading the patcher puts in place).
         description: one line for the report.
         supported: the ``comfy.supported_models`` class of its config.
         model: the ``comfy.model_base`` class.
@@ -58,7 +61,8 @@ class ComfyArch:
         text_tokens: prompt tokens by default.
         blocks: the node's ``blocks`` input here ("" = the node's default).
         ideal: ``"tokens"`` (the model on a latent of K tokens) or ``"plans"`` (zero-cost plans).
-        probe: the module whose input's token count shows what attention saw.
+        probe: the module whose input's token count shows what attention saw (for Z-Image, less
+            the padded caption and the image's pad that its layers take with the image).
         guidance: Flux.1-dev's guidance embedding is in the model (a ``guidance`` input).
         plain_latent: a 4-channel unscaled latent format (the tiny test models).
     """
@@ -198,13 +202,56 @@ def _tiny_sdxl(depth: int) -> dict[str, Any]:
     }
 
 
+def _zimage_turbo(depth: int) -> dict[str, Any]:
+    # what ComfyUI's model detection reads off Z-Image-Turbo's checkpoint (dim 3840); its 2
+    # noise and 2 caption refiner layers are kept whole, as on the diffusers host (never merged)
+    return {
+        "image_model": "lumina2",
+        "patch_size": 2,
+        "in_channels": 16,
+        "dim": 3840,
+        "cap_feat_dim": 2560,
+        "n_layers": fewer(30, depth),
+        "n_refiner_layers": 2,
+        "n_heads": 30,
+        "n_kv_heads": 30,
+        "qk_norm": True,
+        "axes_dims": [32, 48, 48],
+        "axes_lens": [1536, 512, 512],
+        "rope_theta": 256.0,
+        "ffn_dim_multiplier": 8.0 / 3.0,
+        "z_image_modulation": True,
+        "time_scale": 1000.0,
+        "pad_tokens_multiple": 32,
+    }
+
+
+def _tiny_zimage(depth: int) -> dict[str, Any]:
+    return {
+        **_zimage_turbo(depth),
+        "in_channels": 4,
+        "dim": 256,  # Z-Image's modulation takes min(dim, 256) features: no smaller dim works
+        "cap_feat_dim": 32,
+        "n_layers": fewer(2, depth),
+        "n_refiner_layers": 1,
+        "n_heads": 2,  # of 128 channels, Z-Image's rotary axes 32 + 48 + 48
+        "n_kv_heads": 2,
+    }
+
+
 _FLUX = {"kind": "flux", "model": "Flux", "blocks": "double:all single:all", "ideal": "tokens"}
 _WAN = {"kind": "wan", "supported": "WAN21_T2V", "model": "WAN21", "blocks": "blocks:all", "ideal": "plans"}
 _UNET = {"kind": "unet", "supported": "SDXL", "model": "SDXL", "blocks": "", "ideal": "plans"}
+# Z-Image's ideal is sized by the node's own layer patches with zero-cost plans: its main layers
+# see what ToMA's do, [caption padded to 32; K image tokens; the pad of the N-token image]. A
+# latent cut to K tokens would pad K, not N, up to 32 and run the refiners, the patch embedding
+# and the final layer on K tokens too, which toma never merges: no merging at the layers gets there
+_ZIMAGE = {"kind": "zimage", "supported": "ZImage", "model": "Lumina2", "blocks": "layers:all", "ideal": "plans"}
 _PROBES = {
     "flux": "double_blocks.0.img_attn.qkv",
     "wan": "blocks.0.self_attn.q",
     "unet": "input_blocks.4.1.transformer_blocks.0.attn1.to_q",  # the first at 1/2: SDXL's level 1
+    "zimage": "layers.0.attention.qkv",  # the first main layer: [caption; image; image pad]
 }
 _TINY = {"channels": 4, "text_dim": 32, "text_tokens": 8, "plain_latent": True}
 
@@ -247,6 +294,17 @@ COMFY_ARCHS: dict[str, ComfyArch] = {
             **_UNET,
         ),
         ComfyArch(
+            name="zimage",
+            description="ComfyUI's Z-Image (comfy.model_base.Lumina2, NextDiT) at Z-Image-Turbo's width",
+            config=_zimage_turbo,
+            channels=16,
+            text_dim=2560,
+            pooled_dim=0,
+            text_tokens=512,  # as the diffusers host's zimage: a long prompt's, padded to 32
+            probe=_PROBES["zimage"],
+            **_ZIMAGE,
+        ),
+        ComfyArch(
             name="tiny-flux",
             description="tiny ComfyUI Flux (comfy.model_base.Flux, tests)",
             supported="FluxSchnell",
@@ -272,6 +330,15 @@ COMFY_ARCHS: dict[str, ComfyArch] = {
             pooled_dim=16,
             probe=_PROBES["unet"],
             **_UNET,
+            **_TINY,
+        ),
+        ComfyArch(
+            name="tiny-zimage",
+            description="tiny ComfyUI Z-Image (comfy.model_base.Lumina2, NextDiT, tests)",
+            config=_tiny_zimage,
+            pooled_dim=0,
+            probe=_PROBES["zimage"],
+            **_ZIMAGE,
             **_TINY,
         ),
     )
@@ -431,6 +498,8 @@ def blocks_built(spec: ComfyArch, patcher: Any) -> dict[str, int]:
         return {"double": len(dm.double_blocks), "single": len(dm.single_blocks)}
     if spec.kind == "wan":
         return {"blocks": len(dm.blocks)}
+    if spec.kind == "zimage":  # the refiners, never merged, are not counted
+        return {"layers": len(dm.layers)}
     count = sum(type(m).__name__ == "BasicTransformerBlock" for m in dm.modules())
     return {"transformer_blocks": count}
 
@@ -505,6 +574,8 @@ def make_inputs(
         conds["y"] = rand(batch, spec.pooled_dim)
     if spec.guidance:
         conds["guidance"] = torch.full((batch,), 3.5, device=device, dtype=dtype)
+    if spec.kind == "zimage":  # NextDiT takes the caption's length (ComfyUI's conds give it)
+        conds["num_tokens"] = text_tokens
     x = rand(batch, spec.channels, *((geo.frames,) if geo.frames else ()), geo.lh, geo.lw)
     inputs: dict[str, Any] = {"x": x, "conds": conds}
     if spec.ideal == "tokens":
@@ -553,8 +624,14 @@ class ComfyMethods:
         return clone
 
     def apply(self, variant: Any) -> dict[str, Any]:
-        """Make ``variant`` the one :meth:`call` runs; returns its settings."""
+        """Make ``variant`` the one :meth:`call` runs (loading its patcher, untimed, where its
+        patch is object patches: sampling loads it once per run); returns its settings."""
         self.current = (variant.method, variant.ratio)
+        if self.spec.kind == "zimage":
+            import comfy.model_management
+
+            # loading puts this patcher's layer stand-ins in place and takes another's away
+            comfy.model_management.load_models_gpu([self.clones.get(self.current, self.patcher)])
         return {}
 
     def remove(self) -> None:
@@ -575,8 +652,10 @@ class ComfyMethods:
         if key not in self.seen:  # the first call of each variant reads what attention sees
             probe = patcher.model.diffusion_model.get_submodule(self.spec.probe)
 
+            beside = self._beside_image(inputs)
+
             def read(module: Any, args: tuple) -> None:
-                self.seen[key] = int(args[0].shape[-2])
+                self.seen[key] = int(args[0].shape[-2]) - beside
 
             handle = probe.register_forward_pre_hook(read)
         try:
@@ -586,6 +665,17 @@ class ComfyMethods:
         finally:
             if handle is not None:
                 handle.remove()
+
+    def _beside_image(self, inputs: dict[str, Any]) -> int:
+        """Tokens the probe sees beside the image's: 0 but on NextDiT, whose layers take
+        ``[caption; image; image pad]``, caption and image each padded to its pad multiple."""
+        if self.spec.kind != "zimage":
+            return 0
+        dm = self.patcher.model.diffusion_model
+        multiple = dm.pad_tokens_multiple or 1
+        text = inputs["conds"]["c_crossattn"].shape[1]
+        image = math.prod(math.ceil(side / dm.patch_size) for side in inputs["x"].shape[-2:])
+        return math.ceil(text / multiple) * multiple + (-image % multiple)
 
     def settings(self, method: str, ratio: float | None, geo: Geometry) -> dict[str, Any]:
         """What ``method`` at ``ratio`` ran with: image tokens, those its attention saw and,
@@ -693,6 +783,15 @@ def benchmark_comfyui(
             "no attention bias)"
         ),
     ]
+    if spec.kind == "zimage":
+        dm = patcher.model.diffusion_model
+        multiple = dm.pad_tokens_multiple
+        padded = f"each padded to a multiple of {multiple} tokens" if multiple else "not padded"
+        refiners = len(dm.noise_refiner)
+        notes.append(
+            f"the caption and the image are {padded}; the noise and caption refiners ({refiners} "
+            f"layer{'s' if refiners != 1 else ''} each) run on every token in all three rows (toma never merges them)"
+        )
     results = {(v, b): Measurement(v, b) for v in variants for b in batches}
     settings: dict[str, Any] = {}
     interrupted = False

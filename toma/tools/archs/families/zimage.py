@@ -31,6 +31,19 @@ ZIMAGE: dict[str, Any] = {
     "axes_lens": [1536, 512, 512],
 }
 
+# tiny, for tests (also ComfyUI's tiny-zimage, toma.tools.bench.comfyui): Z-Image's layout at
+# dim 256 (its modulation takes min(dim, 256) features: no smaller dim works), 2 heads of 128
+TINY_ZIMAGE: dict[str, Any] = {
+    **ZIMAGE,
+    "in_channels": 4,
+    "dim": 256,
+    "n_layers": 2,
+    "n_refiner_layers": 1,
+    "n_heads": 2,
+    "n_kv_heads": 2,
+    "cap_feat_dim": 32,
+}
+
 # the config keys that count blocks (what --depth divides)
 DEPTH_KEYS: tuple[str, ...] = ("n_layers",)
 
@@ -67,4 +80,5 @@ timestep_at = rising_timestep
 ARCHS: tuple[Arch, ...] = (
     # the pipeline passes each prompt's own tokens (up to 512), padded to a multiple of 32: 512 stands for one
     Arch("zimage", FAMILY, ZIMAGE, 1024, 512, 2560, 0, 8, "Z-Image-Turbo transformer (6B)"),
+    Arch("tiny-zimage", FAMILY, TINY_ZIMAGE, 64, 8, 32, 0, 8, "tiny Z-Image-like transformer (tests)"),
 )
