@@ -2,12 +2,12 @@
 
     python scripts/readme_picture.py          # writes benchmarks/results/builtin/readme.png
 
-**Samples** (drawn here, about 1.5 minutes on 1 CPU thread): each built-in model, loaded by
-``toma.builtin.pipeline(name)`` (no download), draws the first images of its eval run
-(labels 0, 1, ..., seeds 0, 1, ..., 20 steps, the model's own guidance) unmerged, then
-with ``toma.apply_toma(pipe, ratio=0.5)`` (the defaults), then ``toma.remove_toma(pipe)``
-restores it. Seeded: a rerun draws the same pixels with the same torch build. The video
-model shows its first clip (label 0), all 8 frames.
+**Samples** (drawn here: 133 s on 1 thread of a shared 2-core CPU VM at load 2): each
+built-in model, loaded by ``toma.builtin.pipeline(name)`` (no download), draws the first
+images of its eval run (labels 0, 1, ..., seeds 0, 1, ..., 20 steps, the model's own
+guidance) unmerged, then with ``toma.apply_toma(pipe, ratio=0.5)`` (the defaults), then
+``toma.remove_toma(pipe)`` restores it. Seeded: a rerun writes the same bytes with the same
+torch build. The video model shows its first clip (label 0), all 8 frames.
 
 **Quality against speed** (not timed here: read from the committed ``toma eval`` results,
 one protocol for all three: ratio 0.5, 20 steps, 1 CPU thread, variants timed interleaved
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         points[name] = read_points(ROOT / results)
         t0 = time.perf_counter()
         samples[name] = draw_samples(name, labels)
-        print(f"{name}: {len(labels)} samples unmerged and with ToMA in {time.perf_counter() - t0:.1f} s")
+        print(f"{name}: {len(labels)} label(s) unmerged and with ToMA in {time.perf_counter() - t0:.1f} s")
     draw_picture(samples, points, args.out)
     size = args.out.stat().st_size
     print(f"wrote {args.out} ({size / 1024:.0f} KiB) in {time.perf_counter() - start:.1f} s")
