@@ -202,41 +202,47 @@ def _tiny_sdxl(depth: int) -> dict[str, Any]:
     }
 
 
-def _zimage_turbo(depth: int) -> dict[str, Any]:
-    # what ComfyUI's model detection reads off Z-Image-Turbo's checkpoint (dim 3840); its 2
-    # noise and 2 caption refiner layers are kept whole, as on the diffusers host (never merged)
+# Z-Image's sizes, which ComfyUI's NextDiT config names as diffusers' does: the bench's own
+# (toma.tools.archs.families.zimage), so that both hosts build the same model
+_ZIMAGE_SIZES = (
+    "in_channels",
+    "dim",
+    "cap_feat_dim",
+    "n_refiner_layers",
+    "n_heads",
+    "n_kv_heads",
+    "qk_norm",
+    "axes_dims",
+    "axes_lens",
+    "rope_theta",
+)
+
+
+def _zimage_config(sizes: dict[str, Any], depth: int) -> dict[str, Any]:
+    # what ComfyUI's model detection reads off a Z-Image checkpoint; its noise and caption
+    # refiner layers are kept whole, as on the diffusers host (never merged)
     return {
         "image_model": "lumina2",
-        "patch_size": 2,
-        "in_channels": 16,
-        "dim": 3840,
-        "cap_feat_dim": 2560,
-        "n_layers": fewer(30, depth),
-        "n_refiner_layers": 2,
-        "n_heads": 30,
-        "n_kv_heads": 30,
-        "qk_norm": True,
-        "axes_dims": [32, 48, 48],
-        "axes_lens": [1536, 512, 512],
-        "rope_theta": 256.0,
+        "patch_size": sizes["all_patch_size"][0],
+        **{key: sizes[key] for key in _ZIMAGE_SIZES},
+        "n_layers": fewer(sizes["n_layers"], depth),
         "ffn_dim_multiplier": 8.0 / 3.0,
         "z_image_modulation": True,
-        "time_scale": 1000.0,
+        "time_scale": sizes["t_scale"],
         "pad_tokens_multiple": 32,
     }
 
 
+def _zimage_turbo(depth: int) -> dict[str, Any]:
+    from toma.tools.archs.families.zimage import ZIMAGE
+
+    return _zimage_config(ZIMAGE, depth)
+
+
 def _tiny_zimage(depth: int) -> dict[str, Any]:
-    return {
-        **_zimage_turbo(depth),
-        "in_channels": 4,
-        "dim": 256,  # Z-Image's modulation takes min(dim, 256) features: no smaller dim works
-        "cap_feat_dim": 32,
-        "n_layers": fewer(2, depth),
-        "n_refiner_layers": 1,
-        "n_heads": 2,  # of 128 channels, Z-Image's rotary axes 32 + 48 + 48
-        "n_kv_heads": 2,
-    }
+    from toma.tools.archs.families.zimage import TINY_ZIMAGE
+
+    return _zimage_config(TINY_ZIMAGE, depth)
 
 
 _FLUX = {"kind": "flux", "model": "Flux", "blocks": "double:all single:all", "ideal": "tokens"}
