@@ -65,7 +65,9 @@ from tiny_models import (  # noqa: E402
 import toma  # noqa: E402
 
 LAST: dict[str, torch.Tensor] = {}  # the last compare's CP + ToMA output
-CASE_SECONDS = 20  # one case's limit; a hang in a collective ends there, not at the spawn's
+CASE_SECONDS = 60  # one case's limit; a hang in a collective ends there, not at the spawn's.
+# 60, not 20: under xdist the ranks share the two cores with the other worker, and a Triton
+# case in the interpreter passed 20 s there (CaseTimeout, a full run at load 3-4)
 CALLS: list[tuple[int, int, bool]] = []  # (local queries, local keys, under CP) per attention call
 
 
